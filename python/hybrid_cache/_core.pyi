@@ -1,0 +1,128 @@
+"""Type stubs for the PyO3 extension `hybrid_cache._core` (built from rust/python).
+
+This file is the contract between the Rust binding and the Python engine.
+"""
+
+from typing import Literal, Optional, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+class HybridCacheError(Exception): ...
+class InvalidArgumentError(HybridCacheError): ...
+class NoFreeBlocksError(HybridCacheError): ...
+class InvalidBlockError(HybridCacheError): ...
+class DoubleFreeError(HybridCacheError): ...
+class UnknownRequestError(HybridCacheError): ...
+class DuplicateRequestError(HybridCacheError): ...
+class InvalidGroupError(HybridCacheError): ...
+class RequestTooLargeError(HybridCacheError): ...
+class TooManyRequestsError(HybridCacheError): ...
+
+AttentionKind = Literal["full", "sliding_window", "chunked_local"]
+
+class GroupSpec:
+    """One KV-cache group: its attention kind, window (sliding_window) or chunk (chunked_local),
+    and block size in tokens."""
+
+    kind: AttentionKind
+    block_size: int
+    window: Optional[int]
+    chunk: Optional[int]
+    def __init__(
+        self,
+        kind: AttentionKind,
+        block_size: int,
+        window: Optional[int] = None,
+        chunk: Optional[int] = None,
+    ) -> None: ...
+
+class BlockPool:
+    """The lock-free block pool on its own (tests, benchmarks). Block 0 is the null block."""
+
+    def __init__(self, num_blocks: int) -> None: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    def get_new_blocks(self, count: int) -> list[int]: ...
+    def free_blocks(self, blocks: Sequence[int]) -> None: ...
+    def cache_block(self, block: int, group: int, block_hash: int) -> bool: ...
+    def cached_block(self, group: int, block_hash: int) -> Optional[int]: ...
+    def touch_cached(self, block: int, group: int, block_hash: int) -> bool: ...
+    def reset_prefix_cache(self) -> bool: ...
+    def ref_count(self, block: int) -> int: ...
+    def free_queue_order(self) -> list[int]: ...
+
+class Coordinator:
+    """The hybrid KV-cache coordinator: requests, grouped block table, cache hits, admission.
+
+    Request ids are integers chosen by the engine. The block table is persistent Rust memory:
+    `block_table()` returns a numpy view (no copy), shape (num_groups, max_num_reqs,
+    max_blocks_per_req), int32, where row `row_of(id)` belongs to a request while it is added.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        groups: Sequence[GroupSpec],
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+        hash_algo: Literal["xxh3", "sha256"] = "xxh3",
+        hash_seed: int = 0,
+    ) -> None: ...
+    @property
+    def num_groups(self) -> int: ...
+    @property
+    def max_num_reqs(self) -> int: ...
+    @property
+    def max_blocks_per_req(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    def max_blocks_needed(self, num_tokens: int) -> int:
+        """Worst-case blocks (all groups) a request of `num_tokens` total tokens can hold at once."""
+    def add_request(
+        self,
+        request_id: int,
+        prompt_token_ids: Sequence[int] | npt.NDArray[np.int64],
+        max_total_tokens: Optional[int] = None,
+        lora_id: Optional[int] = None,
+        cache_salt: Optional[str] = None,
+        mm_hashes: Optional[Sequence[tuple[int, int, int]]] = None,
+    ) -> int:
+        """Adds a request and returns its block-table row. Raises RequestTooLargeError when
+        `max_total_tokens` (default: len(prompt)) can never fit. `mm_hashes` are
+        (start_token, num_tokens, item_hash) triples mixed into the blocks they overlap."""
+    def append_token_ids(self, request_id: int, token_ids: Sequence[int]) -> None: ...
+    def find_cache_hit(self, request_id: int) -> int:
+        """Longest prefix (tokens) every group can hit; multiple of the lcm of block sizes and at
+        most len(tokens) - 1. Stored as the request's pending hit; nothing is touched."""
+    def allocate(self, request_id: int, num_computed_tokens: int, num_new_tokens: int) -> bool:
+        """Releases blocks the window skipped, applies the pending hit, allocates blocks for
+        `num_new_tokens` more tokens and caches newly full blocks. All or nothing: returns False
+        (nothing changed) when the pool lacks blocks."""
+    def allocate_batch(
+        self,
+        request_ids: npt.NDArray[np.int64],
+        num_computed_tokens: npt.NDArray[np.int64],
+        num_new_tokens: npt.NDArray[np.int64],
+    ) -> int:
+        """`allocate` for each request in order; stops at the first that does not fit and
+        returns how many were allocated."""
+    def free_request(self, request_id: int) -> None:
+        """Frees every block of the request (newest first) and releases its row."""
+    def row_of(self, request_id: int) -> int: ...
+    def block_table(self) -> npt.NDArray[np.int32]: ...
+    def num_blocks_per_row(self) -> npt.NDArray[np.int32]:
+        """(num_groups, max_num_reqs) int32 view: table entries in use per row."""
+    def num_used_blocks_per_group(self) -> list[int]: ...
+    def reset_prefix_cache(self) -> bool: ...
+    def stats(self) -> dict[str, int]:
+        """num_blocks, num_free_blocks, num_cached_blocks, num_evictions,
+        prefix_queries (tokens looked up), prefix_hits (tokens hit)."""

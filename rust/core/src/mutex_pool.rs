@@ -1,0 +1,315 @@
+//! `MutexPool`: a sequential block pool behind one `Mutex`.
+//!
+//! It is the baseline the lock-free [`crate::BlockPool`] is measured against and the reference
+//! model the property tests compare it with, so it favours obviousness over speed: an intrusive
+//! doubly-linked list over block ids as the LRU free queue (O(1) append, pop-front and removal
+//! from the middle) and a `HashMap` for the prefix cache.
+//!
+//! Invariants (checked by `debug_assert!`s and by the tests):
+//! - a block is in the free list iff its ref count is 0 and it is not the null block;
+//! - `cache[key] == b` iff `key_of[b] == Some(key)`.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use crate::allocator::BlockAllocator;
+use crate::error::CoreError;
+use crate::types::{BlockId, CacheKey, PoolStats, NULL_BLOCK};
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug)]
+struct Sequential {
+    /// References held on each block; always 0 for the null block.
+    ref_count: Vec<u32>,
+    /// The cache key a block carries, if it holds a full cached block.
+    key_of: Vec<Option<CacheKey>>,
+    /// Free-list links (`NIL` when absent). `head` is evicted first.
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    head: u32,
+    tail: u32,
+    num_free: usize,
+    cache: HashMap<CacheKey, BlockId>,
+    num_evictions: u64,
+}
+
+impl Sequential {
+    fn new(num_blocks: usize) -> Self {
+        let mut pool = Sequential {
+            ref_count: vec![0; num_blocks],
+            key_of: vec![None; num_blocks],
+            prev: vec![NIL; num_blocks],
+            next: vec![NIL; num_blocks],
+            head: NIL,
+            tail: NIL,
+            num_free: 0,
+            cache: HashMap::new(),
+            num_evictions: 0,
+        };
+        for block in 1..num_blocks as u32 {
+            pool.push_back(block);
+        }
+        pool
+    }
+
+    fn push_back(&mut self, block: u32) {
+        let b = block as usize;
+        self.prev[b] = self.tail;
+        self.next[b] = NIL;
+        if self.tail == NIL {
+            self.head = block;
+        } else {
+            self.next[self.tail as usize] = block;
+        }
+        self.tail = block;
+        self.num_free += 1;
+    }
+
+    fn unlink(&mut self, block: u32) {
+        let b = block as usize;
+        let (prev, next) = (self.prev[b], self.next[b]);
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.next[prev as usize] = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.prev[next as usize] = prev;
+        }
+        self.prev[b] = NIL;
+        self.next[b] = NIL;
+        self.num_free -= 1;
+    }
+
+    fn check_block(&self, block: BlockId) -> Result<(), CoreError> {
+        if block == NULL_BLOCK {
+            return Err(CoreError::InvalidBlock(
+                "the null block (id 0) is never allocated and cannot be freed or cached".into(),
+            ));
+        }
+        if block as usize >= self.ref_count.len() {
+            return Err(CoreError::InvalidBlock(format!(
+                "block id {block} is out of range: the pool has blocks 1..{}",
+                self.ref_count.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A sequential pool behind one mutex. See the module docs.
+#[derive(Debug)]
+pub struct MutexPool {
+    inner: Mutex<Sequential>,
+}
+
+impl MutexPool {
+    /// A pool of `num_blocks` blocks, block 0 being the null block. Needs at least 2.
+    pub fn new(num_blocks: usize) -> Result<Self, CoreError> {
+        crate::validate_num_blocks(num_blocks)?;
+        Ok(MutexPool {
+            inner: Mutex::new(Sequential::new(num_blocks)),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Sequential> {
+        // A panic while holding the lock cannot leave the lists half-linked in a way later calls
+        // rely on more than the panic already broke, so a poisoned lock is still used.
+        self.inner
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl BlockAllocator for MutexPool {
+    fn num_blocks(&self) -> usize {
+        self.lock().ref_count.len()
+    }
+
+    fn num_free_blocks(&self) -> usize {
+        self.lock().num_free
+    }
+
+    fn get_new_blocks(&self, count: usize, out: &mut Vec<BlockId>) -> Result<(), CoreError> {
+        let mut pool = self.lock();
+        if count > pool.num_free {
+            return Err(CoreError::NoFreeBlocks {
+                requested: count,
+                free: pool.num_free,
+            });
+        }
+        out.reserve(count);
+        for _ in 0..count {
+            let block = pool.head;
+            debug_assert!(block != NIL, "free count says a block is free");
+            pool.unlink(block);
+            if let Some(key) = pool.key_of[block as usize].take() {
+                let removed = pool.cache.remove(&key);
+                debug_assert_eq!(removed, Some(block), "cache map and key_of disagree");
+                pool.num_evictions += 1;
+            }
+            pool.ref_count[block as usize] = 1;
+            out.push(block);
+        }
+        Ok(())
+    }
+
+    fn free_blocks(&self, blocks: &[BlockId]) -> Result<(), CoreError> {
+        let mut pool = self.lock();
+        // Validate everything before changing anything.
+        let mut seen: HashMap<BlockId, u32> = HashMap::new();
+        for &block in blocks {
+            pool.check_block(block)?;
+            let times = seen.entry(block).or_insert(0);
+            *times += 1;
+            if *times > pool.ref_count[block as usize] {
+                return Err(CoreError::DoubleFree { block });
+            }
+        }
+        for &block in blocks {
+            let b = block as usize;
+            pool.ref_count[b] -= 1;
+            if pool.ref_count[b] == 0 {
+                pool.push_back(block);
+            }
+        }
+        Ok(())
+    }
+
+    fn cached_block(&self, key: CacheKey) -> Option<BlockId> {
+        self.lock().cache.get(&key).copied()
+    }
+
+    fn touch_cached(&self, block: BlockId, key: CacheKey) -> bool {
+        let mut pool = self.lock();
+        if pool.check_block(block).is_err() || pool.key_of[block as usize] != Some(key) {
+            return false;
+        }
+        if pool.ref_count[block as usize] == 0 {
+            pool.unlink(block);
+        }
+        pool.ref_count[block as usize] += 1;
+        true
+    }
+
+    fn cache_block(&self, block: BlockId, key: CacheKey) -> Result<bool, CoreError> {
+        let mut pool = self.lock();
+        pool.check_block(block)?;
+        if pool.ref_count[block as usize] == 0 {
+            return Err(CoreError::InvalidBlock(format!(
+                "block {block} is free; only a block the caller holds can be cached"
+            )));
+        }
+        if pool.key_of[block as usize].is_some() || pool.cache.contains_key(&key) {
+            return Ok(false);
+        }
+        pool.cache.insert(key, block);
+        pool.key_of[block as usize] = Some(key);
+        Ok(true)
+    }
+
+    fn reset_prefix_cache(&self) -> bool {
+        let mut pool = self.lock();
+        if pool.num_free + 1 != pool.ref_count.len() {
+            return false;
+        }
+        pool.cache.clear();
+        pool.key_of.iter_mut().for_each(|key| *key = None);
+        true
+    }
+
+    fn ref_count(&self, block: BlockId) -> u32 {
+        let pool = self.lock();
+        pool.ref_count.get(block as usize).copied().unwrap_or(0)
+    }
+
+    fn free_queue_order(&self) -> Vec<BlockId> {
+        let pool = self.lock();
+        let mut order = Vec::with_capacity(pool.num_free);
+        let mut block = pool.head;
+        while block != NIL {
+            order.push(block);
+            block = pool.next[block as usize];
+        }
+        order
+    }
+
+    fn stats(&self) -> PoolStats {
+        let pool = self.lock();
+        PoolStats {
+            num_blocks: pool.ref_count.len(),
+            num_free_blocks: pool.num_free,
+            num_cached_blocks: pool.cache.len(),
+            num_evictions: pool.num_evictions,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::BlockHash;
+
+    fn key(group: u32, hash: u128) -> CacheKey {
+        CacheKey {
+            group,
+            hash: BlockHash(hash),
+        }
+    }
+
+    #[test]
+    fn allocates_in_lru_order_and_frees_to_the_tail() {
+        let pool = MutexPool::new(5).unwrap();
+        let mut out = Vec::new();
+        pool.get_new_blocks(3, &mut out).unwrap();
+        assert_eq!(out, vec![1, 2, 3]);
+        pool.free_blocks(&[3, 2, 1]).unwrap();
+        assert_eq!(pool.free_queue_order(), vec![4, 3, 2, 1]);
+    }
+
+    #[test]
+    fn rejects_without_changing_state() {
+        let pool = MutexPool::new(3).unwrap();
+        let mut out = Vec::new();
+        assert!(matches!(
+            pool.get_new_blocks(3, &mut out),
+            Err(CoreError::NoFreeBlocks {
+                requested: 3,
+                free: 2
+            })
+        ));
+        assert!(out.is_empty());
+        pool.get_new_blocks(1, &mut out).unwrap();
+        assert_eq!(
+            pool.free_blocks(&[1, 1]),
+            Err(CoreError::DoubleFree { block: 1 })
+        );
+        assert_eq!(pool.ref_count(1), 1);
+        assert!(pool.free_blocks(&[0]).is_err());
+        assert!(pool.free_blocks(&[9]).is_err());
+        assert_eq!(pool.num_free_blocks(), 1);
+    }
+
+    #[test]
+    fn cached_block_is_hittable_after_free_and_evicted_on_reuse() {
+        let pool = MutexPool::new(3).unwrap();
+        let mut out = Vec::new();
+        pool.get_new_blocks(1, &mut out).unwrap();
+        assert!(pool.cache_block(1, key(0, 7)).unwrap());
+        assert!(!pool.cache_block(1, key(1, 7)).unwrap());
+        pool.free_blocks(&[1]).unwrap();
+        assert_eq!(pool.cached_block(key(0, 7)), Some(1));
+        assert_eq!(pool.cached_block(key(1, 7)), None);
+        assert!(pool.touch_cached(1, key(0, 7)));
+        assert_eq!(pool.free_queue_order(), vec![2]);
+        pool.free_blocks(&[1]).unwrap();
+        out.clear();
+        pool.get_new_blocks(2, &mut out).unwrap();
+        assert_eq!(out, vec![2, 1]);
+        assert_eq!(pool.cached_block(key(0, 7)), None);
+        assert_eq!(pool.stats().num_evictions, 1);
+    }
+}
