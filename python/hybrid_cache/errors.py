@@ -5,6 +5,8 @@ re-exported here; Python-side modules define their own subclasses next to the co
 them and re-export them here too.
 """
 
+from typing import TYPE_CHECKING
+
 from hybrid_cache._core import (
     DoubleFreeError,
     DuplicateRequestError,
@@ -17,16 +19,63 @@ from hybrid_cache._core import (
     TooManyRequestsError,
     UnknownRequestError,
 )
+from hybrid_cache.config import ConfigError, UnknownArchitectureError, UnknownModelError
+from hybrid_cache.kernels.errors import KernelArgumentError
+from hybrid_cache.planner import (
+    BudgetTooSmallError,
+    InvalidBlockSizeError,
+    PlanError,
+    WindowTooLargeError,
+)
+from hybrid_cache.sizes import MemorySizeError
+
+if TYPE_CHECKING:
+    from hybrid_cache.attention.selector import UnknownAttentionBackendError
+    from hybrid_cache.models.loader import (
+        ModelLoadError,
+        UnsupportedArchitectureError,
+        WeightMismatchError,
+    )
+
+# Errors of the model side, re-exported lazily so importing this module does not import torch.
+_LAZY_ERRORS = {
+    "ModelLoadError": "hybrid_cache.models.loader",
+    "UnsupportedArchitectureError": "hybrid_cache.models.loader",
+    "WeightMismatchError": "hybrid_cache.models.loader",
+    "UnknownAttentionBackendError": "hybrid_cache.attention.selector",
+}
+
+
+def __getattr__(name: str) -> type:
+    if name in _LAZY_ERRORS:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY_ERRORS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
+    "BudgetTooSmallError",
+    "ConfigError",
     "DoubleFreeError",
     "DuplicateRequestError",
     "HybridCacheError",
     "InvalidArgumentError",
     "InvalidBlockError",
+    "InvalidBlockSizeError",
     "InvalidGroupError",
+    "KernelArgumentError",
+    "MemorySizeError",
+    "ModelLoadError",
     "NoFreeBlocksError",
+    "PlanError",
     "RequestTooLargeError",
     "TooManyRequestsError",
+    "UnknownArchitectureError",
+    "UnknownAttentionBackendError",
+    "UnknownModelError",
     "UnknownRequestError",
+    "UnsupportedArchitectureError",
+    "WeightMismatchError",
+    "WindowTooLargeError",
 ]

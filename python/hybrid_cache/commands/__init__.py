@@ -1,0 +1,20 @@
+"""Subcommands of the `hybrid-cache` CLI, one module each.
+
+Adding a subcommand: write `commands/<name>.py` with `register(subparsers)` that adds its parser
+and sets `handler=<function(args) -> exit code>` with `set_defaults`, then add `<name>` to
+`COMMAND_MODULES`. Keep heavy imports (torch, the engine) inside the handler so `hybrid-cache
+plan` starts fast and works without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+COMMAND_MODULES: tuple[str, ...] = ("plan",)
+
+
+def register_all(subparsers: argparse._SubParsersAction) -> None:
+    """Adds every subcommand's parser."""
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"{__name__}.{name}").register(subparsers)

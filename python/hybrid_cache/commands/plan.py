@@ -1,0 +1,188 @@
+"""`hybrid-cache plan`: KV capacity and concurrency of a model on a memory budget, hybrid vs
+uniform, without loading weights. Answers "how many requests fit?" before anyone buys a GPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from dataclasses import asdict
+from typing import Any, Optional
+
+from hybrid_cache.config import ConfigError, ModelSpec, load_model_spec
+from hybrid_cache.planner import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_PADDING_WASTE,
+    KVCacheLayout,
+    PlanOptions,
+    PlanReport,
+    plan_kv_cache,
+    report_plan,
+)
+from hybrid_cache.sizes import format_memory_size
+
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="plan the KV cache of a model on a memory budget (hybrid vs uniform)",
+        description="Groups, page size, blocks, capacity and max concurrency of a model's KV "
+        "cache, for the hybrid allocator and a uniform one side by side.",
+    )
+    parser.add_argument("--model", required=True, help="model folder with config.json, or preset")
+    parser.add_argument(
+        "--kv-cache-memory", required=True, help="KV budget: bytes or e.g. 40GiB, 512MB"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, help="context length (default: max_position_embeddings)"
+    )
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    parser.add_argument("--kv-cache-mode", choices=("hybrid", "uniform", "both"), default="both")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS
+    )
+    parser.add_argument("--max-padding-waste", type=float, default=DEFAULT_MAX_PADDING_WASTE)
+    parser.add_argument(
+        "--strict-windows",
+        action="store_true",
+        help="error on windows >= max model len instead of planning them as full attention",
+    )
+    parser.add_argument("--hf-overrides", help="JSON object merged into config.json")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = _parse_overrides(args.hf_overrides)
+    model = load_model_spec(args.model, overrides)
+    options = PlanOptions(
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=(
+            model.max_position_embeddings if args.max_model_len is None else args.max_model_len
+        ),
+        block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_padding_waste=args.max_padding_waste,
+        strict_windows=args.strict_windows,
+    )
+    modes = ("hybrid", "uniform") if args.kv_cache_mode == "both" else (args.kv_cache_mode,)
+    plans = {}
+    for mode in modes:
+        layout = plan_kv_cache(model, options, mode)
+        plans[mode] = (layout, report_plan(layout, model))
+    if args.json:
+        print(json.dumps(_as_json(model, options, plans), indent=2))
+    else:
+        print(_as_text(model, options, plans))
+    return 0
+
+
+def _parse_overrides(text: Optional[str]) -> Optional[dict[str, Any]]:
+    if text is None:
+        return None
+    try:
+        overrides = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--hf-overrides is not valid JSON ({error}): {text!r}") from error
+    if not isinstance(overrides, dict):
+        raise ConfigError("--hf-overrides must be a JSON object like '{\"sliding_window\": 512}'")
+    return overrides
+
+
+def _layer_summary(model: ModelSpec) -> str:
+    counts = Counter(
+        layer.kind if layer.kind == "full" else f"{layer.kind}({layer.window or layer.chunk})"
+        for layer in model.layers
+    )
+    return ", ".join(f"{count} {kind}" for kind, count in counts.items())
+
+
+def _format_layers(layers: tuple[int, ...]) -> str:
+    """`0-4` for a run, `1,3,5` otherwise."""
+    if len(layers) > 2 and layers == tuple(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return ",".join(map(str, layers))
+
+
+def _as_text(
+    model: ModelSpec, options: PlanOptions, plans: dict[str, tuple[KVCacheLayout, PlanReport]]
+) -> str:
+    any_layout = next(iter(plans.values()))[0]
+    length = options.max_model_len
+    lines = [
+        f"model    {model.name} ({model.architecture}, {model.num_layers} layers: "
+        f"{_layer_summary(model)})",
+        f"budget   {format_memory_size(options.kv_cache_memory)} of {any_layout.kv_cache_dtype} "
+        f"KV, block size {options.block_size}, max_model_len {length}, "
+        f"max_num_batched_tokens {options.max_num_batched_tokens}",
+        "",
+    ]
+    rows = [
+        ("groups", lambda lay, rep: lay.num_groups),
+        ("layers per group", lambda lay, rep: lay.layers_per_group),
+        ("page bytes", lambda lay, rep: f"{lay.page_bytes} ({format_memory_size(lay.page_bytes)})"),
+        ("num blocks", lambda lay, rep: lay.num_blocks),
+        (f"blocks per request @{length}", lambda lay, rep: rep.blocks_per_request),
+        (f"max concurrency @{length}", lambda lay, rep: rep.max_concurrency),
+        (f"token capacity @{length}", lambda lay, rep: rep.token_capacity),
+        (
+            "bytes per request, exact",
+            lambda lay, rep: format_memory_size(rep.exact_bytes_per_request),
+        ),
+        (
+            "bytes per request, alloc",
+            lambda lay, rep: format_memory_size(rep.allocated_bytes_per_request),
+        ),
+        ("memory efficiency", lambda lay, rep: f"{rep.efficiency:.2%}"),
+    ]
+    lines.append(f"{'':30}" + "".join(f"{mode:>22}" for mode in plans))
+    for label, value in rows:
+        cells = "".join(f"{value(lay, rep)!s:>22}" for lay, rep in plans.values())
+        lines.append(f"{label:30}{cells}")
+    for mode, (layout, _) in plans.items():
+        lines += [
+            "",
+            f"{mode} groups",
+            "  id  kind            window/chunk  block  page used  layers",
+        ]
+        for group in layout.groups:
+            reach = group.window or group.chunk or "-"
+            used = f"{group.used_page_bytes / group.page_bytes:.0%}"
+            lines.append(
+                f"  {group.group_id:<3} {group.kind:<15} {reach!s:<13} {group.block_size:<6} "
+                f"{used:<10} {_format_layers(group.layer_indices)}"
+            )
+        lines += [f"  note: {note}" for note in layout.notes]
+    return "\n".join(lines)
+
+
+def _as_json(
+    model: ModelSpec, options: PlanOptions, plans: dict[str, tuple[KVCacheLayout, PlanReport]]
+) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "model": {
+            "name": model.name,
+            "architecture": model.architecture,
+            "num_layers": model.num_layers,
+            "dtype": model.dtype,
+            "layer_kinds": [layer.kind for layer in model.layers],
+        },
+        "options": asdict(options),
+    }
+    for mode, (layout, report) in plans.items():
+        result[mode] = {
+            "groups": [asdict(group) for group in layout.groups],
+            "page_bytes": layout.page_bytes,
+            "num_blocks": layout.num_blocks,
+            "layers_per_group": layout.layers_per_group,
+            "tensor_slots": [list(slot) for slot in layout.tensor_slots],
+            "kv_cache_dtype": layout.kv_cache_dtype,
+            "notes": list(layout.notes),
+            "report": asdict(report),
+        }
+    return result

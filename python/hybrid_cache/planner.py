@@ -1,0 +1,372 @@
+"""KV-cache planning: from a model's layers and a memory budget to the layout the engine allocates.
+
+Why this shape (DESIGN.md "Planning", docs/PLANNER.md for the worked examples):
+
+* Layers with one memory spec (attention kind, window/chunk, bytes per token) form **groups of
+  equal size** `layers_per_group`; each group has its own block table, so a windowed group frees
+  what slid out of its window while full-attention groups keep everything.
+* All groups draw from **one pool of block ids**. Block id b of group k lives at page b of each of
+  the group's layer tensors; the layer tensors are **shared by slot** across groups: slot j holds
+  the j-th layer of every group, so memory = layers_per_group tensors of num_blocks pages.
+* That needs **one page size** (bytes per block per layer). The largest bytes-per-token spec gets
+  the requested block size; every other spec gets the most tokens that fit in that page,
+  `block_size = page_bytes // bytes_per_token` (the ratio when pages divide; otherwise the rest
+  of the page is padding, reported as waste).
+* When a spec's layer count is not a multiple of the group size, its last group is padded with
+  empty slots (their pages are allocated and unused). The group size is the largest one, at most
+  the smallest layer count, whose padding costs at most `max_padding_waste` of a max-length
+  request's memory (group size 1 never pads, so one always qualifies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Literal, Optional, Union
+
+from hybrid_cache._core import HybridCacheError
+from hybrid_cache.config import AttentionKind, LayerSpec, ModelSpec, normalize_dtype
+from hybrid_cache.sizes import format_memory_size, parse_memory_size
+
+PlanMode = Literal["hybrid", "uniform"]
+GroupSpecTuple = tuple[AttentionKind, int, Optional[int], Optional[int]]
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_PADDING_WASTE = 0.02
+
+
+class PlanError(HybridCacheError, ValueError):
+    """Planning options that cannot produce a layout."""
+
+
+class InvalidBlockSizeError(PlanError):
+    """The block size is not a positive power of two."""
+
+
+class BudgetTooSmallError(PlanError):
+    """The KV-cache budget holds less than one block per group (plus the null block)."""
+
+
+class WindowTooLargeError(PlanError):
+    """A window/chunk covers the whole context while `strict_windows` is set."""
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Everything a plan depends on besides the model. `kv_cache_memory` takes bytes or a size
+    string (`"40GiB"`); `kv_cache_dtype="auto"` uses the model's dtype. A window or chunk of at
+    least `max_model_len` never slides, so its layers are planned as full attention (exact, no
+    waste) unless `strict_windows` asks for a `WindowTooLargeError` instead."""
+
+    kv_cache_memory: Union[int, str]
+    max_model_len: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_dtype: str = "auto"
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_padding_waste: float = DEFAULT_MAX_PADDING_WASTE
+    strict_windows: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_memory", parse_memory_size(self.kv_cache_memory))
+        block_size = self.block_size
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise InvalidBlockSizeError(
+                f"block size must be a positive power of two, got {block_size!r}"
+            )
+        if block_size & (block_size - 1):
+            raise InvalidBlockSizeError(
+                f"block size must be a positive power of two (8, 16, 32, ...), got {block_size}"
+            )
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise PlanError(f"{name} must be a positive integer, got {value!r}")
+        if not 0 <= self.max_padding_waste < 1:
+            raise PlanError(f"max_padding_waste must be in [0, 1), got {self.max_padding_waste}")
+        if self.kv_cache_dtype != "auto":
+            object.__setattr__(self, "kv_cache_dtype", normalize_dtype(self.kv_cache_dtype))
+
+
+@dataclass(frozen=True)
+class _MemorySpec:
+    """What decides a layer's group: layers equal here can share one block table."""
+
+    kind: AttentionKind
+    window: Optional[int]
+    chunk: Optional[int]
+    bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One group: its layers (padded slots hold nothing), attention kind and block size.
+    `used_page_bytes` of each `page_bytes` page hold KV; the rest is page padding."""
+
+    group_id: int
+    layer_indices: tuple[int, ...]
+    kind: AttentionKind
+    window: Optional[int]
+    chunk: Optional[int]
+    block_size: int
+    page_bytes: int
+    used_page_bytes: int
+
+    def max_blocks_per_request(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+        """Worst-case blocks a request of `num_tokens` tokens holds at once in this group: the
+        window (or chunk) plus one step of new tokens, plus one block of misalignment."""
+        all_tokens = cdiv(num_tokens, self.block_size)
+        reach = self.window if self.kind == "sliding_window" else self.chunk
+        if reach is None:
+            return all_tokens
+        kept = min(reach - 1 + max_num_batched_tokens, num_tokens)
+        return min(all_tokens, cdiv(kept, self.block_size) + 1)
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """The plan the engine allocates: `layers_per_group` tensors (slots) of `num_blocks` pages of
+    `page_bytes` each; `tensor_slots[j][k]` is the layer of group k stored in slot j (None: a
+    padded slot). Block 0 is the null block, so `num_blocks - 1` blocks are usable."""
+
+    mode: PlanMode
+    groups: tuple[GroupLayout, ...]
+    page_bytes: int
+    num_blocks: int
+    layers_per_group: int
+    tensor_slots: tuple[tuple[Optional[int], ...], ...]
+    kv_cache_dtype: str
+    options: PlanOptions
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of one slot tensor; the whole cache is `layers_per_group` of them."""
+        return self.num_blocks * self.page_bytes
+
+    def to_group_specs(self) -> list[GroupSpecTuple]:
+        """(kind, block_size, window, chunk) per group, in group-id order: the arguments of
+        `_core.GroupSpec` for the coordinator."""
+        return [(group.kind, group.block_size, group.window, group.chunk) for group in self.groups]
+
+    def layer_slot(self, layer_index: int) -> tuple[int, int]:
+        """(group id, slot) of a layer: which block table it reads and which tensor it writes."""
+        for slot, layers in enumerate(self.tensor_slots):
+            for group_id, layer in enumerate(layers):
+                if layer == layer_index:
+                    return group_id, slot
+        raise PlanError(f"layer {layer_index} is not in this layout")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _memory_specs(model: ModelSpec, options: PlanOptions, notes: list[str]) -> list[_MemorySpec]:
+    """Each layer's memory spec in the cache dtype; windows covering the whole context -> full."""
+    kv_dtype = None if options.kv_cache_dtype == "auto" else options.kv_cache_dtype
+    specs = []
+    demoted = []
+    for index, layer in enumerate(model.layers):
+        reach = layer.window if layer.kind == "sliding_window" else layer.chunk
+        kind, window, chunk = layer.kind, layer.window, layer.chunk
+        if reach is not None and reach >= options.max_model_len:
+            if options.strict_windows:
+                raise WindowTooLargeError(
+                    f"layer {index}: {layer.kind} size {reach} >= max_model_len "
+                    f"{options.max_model_len}, so it never slides; raise --max-model-len above "
+                    f"{reach} or drop --strict-windows to plan it as full attention"
+                )
+            kind, window, chunk = "full", None, None
+            demoted.append(index)
+        specs.append(_MemorySpec(kind, window, chunk, layer.bytes_per_token(kv_dtype)))
+    if demoted:
+        notes.append(
+            f"{len(demoted)} windowed layers have a window >= max_model_len "
+            f"{options.max_model_len}: planned as full attention (exact: they never slide)"
+        )
+    return specs
+
+
+def _group_size(
+    layers_by_spec: dict[_MemorySpec, list[int]],
+    blocks_by_spec: dict[_MemorySpec, int],
+    max_padding_waste: float,
+) -> int:
+    """Largest group size <= the smallest layer count whose padded slots cost at most
+    `max_padding_waste` of a max-length request's pages."""
+    smallest = min(len(layers) for layers in layers_by_spec.values())
+    for size in range(smallest, 0, -1):
+        allocated = padded = 0
+        for spec, layers in layers_by_spec.items():
+            num_slots = cdiv(len(layers), size) * size
+            allocated += num_slots * blocks_by_spec[spec]
+            padded += (num_slots - len(layers)) * blocks_by_spec[spec]
+        if padded <= max_padding_waste * allocated:
+            return size
+    raise AssertionError("group size 1 never pads, so the loop always returns")
+
+
+def plan_kv_cache(
+    model: ModelSpec, options: PlanOptions, mode: PlanMode = "hybrid"
+) -> KVCacheLayout:
+    """Plans the KV cache of `model` (see the module docstring for the rules)."""
+    if mode not in ("hybrid", "uniform"):
+        raise PlanError(f"mode must be 'hybrid' or 'uniform', got {mode!r}")
+    notes: list[str] = []
+    if options.max_model_len > model.max_position_embeddings:
+        notes.append(
+            f"max_model_len {options.max_model_len} exceeds the model's max_position_embeddings "
+            f"{model.max_position_embeddings}"
+        )
+    specs = _memory_specs(model, options, notes)
+    if mode == "uniform":
+        widest = max(spec.bytes_per_token for spec in specs)
+        specs = [_MemorySpec("full", None, None, widest)] * len(specs)
+
+    layers_by_spec: dict[_MemorySpec, list[int]] = {}
+    for index, spec in enumerate(specs):
+        layers_by_spec.setdefault(spec, []).append(index)
+    widest = max(spec.bytes_per_token for spec in layers_by_spec)
+    page_bytes = options.block_size * widest
+    block_size_by_spec = {spec: page_bytes // spec.bytes_per_token for spec in layers_by_spec}
+    blocks_by_spec = {
+        spec: _group_for(spec, (), 0, block_size_by_spec[spec], page_bytes).max_blocks_per_request(
+            options.max_model_len, options.max_num_batched_tokens
+        )
+        for spec in layers_by_spec
+    }
+    layers_per_group = _group_size(layers_by_spec, blocks_by_spec, options.max_padding_waste)
+
+    groups: list[GroupLayout] = []
+    for spec, layers in layers_by_spec.items():
+        for start in range(0, len(layers), layers_per_group):
+            members = tuple(layers[start : start + layers_per_group])
+            groups.append(
+                _group_for(spec, members, len(groups), block_size_by_spec[spec], page_bytes)
+            )
+    tensor_slots = tuple(
+        tuple(g.layer_indices[j] if j < len(g.layer_indices) else None for g in groups)
+        for j in range(layers_per_group)
+    )
+    if any(spec.bytes_per_token * block_size_by_spec[spec] < page_bytes for spec in layers_by_spec):
+        notes.append("page sizes do not divide: some groups pad their pages (see page waste)")
+
+    num_blocks = options.kv_cache_memory // page_bytes // layers_per_group
+    if num_blocks < len(groups) + 1:
+        minimum = (len(groups) + 1) * page_bytes * layers_per_group
+        raise BudgetTooSmallError(
+            f"kv cache memory {format_memory_size(options.kv_cache_memory)} holds {num_blocks} "
+            f"blocks of {layers_per_group} x {page_bytes} B; {len(groups)} groups need at least "
+            f"{len(groups) + 1} (one each plus the null block): give at least {minimum} bytes "
+            f"({format_memory_size(minimum)}) or a smaller --block-size"
+        )
+    kv_dtype = options.kv_cache_dtype if options.kv_cache_dtype != "auto" else model.dtype
+    return KVCacheLayout(
+        mode=mode,
+        groups=tuple(groups),
+        page_bytes=page_bytes,
+        num_blocks=num_blocks,
+        layers_per_group=layers_per_group,
+        tensor_slots=tensor_slots,
+        kv_cache_dtype=kv_dtype,
+        options=options,
+        notes=tuple(notes),
+    )
+
+
+def _group_for(
+    spec: _MemorySpec, layers: tuple[int, ...], group_id: int, block_size: int, page_bytes: int
+) -> GroupLayout:
+    return GroupLayout(
+        group_id=group_id,
+        layer_indices=layers,
+        kind=spec.kind,
+        window=spec.window,
+        chunk=spec.chunk,
+        block_size=block_size,
+        page_bytes=page_bytes,
+        used_page_bytes=block_size * spec.bytes_per_token,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What a layout gives at one context length. Per-request figures are the worst case
+    (window + one step of `max_num_batched_tokens` for windowed groups). `exact_bytes_per_request`
+    counts the KV bytes of the tokens each layer must keep (the model's windows, whatever the
+    layout); `efficiency` is that over the bytes allocated for the request."""
+
+    mode: PlanMode
+    context_len: int
+    num_blocks: int
+    blocks_per_request: int
+    max_concurrency: int
+    token_capacity: int
+    exact_bytes_per_request: int
+    allocated_bytes_per_request: int
+    group_padding_bytes_per_request: int
+    page_padding_bytes_per_request: int
+    efficiency: float
+
+
+def layer_tokens_kept(layer: LayerSpec, context_len: int, max_num_batched_tokens: int) -> int:
+    """Tokens of KV a layer must hold at once for a request of `context_len` tokens."""
+    reach = layer.window if layer.kind == "sliding_window" else layer.chunk
+    if reach is None:
+        return context_len
+    return min(context_len, reach - 1 + max_num_batched_tokens)
+
+
+def report_plan(
+    layout: KVCacheLayout, model: ModelSpec, context_len: Optional[int] = None
+) -> PlanReport:
+    """Capacity, concurrency and efficiency of `layout` at `context_len` (default max_model_len).
+
+    `token_capacity` is the context the pool holds when filled with requests of `context_len`
+    tokens: `(num_blocks - 1) * context_len / blocks_per_request` (block 0 is the null block).
+    """
+    options = layout.options
+    context_len = options.max_model_len if context_len is None else context_len
+    if context_len <= 0:
+        raise PlanError(f"context length must be positive, got {context_len}")
+    batched = options.max_num_batched_tokens
+    kv_dtype = None if options.kv_cache_dtype == "auto" else options.kv_cache_dtype
+    exact = sum(
+        layer_tokens_kept(layer, context_len, batched) * layer.bytes_per_token(kv_dtype)
+        for layer in model.layers
+    )
+    blocks_per_request = allocated = group_padding = page_padding = 0
+    for group in layout.groups:
+        num_blocks = group.max_blocks_per_request(context_len, batched)
+        num_empty_slots = layout.layers_per_group - len(group.layer_indices)
+        blocks_per_request += num_blocks
+        allocated += num_blocks * layout.layers_per_group * layout.page_bytes
+        group_padding += num_blocks * num_empty_slots * layout.page_bytes
+        page_padding += (
+            num_blocks * len(group.layer_indices) * (layout.page_bytes - group.used_page_bytes)
+        )
+    usable_blocks = layout.num_blocks - 1
+    return PlanReport(
+        mode=layout.mode,
+        context_len=context_len,
+        num_blocks=layout.num_blocks,
+        blocks_per_request=blocks_per_request,
+        max_concurrency=usable_blocks // blocks_per_request,
+        token_capacity=int(Fraction(usable_blocks * context_len, blocks_per_request)),
+        exact_bytes_per_request=exact,
+        allocated_bytes_per_request=allocated,
+        group_padding_bytes_per_request=group_padding,
+        page_padding_bytes_per_request=page_padding,
+        efficiency=exact / allocated,
+    )
