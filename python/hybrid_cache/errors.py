@@ -20,6 +20,13 @@ from hybrid_cache._core import (
     UnknownRequestError,
 )
 from hybrid_cache.config import ConfigError, UnknownArchitectureError, UnknownModelError
+from hybrid_cache.engine.errors import (
+    EngineConfigError,
+    InsufficientKVCacheError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+)
 from hybrid_cache.kernels.errors import KernelArgumentError
 from hybrid_cache.planner import (
     BudgetTooSmallError,
@@ -59,16 +66,21 @@ __all__ = [
     "ConfigError",
     "DoubleFreeError",
     "DuplicateRequestError",
+    "EngineConfigError",
     "HybridCacheError",
+    "InsufficientKVCacheError",
     "InvalidArgumentError",
     "InvalidBlockError",
     "InvalidBlockSizeError",
     "InvalidGroupError",
+    "InvalidRequestError",
+    "InvalidSamplingParamsError",
     "KernelArgumentError",
     "MemorySizeError",
     "ModelLoadError",
     "NoFreeBlocksError",
     "PlanError",
+    "PromptTooLongError",
     "RequestTooLargeError",
     "TooManyRequestsError",
     "UnknownArchitectureError",

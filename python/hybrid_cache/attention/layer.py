@@ -1,0 +1,125 @@
+"""`Attention`: the paged attention step every model calls, whatever the backend.
+
+The layer owns no weights: projections, norms and rotary embeddings stay in the model. Per
+forward it takes the already projected and rotated q/k/v of the flattened batch, writes k/v into
+its layer's cache at the group's slots, and attends over the group's block table, with its own
+window/chunk, softcap and scale. Its K/V tensors and the step's metadata come from the forward
+context (`set_forward_context`), bound by the model runner:
+
+    kv_caches[layer_index] -> (k_cache, v_cache)     metadata.groups[group_id] -> block table, slots
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from hybrid_cache.attention.forward_context import get_forward_context
+from hybrid_cache.attention.selector import get_attention_backend
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What the planner and the runner need to know about one attention layer's KV cache."""
+
+    layer_index: int
+    kind: str  # "full", "sliding_window" or "chunked_local"
+    window: int | None  # the sliding window W, or the chunk size C; None for full attention
+    num_kv_heads: int
+    head_dim: int
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer (no parameters)."""
+
+    def __init__(
+        self,
+        layer_index: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        chunk: int | None = None,
+        softcap: float | None = None,
+        backend: str = "torch",
+    ) -> None:
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
+        self.layer_index = layer_index
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.chunk = chunk
+        self.softcap = softcap
+        self.backend = backend
+        # The KV-cache group whose block table this layer reads; set by the runner from its plan.
+        self.group_id = 0
+
+    @property
+    def spec(self) -> AttentionSpec:
+        if self.sliding_window is not None:
+            kind, window = "sliding_window", self.sliding_window
+        elif self.chunk is not None:
+            kind, window = "chunked_local", self.chunk
+        else:
+            kind, window = "full", None
+        return AttentionSpec(self.layer_index, kind, window, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. `sinks` [Hq]: gpt-oss per-head sink logits
+        (a parameter of the model's attention module, passed here so weights keep HF names)."""
+        context = get_forward_context()
+        k_cache, v_cache = context.kv_caches[self.layer_index]
+        group = context.metadata.groups[self.group_id]
+        backend = get_attention_backend(self.backend)
+        backend.write_kv(k_cache, v_cache, k, v, group.slot_mapping)
+        return backend.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            context.metadata,
+            group,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            softcap=self.softcap,
+            sinks=sinks,
+            chunk=self.chunk,
+        )
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's `Attention` layers, ordered by layer index."""
+    layers = [module for module in model.modules() if isinstance(module, Attention)]
+    return sorted(layers, key=lambda layer: layer.layer_index)
+
+
+def attention_specs(model: nn.Module) -> list[AttentionSpec]:
+    """One `AttentionSpec` per attention layer, ordered by layer index (the planner's input)."""
+    return [layer.spec for layer in attention_layers(model)]
+
+
+def assign_layer_groups(model: nn.Module, group_of_layer: Sequence[int]) -> None:
+    """Tells each attention layer which KV-cache group (block table) it reads."""
+    layers = attention_layers(model)
+    assert len(group_of_layer) == len(layers), "one group id per attention layer"
+    for layer, group_id in zip(layers, group_of_layer):
+        layer.group_id = int(group_id)
+
+
+def set_attention_backend(model: nn.Module, backend: str) -> None:
+    """Selects the attention backend (by registered name) for every layer of `model`."""
+    get_attention_backend(backend)  # fail now, with the list of names, not in the first forward
+    for layer in attention_layers(model):
+        layer.backend = backend

@@ -1,0 +1,171 @@
+"""gpt-oss: attention sinks, alternating sliding windows, YaRN rotary, a top-k mixture of experts.
+
+- Attention has biases on all projections and one learned sink logit per head: the sink joins the
+  softmax denominator and contributes no value, so a head can attend "nowhere".
+- Sliding and full layers alternate (`layer_types`); the window is small (128 in the release).
+- The MLP routes each token to `num_experts_per_tok` of `num_local_experts` experts: router logits
+  (with bias) -> top-k -> softmax over the k chosen logits. Each expert is a clamped SwiGLU:
+  gate/up interleaved in one projection (even columns gate, odd up), gate clamped above at
+  `swiglu_limit`, up clamped to +-limit, out = (up + 1) * gate * sigmoid(alpha * gate).
+  Expert weights are stored stacked and input-major: gate_up_proj [E, H, 2I], down_proj [E, I, H].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid_cache.attention.layer import Attention
+from hybrid_cache.models import hf_config
+from hybrid_cache.models.hf_config import Config
+from hybrid_cache.models.layers import RMSNorm, RotaryEmbedding
+
+
+class GptOssAttention(nn.Module):
+    def __init__(self, config: Config, layer_index: int, layer_type: str) -> None:
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.num_heads = config["num_attention_heads"]
+        self.num_kv_heads = hf_config.num_kv_heads(config)
+        self.head_dim = hf_config.head_dim(config)
+        bias = bool(config.get("attention_bias", True))
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads))
+        self.rotary = RotaryEmbedding(self.head_dim, hf_config.rope_parameters(config))
+        window = hf_config.sliding_window(config) if layer_type == "sliding_attention" else None
+        self.attn = Attention(
+            layer_index,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scale=self.head_dim**-0.5,
+            sliding_window=window,
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, sinks=self.sinks)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class GptOssRouter(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts))
+        self.top_k = top_k
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chosen experts [T, k] and their weights [T, k] (softmax over the chosen logits)."""
+        logits = F.linear(hidden, self.weight, self.bias)
+        top_logits, top_experts = torch.topk(logits, self.top_k, dim=-1)
+        return top_experts, torch.softmax(top_logits, dim=-1)
+
+
+class GptOssExperts(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        experts, hidden = config["num_local_experts"], config["hidden_size"]
+        intermediate = config["intermediate_size"]
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * intermediate))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * intermediate))
+        self.down_proj = nn.Parameter(torch.empty(experts, intermediate, hidden))
+        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
+        self.alpha = config.get("swiglu_alpha", 1.702)
+        self.limit = config.get("swiglu_limit", 7.0)
+
+    def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = x @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+        gate = gate_up[..., 0::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return ((up + 1) * glu) @ self.down_proj[expert] + self.down_proj_bias[expert]
+
+    def forward(
+        self, hidden: torch.Tensor, top_experts: torch.Tensor, top_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Sum over each token's chosen experts; one batched matmul per expert that is used."""
+        output = torch.zeros_like(hidden)
+        for expert in torch.unique(top_experts).tolist():
+            token_index, slot = torch.nonzero(top_experts == expert, as_tuple=True)
+            out = self.expert_forward(expert, hidden[token_index])
+            output.index_add_(0, token_index, out * top_weights[token_index, slot, None])
+        return output
+
+
+class GptOssMLP(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.router = GptOssRouter(
+            config["hidden_size"], config["num_local_experts"], config["num_experts_per_tok"]
+        )
+        self.experts = GptOssExperts(config)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        top_experts, top_weights = self.router(hidden)
+        return self.experts(hidden, top_experts, top_weights)
+
+
+class GptOssDecoderLayer(nn.Module):
+    def __init__(self, config: Config, layer_index: int, layer_type: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(
+            config["hidden_size"], config["rms_norm_eps"], round_before_weight=False
+        )
+        self.self_attn = GptOssAttention(config, layer_index, layer_type)
+        self.post_attention_layernorm = RMSNorm(
+            config["hidden_size"], config["rms_norm_eps"], round_before_weight=False
+        )
+        self.mlp = GptOssMLP(config)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class GptOssModel(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        default_types = [
+            "sliding_attention" if index % 2 == 0 else "full_attention"
+            for index in range(config["num_hidden_layers"])
+        ]
+        layer_types = config.get("layer_types") or default_types
+        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(
+            GptOssDecoderLayer(config, index, layer_type)
+            for index, layer_type in enumerate(layer_types)
+        )
+        self.norm = RMSNorm(
+            config["hidden_size"], config["rms_norm_eps"], round_before_weight=False
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class GptOssForCausalLM(nn.Module):
+    """`forward(input_ids [T], positions [T]) -> hidden [T, H]`; `compute_logits(hidden)`."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = GptOssModel(config)
+        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,194 @@
+"""Builds a model from a Hugging Face folder (config.json + safetensors) or with random weights.
+
+Weight names in the checkpoints equal our parameter names (the model files mirror transformers'
+module tree), so loading is: read every tensor, check its shape against the parameter, copy (cast
+to the requested dtype). Tied embeddings share one parameter. Every way a folder can be wrong ends
+in a `ModelLoadError` subclass naming the file and what to fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from hybrid_cache.errors import HybridCacheError
+from hybrid_cache.models.layers import RMSNorm
+from hybrid_cache.models.registry import (
+    MODEL_REGISTRY,
+    MODEL_TYPE_TO_ARCHITECTURE,
+    supported_architectures,
+)
+
+INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint entries that are not parameters (older exports saved rotary buffers).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class ModelLoadError(HybridCacheError):
+    """The model folder cannot be turned into a model (missing/malformed config or weights)."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """config.json names an architecture this engine has no model file for."""
+
+
+class WeightMismatchError(ModelLoadError):
+    """A checkpoint tensor is missing, unexpected, or shaped differently from config.json."""
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """The parsed config.json of `model_dir`."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path} not found: a model folder needs a Hugging Face config.json")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ModelLoadError(f"{path} is not valid JSON ({error})") from error
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return config
+
+
+def architecture_of(config: dict[str, Any]) -> str:
+    """The registered architecture for a config (`architectures[0]`, else its `model_type`)."""
+    names = config.get("architectures") or []
+    if not names and config.get("model_type") in MODEL_TYPE_TO_ARCHITECTURE:
+        names = [MODEL_TYPE_TO_ARCHITECTURE[config["model_type"]]]
+    for name in names:
+        if name in MODEL_REGISTRY:
+            return name
+    raise UnsupportedArchitectureError(
+        f"unsupported architecture {names or config.get('model_type')!r}; "
+        f"supported: {supported_architectures()}"
+    )
+
+
+def build_model(
+    config: dict[str, Any], dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> nn.Module:
+    """The model for `config`, parameters of `dtype` allocated on `device`, not initialised."""
+    model_class = MODEL_REGISTRY[architecture_of(config)]
+    try:
+        with torch.device("meta"):
+            model = model_class(config)
+    except (KeyError, TypeError, ValueError, AssertionError) as error:
+        raise ModelLoadError(f"config.json is missing or has a bad value: {error!r}") from error
+    return model.to(dtype).to_empty(device=device)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files of a folder: those named by the sharded index, else every *.safetensors."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ModelLoadError(f"{index_path} is malformed ({error!r})") from error
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(path) for path in files if not path.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index_path} names shard files that do not exist: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def iterate_weights(model_dir: Path):
+    """Yields (name, tensor) for every tensor of every weight file."""
+    for path in safetensors_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as error:  # safetensors raises its own error types (and OSError)
+            raise ModelLoadError(
+                f"{path} is not a readable safetensors file (truncated or corrupt?): {error}"
+            ) from error
+
+
+def tie_embeddings(model: nn.Module) -> None:
+    """Makes `lm_head.weight` the same parameter as the input embedding."""
+    model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def load_weights(model: nn.Module, model_dir: Path, config: dict[str, Any]) -> None:
+    """Copies every checkpoint tensor into its parameter; strict about names and shapes."""
+    tied = bool(config.get("tie_word_embeddings", False))
+    if tied:
+        tie_embeddings(model)
+    parameters = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in iterate_weights(model_dir):
+        if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        if name not in parameters:
+            raise WeightMismatchError(
+                f"checkpoint tensor {name!r} has no place in {type(model).__name__}; "
+                "is config.json from the same model?"
+            )
+        parameter = parameters[name]
+        if tuple(tensor.shape) != tuple(parameter.shape):
+            raise WeightMismatchError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies "
+                f"{tuple(parameter.shape)}"
+            )
+        with torch.no_grad():
+            parameter.copy_(tensor.to(parameter.dtype))
+        loaded.add(name)
+    missing = sorted(set(parameters) - loaded)
+    if missing:
+        raise WeightMismatchError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Seeded random weights: norms at their identity value, everything else N(0, 0.02)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            for name, parameter in module.named_parameters(recurse=False):
+                if isinstance(module, RMSNorm) and name == "weight":
+                    parameter.fill_(1.0 - module.offset)
+                else:
+                    values = torch.randn(parameter.shape, generator=generator) * 0.02
+                    parameter.copy_(values.to(parameter.dtype))
+
+
+def load_model(
+    model: str | Path | None = None,
+    *,
+    config: dict[str, Any] | None = None,
+    load_format: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    hf_overrides: dict[str, Any] | None = None,
+) -> nn.Module:
+    """A model in eval mode from a HF folder (`load_format="auto"`) or with seeded random weights
+    (`load_format="dummy"`, from the folder's config.json or an explicit `config` dict)."""
+    if load_format not in ("auto", "dummy"):
+        raise ModelLoadError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    if config is None:
+        if model is None:
+            raise ModelLoadError("give a model folder or a config dict")
+        config = read_config(model)
+    config = {**config, **(hf_overrides or {})}
+    built = build_model(config, dtype, device)
+    if load_format == "dummy":
+        if config.get("tie_word_embeddings", False):
+            tie_embeddings(built)
+        init_dummy_weights(built, seed)
+    else:
+        if model is None:
+            raise ModelLoadError("load_format='auto' needs a model folder")
+        load_weights(built, Path(model), config)
+    return built.eval()

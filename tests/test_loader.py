@@ -1,0 +1,191 @@
+"""The loader: HF folders (single file, sharded, tied), dummy weights, and every malformed folder
+ending in a typed error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from hybrid_cache.attention import build_attention_metadata, set_forward_context
+from hybrid_cache.errors import HybridCacheError
+from hybrid_cache.models import (
+    ModelLoadError,
+    UnsupportedArchitectureError,
+    WeightMismatchError,
+    load_model,
+    read_config,
+)
+
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    intermediate_size=128,
+)
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    folder = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(folder)
+    return folder, model.eval()
+
+
+def copy_folder(source, tmp_path, name="copy"):
+    target = tmp_path / name
+    shutil.copytree(source, target)
+    return target
+
+
+def prefill_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """Logits of every prompt position from one paged prefill (block size 4, fresh blocks)."""
+    num_blocks = 1 + -(-len(token_ids) // 4)
+    table = torch.arange(1, num_blocks, dtype=torch.int32)[None]
+    metadata, positions = build_attention_metadata([len(token_ids)], [0], [table], [4])
+    parameter = next(model.parameters())
+    caches = [
+        (
+            torch.zeros(num_blocks, 4, 2, 16, dtype=parameter.dtype),
+            torch.zeros(num_blocks, 4, 2, 16, dtype=parameter.dtype),
+        )
+        for _ in range(2)
+    ]
+    with torch.no_grad(), set_forward_context(metadata, caches):
+        return model.compute_logits(model(torch.tensor(token_ids), positions))
+
+
+def test_loaded_model_reproduces_transformers_logits(llama_folder) -> None:
+    folder, hf_model = llama_folder
+    ours = load_model(folder)
+    tokens = [5, 17, 99, 3, 250, 42, 7]
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(prefill_logits(ours, tokens), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_sharded_folder_loads_like_single_file(llama_folder, tmp_path) -> None:
+    folder, hf_model = llama_folder
+    sharded = tmp_path / "sharded"
+    hf_model.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    single, split = load_model(folder).state_dict(), load_model(sharded).state_dict()
+    assert single.keys() == split.keys()
+    assert all(torch.equal(single[name], split[name]) for name in single)
+
+
+def test_sharded_index_naming_a_missing_shard(llama_folder, tmp_path) -> None:
+    _, hf_model = llama_folder
+    sharded = tmp_path / "sharded"
+    hf_model.save_pretrained(sharded, max_shard_size="100KB")
+    next(iter(sorted(sharded.glob("*.safetensors")))).unlink()
+    with pytest.raises(ModelLoadError, match="do not exist"):
+        load_model(sharded)
+
+
+def test_missing_config(llama_folder, tmp_path) -> None:
+    folder = copy_folder(llama_folder[0], tmp_path)
+    (folder / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(folder)
+
+
+def test_malformed_config(llama_folder, tmp_path) -> None:
+    folder = copy_folder(llama_folder[0], tmp_path)
+    (folder / "config.json").write_text("{ not json")
+    with pytest.raises(ModelLoadError, match="not valid JSON"):
+        load_model(folder)
+
+
+def test_config_missing_a_required_field(llama_folder, tmp_path) -> None:
+    folder = copy_folder(llama_folder[0], tmp_path)
+    config = read_config(folder)
+    del config["hidden_size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="hidden_size"):
+        load_model(folder)
+
+
+def test_truncated_safetensors(llama_folder, tmp_path) -> None:
+    folder = copy_folder(llama_folder[0], tmp_path)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        load_model(folder)
+
+
+def test_no_weight_files(llama_folder, tmp_path) -> None:
+    folder = copy_folder(llama_folder[0], tmp_path)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        load_model(folder)
+
+
+def test_shape_mismatch_with_config(llama_folder, tmp_path) -> None:
+    folder = copy_folder(llama_folder[0], tmp_path)
+    config = read_config(folder)
+    config["intermediate_size"] = 96
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightMismatchError, match="mlp"):
+        load_model(folder)
+
+
+def test_missing_tensor(llama_folder, tmp_path) -> None:
+    folder = copy_folder(llama_folder[0], tmp_path)
+    config = read_config(folder)
+    config["num_hidden_layers"] = 3
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightMismatchError, match="lacks"):
+        load_model(folder)
+
+
+def test_unknown_architecture(llama_folder, tmp_path) -> None:
+    folder = copy_folder(llama_folder[0], tmp_path)
+    config = read_config(folder)
+    config["architectures"] = ["FalconForCausalLM"]
+    config["model_type"] = "falcon"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="FalconForCausalLM") as error:
+        load_model(folder)
+    assert isinstance(error.value, HybridCacheError)
+
+
+def test_tied_embeddings_share_one_parameter(tmp_path) -> None:
+    config = transformers.Gemma2Config(**TINY, head_dim=16, query_pre_attn_scalar=16)
+    assert config.tie_word_embeddings
+    torch.manual_seed(0)
+    transformers.Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
+    model = load_model(tmp_path / "gemma2")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_dummy_weights_are_seeded(llama_folder) -> None:
+    config = read_config(llama_folder[0])
+    first = load_model(config=config, load_format="dummy", seed=3).state_dict()
+    again = load_model(config=config, load_format="dummy", seed=3).state_dict()
+    other = load_model(config=config, load_format="dummy", seed=4).state_dict()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(first[name], again[name])
+    assert not torch.equal(first[name], other[name])
+    assert torch.equal(first["model.norm.weight"], torch.ones(64))
+    logits = prefill_logits(load_model(config=config, load_format="dummy"), [1, 2, 3, 4, 5])
+    assert torch.isfinite(logits).all()
+
+
+def test_dtype_option(llama_folder) -> None:
+    model = load_model(llama_folder[0], dtype=torch.bfloat16)
+    assert {parameter.dtype for parameter in model.parameters()} == {torch.bfloat16}
+    assert torch.isfinite(prefill_logits(model, [9, 8, 7])).all()
+
+
+def test_bad_load_format(llama_folder) -> None:
+    with pytest.raises(ModelLoadError, match="load_format"):
+        load_model(llama_folder[0], load_format="pt")
