@@ -1,9 +1,35 @@
 """hybrid-cache: a KV-cache allocator and small inference engine for hybrid-attention LLMs."""
 
 from hybrid_cache._core import BlockPool, Coordinator, GroupSpec, __version__
-from hybrid_cache.errors import HybridCacheError
+from hybrid_cache.errors import (
+    DoubleFreeError,
+    DuplicateRequestError,
+    HybridCacheError,
+    InvalidArgumentError,
+    InvalidBlockError,
+    InvalidGroupError,
+    NoFreeBlocksError,
+    RequestTooLargeError,
+    TooManyRequestsError,
+    UnknownRequestError,
+)
 
-__all__ = ["BlockPool", "Coordinator", "GroupSpec", "HybridCacheError", "__version__"]
+__all__ = [
+    "BlockPool",
+    "Coordinator",
+    "DoubleFreeError",
+    "DuplicateRequestError",
+    "GroupSpec",
+    "HybridCacheError",
+    "InvalidArgumentError",
+    "InvalidBlockError",
+    "InvalidGroupError",
+    "NoFreeBlocksError",
+    "RequestTooLargeError",
+    "TooManyRequestsError",
+    "UnknownRequestError",
+    "__version__",
+]
 
 
 _LAZY_EXPORTS = {
