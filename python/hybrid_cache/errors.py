@@ -20,13 +20,6 @@ from hybrid_cache._core import (
     UnknownRequestError,
 )
 from hybrid_cache.config import ConfigError, UnknownArchitectureError, UnknownModelError
-from hybrid_cache.engine.errors import (
-    EngineConfigError,
-    InsufficientKVCacheError,
-    InvalidRequestError,
-    InvalidSamplingParamsError,
-    PromptTooLongError,
-)
 from hybrid_cache.kernels.errors import KernelArgumentError
 from hybrid_cache.planner import (
     BudgetTooSmallError,
@@ -37,7 +30,17 @@ from hybrid_cache.planner import (
 from hybrid_cache.sizes import MemorySizeError
 
 if TYPE_CHECKING:
-    from hybrid_cache.attention.selector import UnknownAttentionBackendError
+    from hybrid_cache.attention.selector import (
+        AttentionBackendUnavailableError,
+        UnknownAttentionBackendError,
+    )
+    from hybrid_cache.engine.errors import (
+        EngineConfigError,
+        InsufficientKVCacheError,
+        InvalidRequestError,
+        InvalidSamplingParamsError,
+        PromptTooLongError,
+    )
     from hybrid_cache.models.loader import (
         ModelLoadError,
         UnsupportedArchitectureError,
@@ -50,6 +53,13 @@ _LAZY_ERRORS = {
     "UnsupportedArchitectureError": "hybrid_cache.models.loader",
     "WeightMismatchError": "hybrid_cache.models.loader",
     "UnknownAttentionBackendError": "hybrid_cache.attention.selector",
+    "AttentionBackendUnavailableError": "hybrid_cache.attention.selector",
+    # The engine's errors (they subclass classes defined above, so they cannot be eager here).
+    "EngineConfigError": "hybrid_cache.engine.errors",
+    "InsufficientKVCacheError": "hybrid_cache.engine.errors",
+    "InvalidRequestError": "hybrid_cache.engine.errors",
+    "InvalidSamplingParamsError": "hybrid_cache.engine.errors",
+    "PromptTooLongError": "hybrid_cache.engine.errors",
 }
 
 
@@ -62,6 +72,7 @@ def __getattr__(name: str) -> type:
 
 
 __all__ = [
+    "AttentionBackendUnavailableError",
     "BudgetTooSmallError",
     "ConfigError",
     "DoubleFreeError",

@@ -1,0 +1,140 @@
+"""The Triton attention backend: `hybrid_cache.kernels` behind the reference backend's interface.
+
+    write_kv(k_cache, v_cache, k, v, slot_mapping)         -> kernels.write_kv_cache
+    paged_attention(q, k_cache, v_cache, metadata, group,  -> kernels.unified_attention over the
+                    scale, sliding_window, softcap,           group's block table, one launch for
+                    sinks, chunk)                             the prefill chunks and decode tokens
+
+Runs on CUDA, or on the CPU when TRITON_INTERPRET=1 was set before Triton was imported (slow;
+for tests). `selector.resolve_attention_backend` checks that before selecting it; the launchers
+raise `KernelArgumentError` otherwise.
+
+Per step, not per layer: the kernels want int32 `query_start_loc` / `seq_lens` / block tables,
+contiguous and on the query's device. `step_tensors` / `group_block_table` convert them once and
+cache the result on the metadata objects (keyed by the source tensors' identity, so a runner that
+replaces a field gets a fresh conversion), so the other layers of the step reuse them with no
+copy and no host sync. Importing this module imports neither Triton nor the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from hybrid_cache import kernels
+from hybrid_cache.attention.metadata import AttentionMetadata, GroupMetadata
+
+# Attribute names of the per-step caches stored on the metadata objects.
+_STEP_CACHE = "_backend_step_tensors"
+_TABLE_CACHE = "_backend_block_table"
+
+
+def cached_on(
+    owner: Any, attribute: str, key: tuple, sources: tuple, build: Callable[[], Any]
+) -> Any:
+    """`build()`, computed once per (owner, key) while `sources` are the same objects.
+
+    `owner` is a per-step metadata object, so the cache lives exactly as long as the step.
+    """
+    cache: dict = owner.__dict__.setdefault(attribute, {})
+    entry = cache.get(key)
+    if entry is not None and len(entry[0]) == len(sources):
+        if all(old is new for old, new in zip(entry[0], sources)):
+            return entry[1]
+    value = build()
+    cache[key] = (sources, value)
+    return value
+
+
+def as_kernel_int32(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` as contiguous int32 on `device` (itself when it already is)."""
+    return tensor.to(device=device, dtype=torch.int32, non_blocking=True).contiguous()
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """The step's shared metadata in the kernels' form."""
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, on the device
+    seq_lens: torch.Tensor  # [num_seqs] int32, on the device
+
+
+def step_tensors(metadata: AttentionMetadata, device: torch.device) -> StepTensors:
+    """`metadata`'s query_start_loc and seq_lens as the kernels take them; converted on the first
+    layer of the step, reused by the others."""
+    device = torch.device(device)
+    return cached_on(
+        metadata,
+        _STEP_CACHE,
+        ("kernel", device),
+        (metadata.query_start_loc, metadata.seq_lens),
+        lambda: StepTensors(
+            query_start_loc=as_kernel_int32(metadata.query_start_loc, device),
+            seq_lens=as_kernel_int32(metadata.seq_lens, device),
+        ),
+    )
+
+
+def group_block_table(group: GroupMetadata, device: torch.device) -> torch.Tensor:
+    """The group's block table as contiguous int32 on `device`, converted once per step."""
+    device = torch.device(device)
+    return cached_on(
+        group,
+        _TABLE_CACHE,
+        ("kernel", device),
+        (group.block_table,),
+        lambda: as_kernel_int32(group.block_table, device),
+    )
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Stores the new tokens' keys/values ([num_tokens, kv_heads, head_dim]) at their slots."""
+    if slot_mapping.device != k_cache.device or not slot_mapping.is_contiguous():
+        # The runner normally moves slot mappings to the device once per step.
+        slot_mapping = slot_mapping.to(k_cache.device).contiguous()
+    kernels.write_kv_cache(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    group: GroupMetadata,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    chunk: Optional[int] = None,
+) -> torch.Tensor:
+    """Attention of the flattened queries q [num_tokens, Hq, D] over the group's paged cache
+    (already holding this step's keys); returns [num_tokens, Hq, D]. Same contract as
+    `reference.paged_attention`."""
+    assert k_cache.shape[1] == group.block_size, "cache block size differs from the group's"
+    device = q.device
+    tensors = step_tensors(metadata, device)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if sinks is not None and (sinks.device != device or not sinks.is_contiguous()):
+        sinks = sinks.to(device).contiguous()
+    return kernels.unified_attention(
+        q,
+        k_cache,
+        v_cache,
+        group_block_table(group, device),
+        tensors.query_start_loc,
+        tensors.seq_lens,
+        scale=scale,
+        sliding_window=sliding_window,
+        chunk_size=chunk,
+        softcap=softcap,
+        sinks=sinks,
+    )
