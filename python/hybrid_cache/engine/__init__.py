@@ -1,0 +1,45 @@
+"""The inference engine: `LLM`, `SamplingParams` and the parts behind them.
+
+One job per file:
+
+    llm.py            LLM: arguments, model + tokenizer, KV budget, plan, generate()
+    engine_args.py    argument checks, dtype, backend choice, plan logging
+    llm_engine.py     LLMEngine: add_request / step / abort_request, per-step figures
+    scheduler.py      continuous batching, chunked prefill, preemption by recompute
+    kv_cache.py       the only user of hybrid_cache._core (Coordinator, zero-copy block table)
+    model_runner.py   KV tensors per layout slot, batch + metadata, forward, sampling
+    sampler.py        greedy / temperature / top-k / top-p, per-request seeded generators
+    request.py        per-request state;  sampling_params.py, outputs.py, errors.py, memory.py
+
+A request's life (every transition that drops blocks goes through `KVCacheManager.free`):
+
+    add_request --> WAITING --admit (cache hit + allocate)--> RUNNING --finish--> FINISHED
+                      ^                                          |      (stop / length / abort)
+                      +------ preempted (blocks freed, ----------+
+                              re-added later with prompt + output so far)
+
+Names are imported on first use, so `import hybrid_cache.engine` does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY_NAMES = {
+    "LLM": "hybrid_cache.engine.llm",
+    "LLMEngine": "hybrid_cache.engine.llm_engine",
+    "SamplingParams": "hybrid_cache.engine.sampling_params",
+    "RequestOutput": "hybrid_cache.engine.outputs",
+    "CompletionOutput": "hybrid_cache.engine.outputs",
+    "StepStats": "hybrid_cache.engine.outputs",
+    "EngineStats": "hybrid_cache.engine.outputs",
+}
+
+__all__ = sorted(_LAZY_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,179 @@
+"""The engine's window onto the Rust coordinator: the only module that touches `_core`.
+
+It owns the `Coordinator`, maps engine request ids (strings) to the integer ids the core uses,
+and exposes the persistent grouped block table as a torch tensor that shares the core's memory
+(`torch.from_numpy` on the core's numpy view: no copy, ever).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from hybrid_cache import _core
+from hybrid_cache.engine.errors import InsufficientKVCacheError
+from hybrid_cache.engine.request import Request
+from hybrid_cache.planner import KVCacheLayout
+
+
+@dataclass(frozen=True)
+class GroupDescription:
+    """What the coordinator needs to know about one KV-cache group."""
+
+    kind: str  # "full" | "sliding_window" | "chunked_local"
+    block_size: int
+    window: Optional[int] = None
+    chunk: Optional[int] = None
+
+
+class KVCacheManager:
+    """Block bookkeeping for the scheduler: admission, cache hits, allocation, release."""
+
+    @classmethod
+    def from_layout(
+        cls,
+        layout: KVCacheLayout,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+        hash_seed: int = 0,
+    ) -> KVCacheManager:
+        """A manager for the planner's layout (its groups, in group-id order, and pool size)."""
+        groups = [GroupDescription(*spec) for spec in layout.to_group_specs()]
+        return cls(
+            layout.num_blocks,
+            groups,
+            max_num_seqs,
+            max_model_len,
+            max_num_batched_tokens,
+            enable_prefix_caching,
+            hash_seed,
+        )
+
+    def __init__(
+        self,
+        num_blocks: int,
+        groups: Sequence[GroupDescription],
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+        hash_seed: int = 0,
+    ) -> None:
+        specs = [
+            _core.GroupSpec(group.kind, group.block_size, window=group.window, chunk=group.chunk)
+            for group in groups
+        ]
+        self.groups: list[GroupDescription] = list(groups)
+        self.enable_prefix_caching: bool = enable_prefix_caching
+        self.coordinator: _core.Coordinator = _core.Coordinator(
+            num_blocks,
+            specs,
+            max_num_reqs=max_num_seqs,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            hash_seed=hash_seed,
+        )
+        self.core_ids: dict[str, int] = {}
+        self.rows: dict[str, int] = {}
+        self.next_core_ids: itertools.count[int] = itertools.count()
+        with warnings.catch_warnings():
+            # The core's view may be read-only; we never write through it.
+            warnings.simplefilter("ignore", UserWarning)
+            self.block_table: torch.Tensor = torch.from_numpy(self.coordinator.block_table())
+            self.num_blocks_per_row: torch.Tensor = torch.from_numpy(
+                self.coordinator.num_blocks_per_row()
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.coordinator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.coordinator.num_free_blocks
+
+    @property
+    def num_groups(self) -> int:
+        return self.coordinator.num_groups
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.coordinator.max_num_reqs
+
+    @property
+    def max_blocks_per_req(self) -> int:
+        return self.coordinator.max_blocks_per_req
+
+    def can_ever_fit(self, num_kv_tokens: int) -> bool:
+        """Whether a request holding KV for `num_kv_tokens` tokens fits an otherwise empty pool
+        (block 0 is the null block and never handed out)."""
+        return self.coordinator.max_blocks_needed(num_kv_tokens) <= self.num_blocks - 1
+
+    def add(self, request: Request) -> int:
+        """Registers a request (prompt + output so far) and returns its block-table row."""
+        assert request.request_id not in self.core_ids, f"{request} is already added"
+        core_id = next(self.next_core_ids)
+        try:
+            row = self.coordinator.add_request(
+                core_id, request.all_token_ids, max_total_tokens=num_kv_tokens(request)
+            )
+        except _core.RequestTooLargeError as error:
+            raise InsufficientKVCacheError(
+                f"request {request.request_id!r} needs KV for {num_kv_tokens(request)} tokens, "
+                f"more than the pool of {self.num_blocks - 1} blocks can ever hold; raise "
+                "kv_cache_memory or lower max_tokens"
+            ) from error
+        self.core_ids[request.request_id] = core_id
+        self.rows[request.request_id] = row
+        return row
+
+    def find_cache_hit(self, request: Request) -> int:
+        """Tokens of the request the prefix cache can serve (0 when caching is off)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.coordinator.find_cache_hit(self.core_ids[request.request_id])
+
+    def allocate(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> bool:
+        """All or nothing: blocks for `num_new_tokens` more tokens (applies the pending hit)."""
+        core_id = self.core_ids[request.request_id]
+        return self.coordinator.allocate(core_id, num_computed_tokens, num_new_tokens)
+
+    def append_token_ids(self, requests: Sequence[Request], token_ids: Sequence[int]) -> None:
+        """Records one sampled token per request (a decode step), in one call to the core."""
+        core_ids = np.fromiter(
+            (self.core_ids[request.request_id] for request in requests), np.int64, len(requests)
+        )
+        self.coordinator.append_token_ids_batch(core_ids, np.asarray(token_ids, dtype=np.int64))
+
+    def free(self, request: Request) -> None:
+        """Returns every block of the request and its row (finish, abort or preemption)."""
+        core_id = self.core_ids.pop(request.request_id)
+        del self.rows[request.request_id]
+        self.coordinator.free_request(core_id)
+
+    def row_of(self, request: Request) -> int:
+        return self.rows[request.request_id]
+
+    def num_used_blocks_per_group(self) -> list[int]:
+        return list(self.coordinator.num_used_blocks_per_group())
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.coordinator.stats())
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; refused (False) while any request holds blocks."""
+        return self.coordinator.reset_prefix_cache()
+
+
+def num_kv_tokens(request: Request) -> int:
+    """Most tokens the request ever holds KV for: the last sampled token is never computed."""
+    return max(request.num_tokens, request.max_total_tokens - 1)

@@ -1,0 +1,176 @@
+"""`LLMEngine`: the step loop behind `LLM` — validate and add requests, schedule, run, collect.
+
+One step = `Scheduler.schedule()` (which requests, how many tokens, preemptions), then
+`ModelRunner.execute()` (forward + sampling), then `Scheduler.update_from_output()` (tokens,
+finishes, blocks returned). Finished requests (including failed and aborted ones) come back from
+`step()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from hybrid_cache.engine.errors import (
+    InsufficientKVCacheError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+from hybrid_cache.engine.kv_cache import KVCacheManager, num_kv_tokens
+from hybrid_cache.engine.model_runner import ModelRunner
+from hybrid_cache.engine.outputs import EngineStats, StepStats
+from hybrid_cache.engine.request import Request
+from hybrid_cache.engine.sampler import Sampler
+from hybrid_cache.engine.sampling_params import SamplingParams
+from hybrid_cache.engine.scheduler import Scheduler
+from hybrid_cache.planner import KVCacheLayout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool
+
+
+class LLMEngine:
+    """Requests in, finished requests out; owns the KV-cache manager, scheduler and runner."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: KVCacheLayout,
+        limits: SchedulerLimits,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int = 0,
+        attention_backend: str = "auto",
+    ) -> None:
+        self.limits: SchedulerLimits = limits
+        self.vocab_size: int = vocab_size
+        self.eos_token_ids: tuple[int, ...] = eos_token_ids
+        self.kv_cache: KVCacheManager = KVCacheManager.from_layout(
+            layout,
+            max_num_seqs=limits.max_num_seqs,
+            max_model_len=limits.max_model_len,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
+            enable_prefix_caching=limits.enable_prefix_caching,
+            hash_seed=seed,
+        )
+        self.scheduler: Scheduler = Scheduler(
+            self.kv_cache, limits.max_num_seqs, limits.max_num_batched_tokens
+        )
+        self.sampler: Sampler = Sampler(seed)
+        self.model_runner: ModelRunner = ModelRunner(
+            model, self.kv_cache, layout, dtype, device, self.sampler, attention_backend
+        )
+        self.num_requests_added: int = 0
+        self.unfinished_request_ids: set[str] = set()
+        self.stats: EngineStats = EngineStats(
+            max_used_blocks_per_group=[0] * self.kv_cache.num_groups
+        )
+        self.step_stats: list[StepStats] = []
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Validates and queues a request; raises a typed `InvalidRequestError` (nothing queued)
+        for an empty prompt, ids outside the vocabulary, a prompt over `max_model_len`, or a
+        request the pool can never hold."""
+        if request_id in self.unfinished_request_ids:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if len(prompt_token_ids) == 0:
+            raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+        max_model_len = self.limits.max_model_len
+        if len(prompt_token_ids) > max_model_len:
+            raise PromptTooLongError(
+                f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens, more "
+                f"than max_model_len={max_model_len}; shorten it or raise max_model_len"
+            )
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            arrival_index=self.num_requests_added,
+            max_total_tokens=min(len(prompt_token_ids) + params.max_tokens, max_model_len),
+            eos_token_ids=self.eos_token_ids,
+        )
+        if not self.kv_cache.can_ever_fit(num_kv_tokens(request)):
+            raise InsufficientKVCacheError(
+                f"request {request_id!r} needs KV for {num_kv_tokens(request)} tokens, more than "
+                f"the whole pool ({self.kv_cache.num_blocks - 1} blocks) holds; raise "
+                "kv_cache_memory, or lower max_tokens or the prompt length"
+            )
+        self.num_requests_added += 1
+        self.unfinished_request_ids.add(request_id)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> Optional[Request]:
+        """Stops a request and returns its blocks; None when it is unknown or finished."""
+        request = self.scheduler.abort_request(request_id)
+        if request is not None:
+            self.sampler.free(request_id)
+            self.unfinished_request_ids.discard(request_id)
+        return request
+
+    def reset_step_stats(self) -> None:
+        """Forgets the per-step figures (totals in `stats` are kept)."""
+        self.step_stats = []
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[Request]:
+        """Runs one step; returns the requests that finished (or failed) in it."""
+        output = self.scheduler.schedule()
+        sampled = self.model_runner.execute(output)
+        finished = output.failed + self.scheduler.update_from_output(output, sampled)
+        for request in finished:
+            self.sampler.free(request.request_id)
+            self.unfinished_request_ids.discard(request.request_id)
+        self._record_step(
+            output.num_preemptions, len(output.scheduled), output.num_scheduled_tokens
+        )
+        return finished
+
+    def _record_step(
+        self, num_preemptions: int, num_scheduled_requests: int, num_scheduled_tokens: int
+    ) -> None:
+        used = self.kv_cache.num_used_blocks_per_group()
+        core = self.kv_cache.stats()
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_preemptions += num_preemptions
+        stats.num_prefix_query_tokens = core.get("prefix_queries", 0)
+        stats.num_prefix_hit_tokens = core.get("prefix_hits", 0)
+        stats.max_used_blocks_per_group = [
+            max(a, b) for a, b in zip(stats.max_used_blocks_per_group, used)
+        ]
+        self.step_stats.append(
+            StepStats(
+                num_scheduled_requests=num_scheduled_requests,
+                num_scheduled_tokens=num_scheduled_tokens,
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                num_preemptions=num_preemptions,
+                num_used_blocks_per_group=used,
+                num_free_blocks=self.kv_cache.num_free_blocks,
+                prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            )
+        )

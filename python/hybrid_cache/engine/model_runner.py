@@ -1,0 +1,159 @@
+"""Runs one scheduled step: builds the batch, runs the model over the paged KV cache, samples.
+
+KV memory: one tensor per *layer slot*. The planner puts layers into groups of equal size;
+slot j holds the j-th layer of every group, so all groups draw blocks from one pool and a block id
+means the same bytes in every slot. Each layer views its slot with its own group's block size:
+
+    slot tensor  [num_blocks, page_bytes / element size]     (the planner's one page size)
+    layer view   [num_blocks, 2, block_size_g, kv_heads, head_dim] -> k = [:, 0], v = [:, 1]
+                 (the first 2 * block_size_g * kv_heads * head_dim elements of each page; the
+                 rest, if any, is the page padding the planner reports)
+
+The grouped block table is the core's memory (see `kv_cache.py`); per step the runner gathers the
+scheduled rows (only the columns the batch can reach), and every per-token array (input ids,
+positions, slot mappings) is built with tensor operations, not Python loops over tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import fields
+
+import torch
+from torch import nn
+
+from hybrid_cache.attention import (
+    AttentionMetadata,
+    assign_layer_groups,
+    attention_specs,
+    build_attention_metadata,
+    set_forward_context,
+)
+from hybrid_cache.attention.selector import (
+    describe_attention_backends,
+    select_attention_backends,
+)
+from hybrid_cache.engine.kv_cache import KVCacheManager
+from hybrid_cache.engine.sampler import Sampler
+from hybrid_cache.engine.scheduler import SchedulerOutput
+from hybrid_cache.planner import KVCacheLayout
+
+logger = logging.getLogger(__name__)
+
+
+def allocate_kv_caches(
+    model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype, device: torch.device
+) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Returns the layout's slot tensors and, per layer index, its (k_cache, v_cache) views."""
+    specs = {spec.layer_index: spec for spec in attention_specs(model)}
+    element_size = torch.empty((), dtype=dtype).element_size()
+    assert layout.page_bytes % element_size == 0, "a page must hold whole elements"
+    page_elements = layout.page_bytes // element_size
+    slots = [
+        torch.zeros(layout.num_blocks, page_elements, dtype=dtype, device=device)
+        for _ in range(layout.layers_per_group)
+    ]
+    kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for slot, layers in enumerate(layout.tensor_slots):
+        for group, layer_index in zip(layout.groups, layers):
+            if layer_index is None:
+                continue  # a padded slot of a short group
+            spec = specs[layer_index]
+            shape = (layout.num_blocks, 2, group.block_size, spec.num_kv_heads, spec.head_dim)
+            used = 2 * group.block_size * spec.num_kv_heads * spec.head_dim
+            assert used <= page_elements, f"layer {layer_index} does not fit its page"
+            view = slots[slot][:, :used].view(shape)
+            kv_caches[layer_index] = (view[:, 0], view[:, 1])
+    assert sorted(kv_caches) == sorted(specs), "every attention layer needs a place in the layout"
+    return slots, [kv_caches[index] for index in sorted(kv_caches)]
+
+
+class ModelRunner:
+    """Owns the model, its KV-cache tensors and the sampler; `execute` runs one step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_cache: KVCacheManager,
+        layout: KVCacheLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+        sampler: Sampler,
+        attention_backend: str = "auto",
+    ) -> None:
+        self.model: nn.Module = model
+        self.kv_cache: KVCacheManager = kv_cache
+        self.device: torch.device = device
+        self.sampler: Sampler = sampler
+        self.block_sizes: list[int] = [group.block_size for group in kv_cache.groups]
+        layer_indices = [spec.layer_index for spec in attention_specs(model)]
+        assign_layer_groups(model, [layout.layer_slot(index)[0] for index in layer_indices])
+        # Per group: "auto" picks the fastest backend that can run it (see attention/selector.py).
+        select_attention_backends(model, attention_backend, device, self.block_sizes, dtype=dtype)
+        logger.info(describe_attention_backends(model, self.block_sizes))
+        self.slot_tensors, self.kv_caches = allocate_kv_caches(model, layout, dtype, device)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.slot_tensors)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        """Runs the scheduled tokens; returns the sampled token of each request that samples."""
+        scheduled = output.scheduled
+        if not scheduled:
+            return {}
+        rows = torch.tensor([item.row for item in scheduled], dtype=torch.long)
+        num_computed = [item.num_computed_tokens for item in scheduled]
+        query_lens = [item.num_new_tokens for item in scheduled]
+        # One C-level slice per request; no Python loop over tokens.
+        input_ids = torch.tensor(
+            list(
+                itertools.chain.from_iterable(
+                    item.request.all_token_ids[
+                        item.num_computed_tokens : item.num_computed_tokens + item.num_new_tokens
+                    ]
+                    for item in scheduled
+                )
+            ),
+            dtype=torch.long,
+        )
+        # Only the columns this batch can touch: the full width is max_model_len / block_size.
+        max_seq_len = max(c + n for c, n in zip(num_computed, query_lens))
+        block_tables = [
+            self.kv_cache.block_table[group, rows, : -(-max_seq_len // block_size)]
+            for group, block_size in enumerate(self.block_sizes)
+        ]
+        metadata, positions = build_attention_metadata(
+            query_lens, num_computed, block_tables, self.block_sizes
+        )
+        metadata = metadata_to(metadata, self.device)
+
+        with set_forward_context(metadata, self.kv_caches):
+            hidden = self.model(input_ids.to(self.device), positions.to(self.device))
+
+        sampling = [index for index, item in enumerate(scheduled) if item.samples]
+        if not sampling:
+            return {}
+        last_token_index = metadata.query_start_loc[1:].long() - 1
+        sample_index = last_token_index[torch.tensor(sampling, device=self.device)]
+        logits = self.model.compute_logits(hidden[sample_index])
+        request_ids = [scheduled[i].request.request_id for i in sampling]
+        params = [scheduled[i].request.sampling_params for i in sampling]
+        tokens = self.sampler.sample(logits, request_ids, params).tolist()
+        return dict(zip(request_ids, tokens))
+
+
+def metadata_to(metadata: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    """The same metadata with every tensor on `device` (a no-op on the CPU)."""
+    if metadata.query_start_loc.device == device:
+        return metadata
+    for group in metadata.groups:
+        for field in fields(group):
+            value = getattr(group, field.name)
+            if isinstance(value, torch.Tensor):
+                setattr(group, field.name, value.to(device, non_blocking=True))
+    metadata.query_start_loc = metadata.query_start_loc.to(device)
+    metadata.seq_lens = metadata.seq_lens.to(device)
+    return metadata

@@ -1,0 +1,82 @@
+"""What `LLM.generate` returns, and the per-step figures the engine records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class CompletionOutput:
+    """The generated continuation of one request."""
+
+    index: int
+    token_ids: list[int]
+    text: Optional[str]  # None when the model folder has no tokenizer
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+
+
+@dataclass
+class RequestOutput:
+    """One request's result, in prompt order. A failed request has `finish_reason == "error"`,
+    no tokens and its typed exception in `error`."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    error: Optional[Exception] = None
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> Optional[str]:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    def raise_for_error(self) -> None:
+        """Raises the request's typed error, if it failed."""
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass
+class StepStats:
+    """Figures of one engine step (`LLM.step_stats` keeps them for the last `generate`)."""
+
+    num_scheduled_requests: int
+    num_scheduled_tokens: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int  # in this step
+    num_used_blocks_per_group: list[int]
+    num_free_blocks: int
+    prefix_cache_hit_rate: float  # cumulative hit tokens / queried tokens since the engine started
+
+
+@dataclass
+class EngineStats:
+    """Totals over the engine's life."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    max_used_blocks_per_group: list[int] = field(default_factory=list)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if self.num_prefix_query_tokens == 0:
+            return 0.0
+        return self.num_prefix_hit_tokens / self.num_prefix_query_tokens

@@ -1,0 +1,99 @@
+"""Batched token sampling: greedy, temperature, top-k and top-p, with per-request seeds.
+
+Random rows draw with the exponential race (`argmax(p / q)`, q ~ Exp(1)), which samples from `p`
+exactly. A request with a seed draws q from its own generator, so its tokens do not depend on
+which other requests share the batch, nor on preemption (the generator is never rewound and
+already sampled tokens are kept). Unseeded requests share the sampler's generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from hybrid_cache.engine.sampling_params import SamplingParams
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Masks (to -inf) the logits outside each row's top-k and top-p sets.
+
+    `top_k` (int64, 0 = off) and `top_p` (float, 1.0 = off) hold one value per row. The most
+    likely token always survives.
+    """
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab_size, device=logits.device).expand_as(sorted_logits)
+    effective_k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+    sorted_logits = sorted_logits.masked_fill(ranks >= effective_k.unsqueeze(1), float("-inf"))
+
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Keep the smallest prefix whose mass reaches top_p; rows with top_p == 1 skip the filter so
+    # rounding in the cumulative sum can never drop a token.
+    outside_top_p = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    outside_top_p[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(outside_top_p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, sorted_index, sorted_logits)
+
+
+class Sampler:
+    """Picks one token per row of logits; owns the per-request generators of seeded requests."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed: int = seed
+        self.generators: dict[str, torch.Generator] = {}
+        self.shared_generators: dict[torch.device, torch.Generator] = {}
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        request_ids: Sequence[str],
+        params: Sequence[SamplingParams],
+    ) -> torch.Tensor:
+        """Returns one token id per row of `logits` (num_rows, vocab_size) as an int64 tensor."""
+        assert logits.dim() == 2 and logits.shape[0] == len(request_ids) == len(params), (
+            "one row of logits per request"
+        )
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        random_rows = [row for row, p in enumerate(params) if not p.is_greedy]
+        if not random_rows:
+            return tokens
+
+        device = logits.device
+        rows = torch.tensor(random_rows, device=device)
+        temperature = torch.tensor([params[r].temperature for r in random_rows], device=device)
+        top_k = torch.tensor([params[r].top_k for r in random_rows], device=device)
+        top_p = torch.tensor([params[r].top_p for r in random_rows], device=device)
+        scaled = logits[rows] / temperature.unsqueeze(1)
+        probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+
+        noise = torch.empty_like(probs)
+        for index, row in enumerate(random_rows):
+            generator = self._generator_for(request_ids[row], params[row], device)
+            noise[index].exponential_(generator=generator)
+        tokens[rows] = (probs / noise).argmax(dim=-1)
+        return tokens
+
+    def free(self, request_id: str) -> None:
+        """Forgets a finished request's generator."""
+        self.generators.pop(request_id, None)
+
+    def _generator_for(
+        self, request_id: str, params: SamplingParams, device: torch.device
+    ) -> torch.Generator:
+        if params.seed is None:
+            shared: Optional[torch.Generator] = self.shared_generators.get(device)
+            if shared is None:
+                shared = torch.Generator(device=device).manual_seed(self.seed)
+                self.shared_generators[device] = shared
+            return shared
+        generator = self.generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(params.seed)
+            self.generators[request_id] = generator
+        return generator

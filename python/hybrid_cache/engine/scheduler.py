@@ -1,0 +1,209 @@
+"""Continuous batching: which requests run this step and how many tokens each computes.
+
+Every step has a token budget (`max_num_batched_tokens`) and a cap on running requests
+(`max_num_seqs`). Running requests are served first, oldest first, each taking as many of its
+uncomputed tokens as the budget leaves (a long prompt is prefilled in chunks over several steps).
+Then waiting requests are admitted first come first served, starting after their prefix-cache hit.
+
+When the pool has no blocks for a running request, the newest running request is preempted by
+recompute: its blocks are freed and it goes back to the front of the waiting queue; when
+re-admitted it is re-added with prompt + output tokens so far (often hitting its own blocks in
+the prefix cache) and continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from hybrid_cache.engine.errors import InsufficientKVCacheError
+from hybrid_cache.engine.request import FinishReason, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from hybrid_cache.engine.kv_cache import KVCacheManager
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    row: int  # the request's row in the grouped block table
+    num_computed_tokens: int  # before this step
+    num_new_tokens: int
+    # Whether this step computes the request's last token, so a token is sampled for it.
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_preemptions: int = 0
+    # Requests that failed while being admitted (they hold no blocks).
+    failed: list[Request] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+
+class Scheduler:
+    """Decides each step's batch; keeps the waiting and running queues."""
+
+    def __init__(
+        self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        assert max_num_seqs > 0 and max_num_batched_tokens > 0, "limits must be positive"
+        self.kv_cache: KVCacheManager = kv_cache
+        self.max_num_seqs: int = max_num_seqs
+        self.max_num_batched_tokens: int = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is the newest
+        self.num_preemptions: int = 0
+
+    def add_request(self, request: Request) -> None:
+        assert request.status is RequestStatus.WAITING, f"{request} is not new"
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort_request(self, request_id: str) -> Optional[Request]:
+        """Stops a request wherever it is and returns its blocks; None if it is unknown."""
+        for request in self.running:
+            if request.request_id == request_id:
+                self.running.remove(request)
+                self.kv_cache.free(request)
+                self._finish(request, FinishReason.ABORT)
+                return request
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                self._finish(request, FinishReason.ABORT)
+                return request
+        return None
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        token_budget = self.max_num_batched_tokens
+
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
+            assert num_new_tokens > 0, f"running {request} has nothing to compute"
+            if not self._allocate_or_preempt(request, num_new_tokens, output):
+                break  # the request itself was preempted (it was the newest)
+            output.scheduled.append(
+                ScheduledRequest(
+                    request,
+                    self.kv_cache.row_of(request),
+                    request.num_computed_tokens,
+                    num_new_tokens,
+                )
+            )
+            token_budget -= num_new_tokens
+            index += 1
+
+        # Admitting while preempting would take back the blocks just freed.
+        if output.num_preemptions == 0:
+            self._admit_waiting(token_budget, output)
+        return output
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advances computed counts, records sampled tokens; returns requests finished now."""
+        finished: list[Request] = []
+        continuing: list[Request] = []
+        continuing_token_ids: list[int] = []
+        for item in output.scheduled:
+            request = item.request
+            request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            if not item.samples:
+                continue
+            token_id = sampled_token_ids[request.request_id]
+            finish_reason = request.append_output_token(token_id)
+            if finish_reason is None:
+                continuing.append(request)
+                continuing_token_ids.append(token_id)
+                continue
+            self.running.remove(request)
+            self.kv_cache.free(request)
+            self._finish(request, finish_reason)
+            finished.append(request)
+        if continuing:
+            # The core hashes blocks as they fill, so it needs every sampled token (one call).
+            self.kv_cache.append_token_ids(continuing, continuing_token_ids)
+        return finished
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, output: SchedulerOutput
+    ) -> bool:
+        """Allocates for `request`, preempting newest-first until it fits; False when the
+        request itself had to be preempted."""
+        while not self.kv_cache.allocate(request, request.num_computed_tokens, num_new_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.num_preemptions += 1
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Every running request arrived before every waiting one, and victims go newest first,
+        # so pushing each to the front keeps the waiting queue in arrival order.
+        assert not self.waiting or self.waiting[0].arrival_index > request.arrival_index, (
+            "preemption would break first-come-first-served order"
+        )
+        self.waiting.appendleft(request)
+
+    def _admit_waiting(self, token_budget: int, output: SchedulerOutput) -> None:
+        while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            try:
+                row = self.kv_cache.add(request)
+            except InsufficientKVCacheError as error:
+                self.waiting.popleft()
+                self._fail(request, error, output)
+                continue
+            num_hit_tokens = self.kv_cache.find_cache_hit(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+            if not self.kv_cache.allocate(request, num_hit_tokens, num_new_tokens):
+                self.kv_cache.free(request)
+                if self.running:
+                    break  # blocks come back as running requests finish
+                # Nothing else holds blocks: this request can never start.
+                self.waiting.popleft()
+                error = InsufficientKVCacheError(
+                    f"request {request.request_id!r} does not fit in an empty KV-cache pool; "
+                    "raise kv_cache_memory or lower max_num_batched_tokens"
+                )
+                self._fail(request, error, output)
+                continue
+            self.waiting.popleft()
+            if not request.has_been_scheduled:
+                request.num_cached_tokens = num_hit_tokens
+                request.has_been_scheduled = True
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled.append(ScheduledRequest(request, row, num_hit_tokens, num_new_tokens))
+            token_budget -= num_new_tokens
+
+    def _fail(self, request: Request, error: Exception, output: SchedulerOutput) -> None:
+        self._finish(request, FinishReason.ERROR)
+        request.error = error
+        output.failed.append(request)
+
+    @staticmethod
+    def _finish(request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason

@@ -1,0 +1,362 @@
+"""End to end: `LLM.generate` on tiny random-weight models against transformers' `generate`.
+
+Each model is built from transformers' own config class (seeded), saved with `save_pretrained`
+and loaded by our loader. Windows are 8 tokens and blocks 4, so prompts of up to 30 tokens plus
+16 generated ones cross every window several times; a small `max_num_batched_tokens` forces
+chunked prefill mixed with decodes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hybrid_cache import _core
+from hybrid_cache.config import load_model_spec
+from hybrid_cache.engine.llm import LLM
+from hybrid_cache.engine.sampling_params import SamplingParams
+from hybrid_cache.planner import PlanOptions, plan_kv_cache
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(
+    not hasattr(_core, "Coordinator"), reason="the Rust Coordinator binding is not built"
+)
+
+NUM_NEW_TOKENS = 16
+WINDOW = 8
+PROMPT_LENGTHS = (5, 19, 30)
+GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # The CPU here is shared: more threads make these tiny matmuls much slower, not faster.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def hf_model(architecture: str):
+    """A seeded tiny transformers model; weight scales chosen so greedy output varies."""
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    if architecture == "llama":
+        config, model_class, scale = (
+            transformers.LlamaConfig(num_hidden_layers=2, **common),
+            transformers.LlamaForCausalLM,
+            0.1,
+        )
+    elif architecture == "mistral":
+        config = transformers.MistralConfig(num_hidden_layers=2, sliding_window=WINDOW, **common)
+        model_class, scale = transformers.MistralForCausalLM, 0.1
+    elif architecture == "gemma2":
+        config = transformers.Gemma2Config(num_hidden_layers=4, sliding_window=WINDOW, **common)
+        model_class, scale = transformers.Gemma2ForCausalLM, 0.02
+    elif architecture == "gemma3":
+        layer_types = ["sliding_attention"] * 3 + ["full_attention"]
+        config = transformers.Gemma3TextConfig(
+            num_hidden_layers=4, sliding_window=WINDOW, layer_types=layer_types, **common
+        )
+        model_class, scale = transformers.Gemma3ForCausalLM, 0.02
+    elif architecture == "gpt_oss":
+        common["intermediate_size"] = 64
+        config = transformers.GptOssConfig(
+            num_hidden_layers=2,
+            sliding_window=WINDOW,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            **common,
+        )
+        model_class, scale = transformers.GptOssForCausalLM, 0.3
+    else:
+        raise AssertionError(architecture)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, scale if parameter.dim() > 1 else 0.1)
+    return model
+
+
+def make_prompts(
+    seed: int, lengths=PROMPT_LENGTHS, prefix: tuple[int, ...] = ()
+) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        list(prefix) + torch.randint(3, 128, (length,), generator=generator).tolist()
+        for length in lengths
+    ]
+
+
+def hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = []
+    for prompt in prompts:
+        generated = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NUM_NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs
+
+
+class TinyModel:
+    def __init__(self, architecture: str, folder) -> None:
+        self.architecture = architecture
+        self.hf = hf_model(architecture)
+        self.hf.save_pretrained(folder)
+        self.folder = str(folder)
+
+    def llm(self, **overrides) -> LLM:
+        options = dict(
+            kv_cache_memory="1MiB",
+            max_model_len=128,
+            block_size=4,
+            max_num_batched_tokens=16,
+            max_num_seqs=4,
+        )
+        options.update(overrides)
+        return LLM(self.folder, **options)
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma2", "gemma3", "gpt_oss"])
+def tiny(request, tmp_path_factory) -> TinyModel:
+    return TinyModel(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def generate_ids(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [output.token_ids for output in outputs]
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    kv_cache = llm.engine.kv_cache
+    assert kv_cache.num_free_blocks == kv_cache.num_blocks - 1
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_greedy_matches_transformers_with_chunked_prefill(tiny):
+    prompts = make_prompts(1)
+    expected = hf_greedy(tiny.hf, prompts)
+    assert len({token for tokens in expected for token in tokens}) > 3, "degenerate reference"
+    llm = tiny.llm()
+    assert generate_ids(llm, prompts) == expected
+    # Chunked prefill happened: some step computed 16 tokens while a prompt was longer.
+    assert max(stats.num_scheduled_tokens for stats in llm.step_stats) == 16
+    assert_all_blocks_free(llm)
+
+
+def test_hybrid_and_uniform_modes_give_the_same_tokens(tiny):
+    prompts = make_prompts(2)
+    hybrid = tiny.llm(kv_cache_mode="hybrid")
+    uniform = tiny.llm(kv_cache_mode="uniform")
+    assert (
+        generate_ids(hybrid, prompts)
+        == generate_ids(uniform, prompts)
+        == hf_greedy(tiny.hf, prompts)
+    )
+    assert uniform.layout.num_groups == 1
+    # Windowed groups release what slid out: their peak use stays below the full group's.
+    kinds = [group.kind for group in hybrid.layout.groups]
+    peaks = hybrid.stats.max_used_blocks_per_group
+    assert len(peaks) == len(kinds) == len(hybrid.step_stats[-1].num_used_blocks_per_group)
+    if "full" in kinds and "sliding_window" in kinds:
+        full_peak = max(p for p, kind in zip(peaks, kinds) if kind == "full")
+        assert max(p for p, kind in zip(peaks, kinds) if kind != "full") < full_peak
+    assert_all_blocks_free(hybrid)
+    assert_all_blocks_free(uniform)
+
+
+def test_preemption_by_recompute_gives_the_same_tokens(tiny):
+    prompts = make_prompts(3, lengths=(24, 26, 28, 30))
+    # Room for about one and a half requests: the newest running ones get preempted.
+    llm = tiny.llm(kv_cache_memory=small_pool_bytes(tiny))
+    assert generate_ids(llm, prompts) == hf_greedy(tiny.hf, prompts)
+    assert llm.stats.num_preemptions > 0
+    assert_all_blocks_free(llm)
+
+
+def small_pool_bytes(
+    tiny: TinyModel,
+    mode: str = "hybrid",
+    max_num_batched_tokens: int = 16,
+    largest: int = 30 + NUM_NEW_TOKENS,
+) -> int:
+    """A pool just larger than the `largest` request (in tokens) at its worst case:
+    admission passes, but four requests running together must preempt."""
+    spec = load_model_spec(tiny.folder)
+    options = PlanOptions(
+        kv_cache_memory="1MiB",
+        max_model_len=128,
+        block_size=4,
+        max_num_batched_tokens=max_num_batched_tokens,
+        kv_cache_dtype="float32",
+    )
+    layout = plan_kv_cache(spec, options, mode=mode)
+    need = sum(g.max_blocks_per_request(largest, max_num_batched_tokens) for g in layout.groups)
+    num_blocks = 1 + need + 2
+    return num_blocks * layout.page_bytes * layout.layers_per_group
+
+
+def test_prefix_cache_hits_give_the_same_tokens(tiny):
+    shared = tuple(make_prompts(4, lengths=(24,))[0])
+    llm = tiny.llm()
+    first = make_prompts(5, lengths=(6, 9), prefix=shared)
+    assert generate_ids(llm, first) == hf_greedy(tiny.hf, first)
+    second = make_prompts(6, lengths=(5, 11), prefix=shared)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in second], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_greedy(tiny.hf, second)
+    assert all(output.num_cached_tokens >= 16 for output in outputs)
+    assert llm.stats.prefix_cache_hit_rate > 0
+    assert_all_blocks_free(llm)
+    assert llm.reset_prefix_cache()
+    (cold,) = llm.generate({"prompt_token_ids": second[0]}, GREEDY, use_tqdm=False)
+    assert cold.num_cached_tokens == 0 and cold.token_ids == outputs[0].token_ids
+
+
+def test_prefix_hits_preemption_and_chunks_together(tiny):
+    shared = tuple(make_prompts(11, lengths=(20,))[0])
+    prompts = make_prompts(12, lengths=(3, 9, 25), prefix=shared) + make_prompts(13, (4, 30))
+    largest = max(len(p) for p in prompts) + NUM_NEW_TOKENS
+    pool = small_pool_bytes(tiny, max_num_batched_tokens=8, largest=largest)
+    llm = tiny.llm(kv_cache_memory=pool, max_num_batched_tokens=8, max_num_seqs=3)
+    expected = hf_greedy(tiny.hf, prompts)
+    assert generate_ids(llm, prompts) == expected
+    assert generate_ids(llm, prompts) == expected  # again, now over a warm prefix cache
+    assert llm.stats.num_preemptions > 0 and llm.stats.prefix_cache_hit_rate > 0
+    assert_all_blocks_free(llm)
+
+
+def test_seeded_sampling_is_reproducible_across_batches_and_preemption(tiny):
+    prompts = make_prompts(7, lengths=(24, 26, 28, 30))
+    params = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=i) for i in range(4)]
+    roomy = tiny.llm(enable_prefix_caching=False)
+    cramped = tiny.llm(kv_cache_memory=small_pool_bytes(tiny))
+    alone = [generate_ids(roomy, [p], [q])[0] for p, q in zip(prompts, params)]
+    assert generate_ids(roomy, prompts, params) == alone
+    assert generate_ids(cramped, prompts, params) == alone
+    assert cramped.stats.num_preemptions > 0
+    assert_all_blocks_free(cramped)
+
+
+def save_word_tokenizer(folder) -> None:
+    """A word-level tokenizer over a few words, saved as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = "the a cat dog sat on mat and ran far".split()
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{word: 3 + i for i, word in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="[UNK]", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(folder)
+
+
+def test_text_prompts_use_the_folder_tokenizer(tmp_path):
+    model = hf_model("llama")
+    model.save_pretrained(tmp_path)
+    save_word_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), kv_cache_memory="1MiB", max_model_len=128, block_size=4)
+    text_output, ids_output = llm.generate(
+        ["the cat sat on the mat", {"prompt_token_ids": [3, 5, 7, 8, 3, 9]}],
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        use_tqdm=True,
+    )
+    assert text_output.prompt_token_ids == [3, 5, 7, 8, 3, 9]
+    assert text_output.token_ids == ids_output.token_ids
+    expected_text = llm.tokenizer.decode(text_output.token_ids, skip_special_tokens=True)
+    assert text_output.text == expected_text and ids_output.text == expected_text
+    assert isinstance(text_output.text, str)
+    assert_all_blocks_free(llm)
+
+
+def test_generate_command_runs_a_preset(capsys):
+    import argparse
+    import json
+
+    from hybrid_cache.commands import generate
+
+    parser = argparse.ArgumentParser()
+    generate.register(parser.add_subparsers())
+    args = parser.parse_args(
+        [
+            "generate",
+            "--model=tiny-gemma3",
+            "--kv-cache-memory=1MiB",
+            "--max-model-len=128",
+            "--max-tokens=5",
+            "--ignore-eos",
+            "--prompt-token-ids=5,6,7",
+            "--prompt-token-ids=",
+            "--json",
+        ]
+    )
+    assert args.handler(args) == 1  # the empty prompt failed, and says so in the exit code
+    result = json.loads(capsys.readouterr().out)
+    good, bad = result["outputs"]
+    assert good["finish_reason"] == "length" and len(good["token_ids"]) == 5
+    assert bad["finish_reason"] == "error" and "InvalidRequestError" in bad["error"]
+    assert result["summary"]["num_steps"] >= 5
+
+
+def test_block_table_is_a_zero_copy_view_of_the_core():
+    from hybrid_cache.engine.kv_cache import GroupDescription, KVCacheManager
+    from hybrid_cache.engine.request import Request
+
+    groups = [GroupDescription("full", 4), GroupDescription("sliding_window", 4, window=8)]
+    kv_cache = KVCacheManager(
+        num_blocks=64, groups=groups, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16
+    )
+    core_view = kv_cache.coordinator.block_table()
+    assert kv_cache.block_table.data_ptr() == core_view.ctypes.data
+    request = Request("r", list(range(3, 23)), GREEDY, 0, max_total_tokens=36)
+    row = kv_cache.add(request)
+    assert kv_cache.allocate(request, 0, 16)
+    full_row, window_row = kv_cache.block_table[0, row], kv_cache.block_table[1, row]
+    assert (full_row[:4] > 0).all() and (window_row[:4] > 0).all()
+    # Computing 4 more tokens at c=16: the window (8) no longer sees blocks 0-1 (positions 0-7).
+    assert kv_cache.allocate(request, 16, 4)
+    assert window_row[:2].tolist() == [0, 0] and (window_row[2:5] > 0).all()
+    assert (full_row[:5] > 0).all()
+    kv_cache.free(request)
+    assert kv_cache.num_free_blocks == kv_cache.num_blocks - 1
+
+
+def test_stop_token_ends_the_request_with_stop():
+    llm = LLM("tiny-llama", kv_cache_memory="1MiB", max_model_len=128, block_size=4)
+    prompt = {"prompt_token_ids": [11, 12, 13, 14, 15]}
+    (free_run,) = llm.generate(prompt, GREEDY, use_tqdm=False)
+    # The last token that appears for the first time: stopping there cuts the output short.
+    stop_at = max(i for i, t in enumerate(free_run.token_ids) if free_run.token_ids.index(t) == i)
+    stop_token = free_run.token_ids[stop_at]
+    params = SamplingParams(
+        max_tokens=NUM_NEW_TOKENS, temperature=0.0, stop_token_ids=[stop_token], ignore_eos=True
+    )
+    (stopped,) = llm.generate(prompt, params, use_tqdm=False)
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free_run.token_ids[: stop_at + 1]
+    assert free_run.finish_reason == "length" and len(free_run.token_ids) == NUM_NEW_TOKENS
+    assert_all_blocks_free(llm)
+
+
+def test_engine_logs_its_plan_and_backends(caplog):
+    with caplog.at_level(logging.INFO, logger="hybrid_cache.engine"):
+        llm = LLM("tiny-gemma3", kv_cache_memory="1MiB", max_model_len=128, block_size=4)
+    text = caplog.text
+    assert f"KV cache (hybrid): {llm.layout.num_blocks} blocks" in text
+    assert "sliding_window(W=16)" in text and "tokens of capacity" in text
+    assert "attention backends: group 0" in text and ": torch" in text
