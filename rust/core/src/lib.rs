@@ -3,14 +3,22 @@
 //! separate crate.
 
 pub mod allocator;
+pub mod block_pool;
+mod block_state;
 pub mod error;
+mod free_queue;
 pub mod mutex_pool;
+mod primitive;
 pub mod types;
 
 pub use allocator::BlockAllocator;
+pub use block_pool::BlockPool;
 pub use error::CoreError;
 pub use mutex_pool::MutexPool;
 pub use types::{BlockHash, BlockId, CacheKey, GroupId, PoolStats, NULL_BLOCK};
+
+/// The pool the coordinator and the Python binding use.
+pub type DefaultPool = BlockPool;
 
 /// Shared check for pool constructors: block 0 is the null block, so a usable pool needs at
 /// least one more.
