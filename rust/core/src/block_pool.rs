@@ -374,7 +374,7 @@ impl BlockAllocator for BlockPool {
 
     fn free_queue_order(&self) -> Vec<BlockId> {
         self.free_queue
-            .entries(|entry| {
+            .valid_entries(|entry| {
                 self.blocks[entry.block as usize]
                     .load()
                     .is_free_with(entry.generation)

@@ -28,8 +28,7 @@
 //! # Stale entries
 //!
 //! Only a touch of a free block creates a stale entry (one per such touch); it is reclaimed
-//! when it reaches the head and an allocator pops it, or when [`FreeQueue::entries`] compacts
-//! the queue. Between allocations the FIFO therefore holds at most
+//! when it reaches the head and an allocator pops it. Between allocations the FIFO therefore holds at most
 //! `free blocks + touches of free blocks since the head last passed`: a workload that hits in
 //! the cache without ever allocating grows the queue by 16 bytes per hit until the next
 //! allocation sweeps past them. Generation wrap-around needs 2^38 queued entries, see
@@ -146,20 +145,20 @@ impl FreeQueue {
         self.num_countable.load(Ordering::Acquire)
     }
 
-    /// Every queued entry in FIFO order, keeping only those `keep` accepts (the valid ones); the
-    /// others are dropped, which compacts the queue. Drains and re-pushes the FIFO, so it is
-    /// meant for a quiescent pool (tests, debugging): concurrent pushes would interleave with the
-    /// re-pushed entries, and a concurrent allocator waits until they are back.
-    pub(crate) fn entries(&self, mut keep: impl FnMut(Entry) -> bool) -> Vec<Entry> {
+    /// The queued entries that `is_valid` accepts, in FIFO order. Stale entries are kept in the
+    /// queue (dropping them here would hide from the tests the state the hot path really works
+    /// on). Drains and re-pushes the FIFO, so it is meant for a quiescent pool (tests,
+    /// debugging): concurrent pushes would interleave with the re-pushed entries, and a
+    /// concurrent allocator waits until they are back.
+    pub(crate) fn valid_entries(&self, mut is_valid: impl FnMut(Entry) -> bool) -> Vec<Entry> {
         let mut drained = Vec::new();
         while let Some(entry) = self.fifo.pop() {
-            if keep(entry) {
-                drained.push(entry);
-            }
+            drained.push(entry);
         }
         for &entry in &drained {
             self.fifo.push(entry);
         }
+        drained.retain(|&entry| is_valid(entry));
         drained
     }
 }
@@ -183,8 +182,9 @@ mod tests {
         assert_eq!(queue.pop().block, 1);
         queue.unreserve(1);
         assert_eq!(queue.num_countable(), 2);
-        let kept = queue.entries(|entry| entry.block != 2);
+        let kept = queue.valid_entries(|entry| entry.block != 2);
         assert_eq!(kept.iter().map(|e| e.block).collect::<Vec<_>>(), vec![3]);
+        assert_eq!(queue.pop().block, 2, "invalid entries stay queued");
         assert_eq!(queue.pop().block, 3);
     }
 }
