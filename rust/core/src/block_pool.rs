@@ -52,6 +52,7 @@
 //! - `free_queue_order` drains and re-pushes the queue (a debugging aid for a quiescent pool).
 
 use std::fmt;
+#[cfg(not(loom))]
 use std::hash::{BuildHasher, Hasher};
 
 use crate::allocator::BlockAllocator;
@@ -66,11 +67,14 @@ const SMALL_FREE: usize = 16;
 
 /// Hasher for cache keys. The keys are already well-mixed 128-bit hashes, so a multiply-fold is
 /// enough (SipHash would dominate a lookup).
+#[cfg(not(loom))]
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct KeyHasher(u64);
 
+#[cfg(not(loom))]
 const MIX: u64 = 0x9e37_79b9_7f4a_7c15;
 
+#[cfg(not(loom))]
 impl Hasher for KeyHasher {
     fn write(&mut self, bytes: &[u8]) {
         for &byte in bytes {
@@ -93,9 +97,11 @@ impl Hasher for KeyHasher {
 }
 
 /// Builds [`KeyHasher`]s.
+#[cfg(not(loom))]
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct BuildKeyHasher;
 
+#[cfg(not(loom))]
 impl BuildHasher for BuildKeyHasher {
     type Hasher = KeyHasher;
 
