@@ -235,3 +235,23 @@ fn two_allocators_race_a_touch() {
         assert_eq!(pool.stats().num_evictions, u64::from(!touched));
     });
 }
+
+#[test]
+fn same_reference_freed_twice_concurrently() {
+    model(|| {
+        // A caller bug: two threads free the one reference that exists. Both may pass
+        // validation; the release that finds the count already 0 reports DoubleFree. The count
+        // never goes negative and the block is queued exactly once.
+        let pool = Arc::new(BlockPool::new(2).unwrap());
+        let mut out = Vec::new();
+        pool.get_new_blocks(1, &mut out).unwrap();
+        let other = Arc::clone(&pool);
+        let handle = thread::spawn(move || other.free_blocks(&[1]));
+        let mine = pool.free_blocks(&[1]);
+        let theirs = handle.join().unwrap();
+        assert!(mine.is_ok() != theirs.is_ok(), "{mine:?} {theirs:?}");
+        let error = mine.err().or(theirs.err()).unwrap();
+        assert_eq!(error, hybrid_cache_core::CoreError::DoubleFree { block: 1 });
+        check_quiescent(&pool, &[]);
+    });
+}

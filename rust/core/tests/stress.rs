@@ -93,7 +93,7 @@ fn worker(
                     shadow.owner[b].store(thread, Ordering::Relaxed);
                     let value = xorshift(&mut rng) % NUM_KEYS;
                     shadow.content[b].store(value, Ordering::Relaxed);
-                    if xorshift(&mut rng) % 2 == 0 && pool.cache_block(block, key(value)).unwrap() {
+                    if xorshift(&mut rng) & 1 == 0 && pool.cache_block(block, key(value)).unwrap() {
                         counts.cached += 1;
                     }
                     held.push(Held {
@@ -106,7 +106,7 @@ fn worker(
             3..=5 => {
                 let value = xorshift(&mut rng) % NUM_KEYS;
                 if let Some(block) = pool.cached_block(key(value)) {
-                    if xorshift(&mut rng) % 4 == 0 {
+                    if xorshift(&mut rng) & 3 == 0 {
                         // Widen the lookup-to-touch window the eviction race lives in.
                         std::thread::yield_now();
                     }
