@@ -50,6 +50,8 @@
 //! - `reset_prefix_cache` checks "no block in use" once, then forgets the keys of free cached
 //!   blocks one by one; blocks allocated concurrently keep what the allocation left them.
 //! - `free_queue_order` drains and re-pushes the queue (a debugging aid for a quiescent pool).
+//! - A touch that leaves more stale queue entries than there are blocks compacts the queue
+//!   (see `free_queue`); meanwhile an allocation of every last free block may be refused.
 
 use std::fmt;
 #[cfg(not(loom))]
@@ -195,7 +197,8 @@ impl BlockPool {
     pub fn new(num_blocks: usize) -> Result<Self, CoreError> {
         crate::validate_num_blocks(num_blocks)?;
         let blocks: Box<[BlockSlot]> = (0..num_blocks).map(|_| BlockSlot::new()).collect();
-        let free_queue = FreeQueue::new();
+        // Compact once stale entries outnumber the blocks: the FIFO stays O(num_blocks).
+        let free_queue = FreeQueue::new(num_blocks);
         for block in 1..num_blocks as BlockId {
             free_queue.push(Entry {
                 block,
@@ -289,7 +292,7 @@ impl BlockAllocator for BlockPool {
                     out.push(entry.block);
                     taken += 1;
                 }
-                Claim::Stale => {}
+                Claim::Stale => self.free_queue.dropped_stale(),
             }
         }
         Ok(())
@@ -325,7 +328,18 @@ impl BlockAllocator for BlockPool {
             || self.free_queue.try_reserve(1).is_ok(),
             || self.free_queue.unreserve(1),
         );
-        matches!(touched, Touch::Taken { .. })
+        match touched {
+            Touch::Taken { was_free: true } => {
+                self.free_queue.made_stale(|entry| {
+                    self.blocks[entry.block as usize]
+                        .load()
+                        .is_free_with(entry.generation)
+                });
+                true
+            }
+            Touch::Taken { was_free: false } => true,
+            Touch::Miss => false,
+        }
     }
 
     fn cache_block(&self, block: BlockId, key: CacheKey) -> Result<bool, CoreError> {

@@ -25,14 +25,23 @@
 //! for the instant between another thread's push and that entry becoming visible, for which
 //! [`FreeQueue::pop`] retries.
 //!
-//! # Stale entries
+//! # Stale entries and compaction
 //!
-//! Only a touch of a free block creates a stale entry (one per such touch); it is reclaimed
-//! when it reaches the head and an allocator pops it. Between allocations the FIFO therefore holds at most
-//! `free blocks + touches of free blocks since the head last passed`: a workload that hits in
-//! the cache without ever allocating grows the queue by 16 bytes per hit until the next
-//! allocation sweeps past them. Generation wrap-around needs 2^38 queued entries, see
-//! `block_state`.
+//! Only a touch of a free block creates a stale entry (exactly one per such touch: the block's
+//! entry, queued or about to be pushed by the release in flight). `num_stale` counts them: the
+//! toucher adds one, whoever drops a stale entry subtracts one. Allocators drop the stale
+//! entries they pop. So that a workload that hits in the cache without allocating cannot grow
+//! the FIFO forever, the touch that lifts `num_stale` above `stale_limit` (the pool's block
+//! count) *compacts*: one thread at a time (a try-flag; nobody waits for it) rotates the FIFO
+//! once, popping each entry under a one-unit reservation (so the invariant above holds and no
+//! allocator ever waits for the compactor), dropping stale entries and re-pushing valid ones at
+//! the tail. With no concurrent pushes a full rotation keeps the valid entries in the same order,
+//! so LRU order is unchanged; concurrent releases may land between re-pushed entries (LRU order
+//! under concurrency is approximate anyway). Each compaction walks at most about
+//! `2 * stale_limit` entries and removes at least `stale_limit` stale ones, so it costs O(1)
+//! amortised per touch, and the FIFO stays within about `free blocks + 2 * stale_limit` entries
+//! (plus what concurrent touches add during a compaction). The price: while the compactor holds
+//! its one unit, an allocation that needs every last free block may be refused.
 //!
 //! # Backends
 //!
@@ -40,7 +49,7 @@
 //! loom a `loom::sync::Mutex<VecDeque>` stands in: the models check the state-word and counter
 //! protocol around a linearizable FIFO, which is exactly what `SegQueue` provides.
 
-use crate::primitive::{spin_wait, AtomicUsize, Ordering};
+use crate::primitive::{spin_wait, AtomicBool, AtomicUsize, Ordering};
 use crate::types::BlockId;
 
 /// A free-queue entry: valid iff `block`'s state word has ref count 0 and this generation.
@@ -63,6 +72,10 @@ impl Fifo {
     fn pop(&self) -> Option<Entry> {
         self.0.pop()
     }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
 }
 
 #[cfg(loom)]
@@ -78,20 +91,38 @@ impl Fifo {
     fn pop(&self) -> Option<Entry> {
         self.0.lock().unwrap().pop_front()
     }
+
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
 }
 
 /// The FIFO plus the count of blocks allocators may reserve. See the module docs.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct FreeQueue {
     /// Entries in release order; valid ones are the free blocks in eviction order.
     fifo: Fifo,
     /// Free blocks not reserved by anyone; never more than the valid entries (module docs).
     num_countable: AtomicUsize,
+    /// Stale entries in the FIFO (or about to be pushed), as a wrapping count: a drop may be
+    /// counted before the touch that made the entry stale, so read it as `isize`.
+    num_stale: AtomicUsize,
+    /// Set while one thread compacts; others skip compaction instead of waiting.
+    compacting: AtomicBool,
+    /// Compaction starts when `num_stale` exceeds this (at least 1).
+    stale_limit: usize,
 }
 
 impl FreeQueue {
-    pub(crate) fn new() -> Self {
-        Self::default()
+    /// An empty queue that compacts once more than `stale_limit` stale entries pile up.
+    pub(crate) fn new(stale_limit: usize) -> Self {
+        FreeQueue {
+            fifo: Fifo::default(),
+            num_countable: AtomicUsize::new(0),
+            num_stale: AtomicUsize::new(0),
+            compacting: AtomicBool::new(false),
+            stale_limit: stale_limit.max(1),
+        }
     }
 
     /// Queues a block whose last reference was just released, and makes it countable.
@@ -140,6 +171,62 @@ impl FreeQueue {
         }
     }
 
+    /// Records that an allocator popped and dropped a stale entry.
+    pub(crate) fn dropped_stale(&self) {
+        // Relaxed: a heuristic trigger, no data is published through it.
+        self.num_stale.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Records that a touch made one entry stale, compacting the FIFO when too many piled up.
+    /// `is_valid` tells valid entries from stale ones.
+    pub(crate) fn made_stale(&self, is_valid: impl Fn(Entry) -> bool) {
+        // Relaxed: as in `dropped_stale`.
+        let stale = self
+            .num_stale
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_add(1);
+        if (stale as isize) > self.stale_limit as isize {
+            self.compact(is_valid);
+        }
+    }
+
+    /// Rotates the FIFO once, dropping stale entries (see the module docs).
+    fn compact(&self, is_valid: impl Fn(Entry) -> bool) {
+        // Acquire: pairs with the Release that ended the previous compaction (not needed for the
+        // queue's own safety, which never relies on the flag; it only keeps one compactor).
+        if self
+            .compacting
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return;
+        }
+        for _ in 0..self.fifo.len() {
+            // Popping under a reservation keeps every other reserver's entries in the FIFO.
+            if self.try_reserve(1).is_err() {
+                break;
+            }
+            let Some(entry) = self.fifo.pop() else {
+                self.unreserve(1);
+                break;
+            };
+            if is_valid(entry) {
+                self.fifo.push(entry);
+            } else {
+                self.dropped_stale();
+            }
+            self.unreserve(1);
+        }
+        // Release: see the Acquire above.
+        self.compacting.store(false, Ordering::Release);
+    }
+
+    /// Queued entries, stale ones included (tests).
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn len(&self) -> usize {
+        self.fifo.len()
+    }
+
     /// Free blocks that may be reserved now.
     pub(crate) fn num_countable(&self) -> usize {
         self.num_countable.load(Ordering::Acquire)
@@ -169,7 +256,7 @@ mod tests {
 
     #[test]
     fn reservations_are_all_or_nothing() {
-        let queue = FreeQueue::new();
+        let queue = FreeQueue::new(8);
         for block in 1..=3 {
             queue.push(Entry {
                 block,
@@ -186,5 +273,34 @@ mod tests {
         assert_eq!(kept.iter().map(|e| e.block).collect::<Vec<_>>(), vec![3]);
         assert_eq!(queue.pop().block, 2, "invalid entries stay queued");
         assert_eq!(queue.pop().block, 3);
+    }
+
+    #[test]
+    fn compaction_drops_stale_entries_and_keeps_order() {
+        let queue = FreeQueue::new(2);
+        for block in 1..=6 {
+            queue.push(Entry {
+                block,
+                generation: 0,
+            });
+        }
+        // Blocks 2, 4 and 5 were touched: their entries are stale.
+        let valid = |entry: Entry| ![2, 4, 5].contains(&entry.block);
+        queue.made_stale(valid);
+        queue.made_stale(valid);
+        assert_eq!(queue.len(), 6, "at the limit: no compaction yet");
+        queue.made_stale(valid);
+        assert_eq!(queue.len(), 3);
+        assert_eq!(
+            queue.num_countable(),
+            6,
+            "compaction returns every unit it took"
+        );
+        let order: Vec<BlockId> = queue
+            .valid_entries(|_| true)
+            .iter()
+            .map(|e| e.block)
+            .collect();
+        assert_eq!(order, vec![1, 3, 6]);
     }
 }

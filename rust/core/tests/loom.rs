@@ -255,3 +255,68 @@ fn same_reference_freed_twice_concurrently() {
         check_quiescent(&pool, &[]);
     });
 }
+
+/// Allocates block 1 of `pool`, caches it under `key(9)`, frees it, then hits and frees it
+/// `cycles` times: each hit of the free block leaves one stale queue entry.
+fn cached_with_stale_entries(pool: &BlockPool, cycles: usize) {
+    let mut out = Vec::new();
+    pool.get_new_blocks(1, &mut out).unwrap();
+    assert_eq!(out, vec![1]);
+    assert!(pool.cache_block(1, key(9)).unwrap());
+    pool.free_blocks(&[1]).unwrap();
+    for _ in 0..cycles {
+        assert!(pool.touch_cached(1, key(9)));
+        pool.free_blocks(&[1]).unwrap();
+    }
+}
+
+#[test]
+fn compaction_races_allocation() {
+    model(|| {
+        // One usable block (stale limit 2) with two stale entries: the next hit compacts while
+        // another thread allocates. The allocation may be refused while the hit or the compactor
+        // holds the only unit, but the block is never lost nor shared.
+        let pool = Arc::new(BlockPool::new(2).unwrap());
+        cached_with_stale_entries(&pool, 2);
+        let other = Arc::clone(&pool);
+        let allocator = thread::spawn(move || {
+            let mut out = Vec::new();
+            let _ = other.get_new_blocks(1, &mut out);
+            out
+        });
+        let touched = pool.touch_cached(1, key(9));
+        if touched {
+            pool.free_blocks(&[1]).unwrap();
+        }
+        let theirs = allocator.join().unwrap();
+        check_quiescent(&pool, &theirs);
+        let mut again = Vec::new();
+        assert_eq!(
+            pool.get_new_blocks(1, &mut again).is_ok(),
+            theirs.is_empty()
+        );
+    });
+}
+
+#[test]
+fn compaction_races_free() {
+    model(|| {
+        // Block 1 free with two stale entries (stale limit 3 for this pool after the third),
+        // block 2 held by another thread that frees it while the main thread's hits compact.
+        let pool = Arc::new(BlockPool::new(3).unwrap());
+        cached_with_stale_entries(&pool, 3);
+        let mut second = Vec::new();
+        pool.get_new_blocks(1, &mut second).unwrap();
+        assert_eq!(second, vec![2]);
+        let other = Arc::clone(&pool);
+        let freer = thread::spawn(move || other.free_blocks(&[2]).unwrap());
+        assert!(
+            pool.touch_cached(1, key(9)),
+            "block 1 is free and its unit unreserved"
+        );
+        pool.free_blocks(&[1]).unwrap();
+        freer.join().unwrap();
+        check_quiescent(&pool, &[]);
+        assert_eq!(pool.num_free_blocks(), 2);
+    });
+}

@@ -35,6 +35,9 @@ enum Op {
     },
     /// `cached_block` then `touch_cached` on what it returned.
     Hit((u32, u128)),
+    /// `cached_block` + `touch_cached`, then free that reference at once: the hit-only cycle
+    /// that leaves stale queue entries behind (and triggers compaction).
+    HitAndFree((u32, u128)),
     /// `touch_cached` with an arbitrary block and key.
     Touch(u32, (u32, u128)),
     Reset,
@@ -68,6 +71,7 @@ fn op_strategy(num_blocks: u32) -> impl Strategy<Value = Op> {
         3 => (prop::bool::weighted(0.9), any::<Index>(), 0..num_blocks + 1, key_strategy())
             .prop_map(|(held, pick, any_block, key)| Op::Cache { held, pick, any_block, key }),
         4 => key_strategy().prop_map(Op::Hit),
+        6 => key_strategy().prop_map(Op::HitAndFree),
         1 => (0..num_blocks + 1, key_strategy()).prop_map(|(block, key)| Op::Touch(block, key)),
         1 => Just(Op::Reset),
     ]
@@ -162,6 +166,16 @@ impl Harness {
                     self.held.push(block);
                 }
             }
+            Op::HitAndFree(k) => {
+                let before = self.held.len();
+                self.apply(&Op::Hit(*k));
+                if self.held.len() > before {
+                    let block = self.held.pop().unwrap();
+                    let ra = self.lock_free.free_blocks(&[block]);
+                    assert_eq!(ra, self.reference.free_blocks(&[block]), "free after hit");
+                    assert_eq!(ra, Ok(()));
+                }
+            }
             Op::Touch(block, k) => {
                 let ta = self.lock_free.touch_cached(*block, key(*k));
                 let tb = self.reference.touch_cached(*block, key(*k));
@@ -242,6 +256,28 @@ proptest! {
         harness.check();
         prop_assert_eq!(harness.lock_free.num_free_blocks(), num_blocks - 1);
     }
+}
+
+#[test]
+fn hits_without_allocation_keep_matching() {
+    // Many touch/free cycles of free cached blocks with no allocation in between: stale entries
+    // pile up and the queue compacts; order and counts must still match the reference.
+    let mut harness = Harness::new(6);
+    harness.apply(&Op::Allocate(5));
+    for (position, block) in harness.held.clone().into_iter().enumerate() {
+        let k = (0, position as u128);
+        assert_eq!(
+            harness.lock_free.cache_block(block, key(k)),
+            harness.reference.cache_block(block, key(k))
+        );
+    }
+    let rest: Vec<BlockId> = harness.held.drain(..).rev().collect();
+    harness.lock_free.free_blocks(&rest).unwrap();
+    harness.reference.free_blocks(&rest).unwrap();
+    for round in 0..200u128 {
+        harness.apply(&Op::HitAndFree((0, (round * 7) % 5)));
+    }
+    harness.apply(&Op::Allocate(5));
 }
 
 #[test]

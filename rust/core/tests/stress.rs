@@ -59,11 +59,29 @@ fn xorshift(state: &mut u64) -> u64 {
     *state
 }
 
+/// Operation mix: out of 16 draws, how many allocate and how many hit (the rest free).
+#[derive(Clone, Copy)]
+struct Mix {
+    allocate: u64,
+    hit: u64,
+}
+
+const BALANCED: Mix = Mix {
+    allocate: 6,
+    hit: 6,
+};
+
+/// Mostly hits that are freed again soon: stale queue entries pile up and force compaction.
+const HIT_HEAVY: Mix = Mix {
+    allocate: 1,
+    hit: 9,
+};
+
 fn worker(
     pool: &BlockPool,
     shadow: &Shadow,
     start: &Barrier,
-    thread: usize,
+    (thread, mix): (usize, Mix),
     iterations: usize,
 ) -> Counts {
     start.wait();
@@ -72,65 +90,62 @@ fn worker(
     let mut held: Vec<Held> = Vec::new();
     let mut out = Vec::new();
     for _ in 0..iterations {
-        match xorshift(&mut rng) % 8 {
-            0..=2 => {
-                let count = 1 + (xorshift(&mut rng) % 3) as usize;
-                out.clear();
-                if pool.get_new_blocks(count, &mut out).is_err() {
-                    assert!(out.is_empty(), "a refused allocation takes nothing");
-                    counts.refused += 1;
-                    continue;
+        let draw = xorshift(&mut rng) % 16;
+        if draw < mix.allocate {
+            let count = 1 + (xorshift(&mut rng) % 3) as usize;
+            out.clear();
+            if pool.get_new_blocks(count, &mut out).is_err() {
+                assert!(out.is_empty(), "a refused allocation takes nothing");
+                counts.refused += 1;
+                continue;
+            }
+            assert_eq!(out.len(), count, "a granted allocation takes exactly count");
+            for &block in &out {
+                let b = block as usize;
+                assert_ne!(block, 0, "the null block is never handed out");
+                assert_eq!(
+                    shadow.holders[b].fetch_add(1, Ordering::Relaxed),
+                    0,
+                    "block {block} handed out while someone holds it"
+                );
+                shadow.owner[b].store(thread, Ordering::Relaxed);
+                let value = xorshift(&mut rng) % NUM_KEYS;
+                shadow.content[b].store(value, Ordering::Relaxed);
+                if xorshift(&mut rng) & 1 == 0 && pool.cache_block(block, key(value)).unwrap() {
+                    counts.cached += 1;
                 }
-                assert_eq!(out.len(), count, "a granted allocation takes exactly count");
-                for &block in &out {
+                held.push(Held {
+                    block,
+                    allocated: true,
+                });
+                counts.allocated += 1;
+            }
+        } else if draw < mix.allocate + mix.hit {
+            let value = xorshift(&mut rng) % NUM_KEYS;
+            if let Some(block) = pool.cached_block(key(value)) {
+                if xorshift(&mut rng) & 3 == 0 {
+                    // Widen the lookup-to-touch window the eviction race lives in.
+                    std::thread::yield_now();
+                }
+                if pool.touch_cached(block, key(value)) {
                     let b = block as usize;
-                    assert_ne!(block, 0, "the null block is never handed out");
+                    shadow.holders[b].fetch_add(1, Ordering::Relaxed);
                     assert_eq!(
-                        shadow.holders[b].fetch_add(1, Ordering::Relaxed),
-                        0,
-                        "block {block} handed out while someone holds it"
+                        shadow.content[b].load(Ordering::Relaxed),
+                        value,
+                        "block {block} touched under a key it no longer holds"
                     );
-                    shadow.owner[b].store(thread, Ordering::Relaxed);
-                    let value = xorshift(&mut rng) % NUM_KEYS;
-                    shadow.content[b].store(value, Ordering::Relaxed);
-                    if xorshift(&mut rng) & 1 == 0 && pool.cache_block(block, key(value)).unwrap() {
-                        counts.cached += 1;
-                    }
                     held.push(Held {
                         block,
-                        allocated: true,
+                        allocated: false,
                     });
-                    counts.allocated += 1;
+                    counts.touched += 1;
                 }
             }
-            3..=5 => {
-                let value = xorshift(&mut rng) % NUM_KEYS;
-                if let Some(block) = pool.cached_block(key(value)) {
-                    if xorshift(&mut rng) & 3 == 0 {
-                        // Widen the lookup-to-touch window the eviction race lives in.
-                        std::thread::yield_now();
-                    }
-                    if pool.touch_cached(block, key(value)) {
-                        let b = block as usize;
-                        shadow.holders[b].fetch_add(1, Ordering::Relaxed);
-                        assert_eq!(
-                            shadow.content[b].load(Ordering::Relaxed),
-                            value,
-                            "block {block} touched under a key it no longer holds"
-                        );
-                        held.push(Held {
-                            block,
-                            allocated: false,
-                        });
-                        counts.touched += 1;
-                    }
-                }
-            }
-            _ => {
-                let keep = (xorshift(&mut rng) as usize) % (held.len() + 1);
-                let released: Vec<Held> = held.drain(keep..).rev().collect();
-                free_all(pool, shadow, thread, &released, &mut counts);
-            }
+        } else {
+            let keep = (xorshift(&mut rng) as usize) % (held.len() + 1);
+            let released: Vec<Held> = held.drain(keep..).rev().collect();
+            free_all(pool, shadow, thread, &released, &mut counts);
         }
         if held.len() > 8 {
             let released: Vec<Held> = held.drain(..).rev().collect();
@@ -161,7 +176,7 @@ fn free_all(pool: &BlockPool, shadow: &Shadow, thread: usize, held: &[Held], cou
     counts.freed += ids.len() as u64;
 }
 
-fn run(num_threads: usize, num_blocks: usize, iterations: usize) {
+fn run(num_threads: usize, num_blocks: usize, mix: Mix, iterations: usize) {
     let pool = Arc::new(BlockPool::new(num_blocks).unwrap());
     let shadow = Arc::new(Shadow {
         holders: (0..num_blocks).map(|_| AtomicUsize::new(0)).collect(),
@@ -174,7 +189,7 @@ fn run(num_threads: usize, num_blocks: usize, iterations: usize) {
             let pool = Arc::clone(&pool);
             let shadow = Arc::clone(&shadow);
             let start = Arc::clone(&start);
-            std::thread::spawn(move || worker(&pool, &shadow, &start, thread, iterations))
+            std::thread::spawn(move || worker(&pool, &shadow, &start, (thread, mix), iterations))
         })
         .collect();
     let mut total = Counts::default();
@@ -226,16 +241,21 @@ fn iterations() -> usize {
 
 #[test]
 fn two_threads_small_pool() {
-    run(2, 9, iterations());
+    run(2, 9, BALANCED, iterations());
 }
 
 #[test]
 fn four_threads() {
-    run(4, 24, iterations());
+    run(4, 24, BALANCED, iterations());
 }
 
 #[test]
 fn eight_threads() {
     let threads = if cfg!(miri) { 3 } else { 8 };
-    run(threads, 40, iterations());
+    run(threads, 40, BALANCED, iterations());
+}
+
+#[test]
+fn hit_heavy_four_threads() {
+    run(4, 16, HIT_HEAVY, iterations());
 }
