@@ -461,6 +461,22 @@ mod tests {
     }
 
     #[test]
+    fn hit_only_workload_keeps_the_queue_bounded() {
+        let pool = BlockPool::new(8).unwrap();
+        let mut out = Vec::new();
+        pool.get_new_blocks(2, &mut out).unwrap();
+        assert!(pool.cache_block(out[0], key(0, 1)).unwrap());
+        pool.free_blocks(&out).unwrap();
+        for _ in 0..10_000 {
+            assert!(pool.touch_cached(out[0], key(0, 1)));
+            pool.free_blocks(&out[..1]).unwrap();
+            // Valid entries (7 free blocks) plus at most `stale_limit` (8) stale ones.
+            assert!(pool.free_queue.len() <= 7 + 8, "{}", pool.free_queue.len());
+        }
+        assert_eq!(pool.free_queue_order(), vec![3, 4, 5, 6, 7, 2, 1]);
+    }
+
+    #[test]
     fn rejected_free_changes_nothing() {
         let pool = BlockPool::new(40).unwrap();
         let mut out = Vec::new();
