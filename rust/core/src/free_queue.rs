@@ -33,15 +33,16 @@
 //! entries they pop. So that a workload that hits in the cache without allocating cannot grow
 //! the FIFO forever, the touch that lifts `num_stale` above `stale_limit` (the pool's block
 //! count) *compacts*: one thread at a time (a try-flag; nobody waits for it) rotates the FIFO
-//! once, popping each entry under a one-unit reservation (so the invariant above holds and no
-//! allocator ever waits for the compactor), dropping stale entries and re-pushing valid ones at
-//! the tail. With no concurrent pushes a full rotation keeps the valid entries in the same order,
-//! so LRU order is unchanged; concurrent releases may land between re-pushed entries (LRU order
-//! under concurrency is approximate anyway). Each compaction walks at most about
-//! `2 * stale_limit` entries and removes at least `stale_limit` stale ones, so it costs O(1)
-//! amortised per touch, and the FIFO stays within about `free blocks + 2 * stale_limit` entries
-//! (plus what concurrent touches add during a compaction). The price: while the compactor holds
-//! its one unit, an allocation that needs every last free block may be refused.
+//! once under a one-unit reservation, dropping stale entries and re-pushing valid ones at the
+//! tail. Like an allocator, the compactor holds at most one popped entry at a time, so its one
+//! unit keeps the invariant above and no allocator ever waits for it. With no concurrent pushes
+//! a full rotation keeps the valid entries in the same order, so LRU order is unchanged;
+//! concurrent releases may land between re-pushed entries (LRU order under concurrency is
+//! approximate anyway). Each compaction walks at most about `2 * stale_limit` entries and drops
+//! at least `stale_limit`, so it costs O(1) amortised per touch, and the FIFO stays within about
+//! `free blocks + 2 * stale_limit` entries (plus what concurrent touches add meanwhile). The
+//! price: while the compactor holds its unit, an allocation needing every last free block may be
+//! refused; with no unit free there is nothing to compact safely and it is retried later.
 //!
 //! # Backends
 //!
@@ -201,19 +202,19 @@ impl FreeQueue {
         {
             return;
         }
-        for _ in 0..self.fifo.len() {
-            // Popping under a reservation keeps every other reserver's entries in the FIFO.
-            if self.try_reserve(1).is_err() {
-                break;
-            }
-            let Some(entry) = self.fifo.pop() else {
-                self.unreserve(1);
-                break;
-            };
-            if is_valid(entry) {
-                self.fifo.push(entry);
-            } else {
-                self.dropped_stale();
+        // One unit for the whole rotation: like an allocator, the compactor holds at most one
+        // popped entry at a time, so one reservation keeps every other reserver's entries in the
+        // FIFO (module invariant). No unit free: nothing to compact safely now, try later.
+        if self.try_reserve(1).is_ok() {
+            for _ in 0..self.fifo.len() {
+                let Some(entry) = self.fifo.pop() else {
+                    break;
+                };
+                if is_valid(entry) {
+                    self.fifo.push(entry);
+                } else {
+                    self.dropped_stale();
+                }
             }
             self.unreserve(1);
         }
