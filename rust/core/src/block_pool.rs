@@ -46,7 +46,12 @@
 //!   block is queued twice.
 //! - `touch_cached` on a free block may miss while every free unit is reserved by allocators (one
 //!   of which is about to evict the block anyway), or while the release that freed it is still
-//!   pushing its entry.
+//!   pushing its entry and no other unit is free.
+//! - `get_new_blocks` may be refused transiently although enough blocks are free: a touch that
+//!   lands between a release's CAS and its push borrows a unit backed by another free block
+//!   until the release adds its own (a few instructions later); likewise while a compaction
+//!   holds its one unit. A caller that treats `NoFreeBlocks` as "preempt and retry" loses at
+//!   most one step; no block is ever lost or handed out twice.
 //! - `reset_prefix_cache` checks "no block in use" once, then forgets the keys of free cached
 //!   blocks one by one; blocks allocated concurrently keep what the allocation left them.
 //! - `free_queue_order` drains and re-pushes the queue (a debugging aid for a quiescent pool).

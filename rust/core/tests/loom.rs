@@ -320,3 +320,45 @@ fn compaction_races_free() {
         assert_eq!(pool.num_free_blocks(), 2);
     });
 }
+
+#[test]
+fn touch_borrows_a_unit_while_the_release_is_in_flight() {
+    model(|| {
+        // Block 1 held and cached, block 2 free. One thread frees block 1, one hits it, one
+        // allocates a block. A touch that lands between the release's CAS and its push takes a
+        // unit that block 2 backs; the release's own unit restores the balance. An allocation
+        // in that window is refused (the documented transient refusal), but it never gets a
+        // block the toucher holds and nothing is lost.
+        let pool = Arc::new(BlockPool::new(3).unwrap());
+        let mut out = Vec::new();
+        pool.get_new_blocks(1, &mut out).unwrap();
+        assert!(pool.cache_block(1, key(4)).unwrap());
+        let freer = {
+            let pool = Arc::clone(&pool);
+            thread::spawn(move || pool.free_blocks(&[1]).unwrap())
+        };
+        let allocator = {
+            let pool = Arc::clone(&pool);
+            thread::spawn(move || {
+                let mut out = Vec::new();
+                let _ = pool.get_new_blocks(1, &mut out);
+                out
+            })
+        };
+        let touched = pool.touch_cached(1, key(4));
+        freer.join().unwrap();
+        let mut held = allocator.join().unwrap();
+        assert!(
+            held.len() == 1 || touched,
+            "only a borrowing touch can make the allocation fail"
+        );
+        if touched {
+            assert!(!held.contains(&1), "the touched block is not handed out");
+            held.push(1);
+        }
+        check_quiescent(&pool, &held);
+        let mut rest = Vec::new();
+        pool.get_new_blocks(3 - held.len() - 1, &mut rest).unwrap();
+        assert_eq!(pool.num_free_blocks(), 0);
+    });
+}
