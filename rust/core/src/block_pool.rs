@@ -2,7 +2,7 @@
 //!
 //! # Structure
 //!
-//! - `blocks`: one [`BlockSlot`] per block (state word + cache key in atomics, see
+//! - `blocks`: one `BlockSlot` per block (state word + cache key in atomics, see
 //!   `block_state`). Block 0, the null block, has a slot that is never queued, claimed, touched,
 //!   cached or freed.
 //! - `free_queue`: the LRU free queue with lazy deletion and the reservation counter (see
@@ -38,7 +38,8 @@
 //!
 //! # Concurrent behaviour and rejected calls
 //!
-//! Every operation is linearizable except the ones documented otherwise:
+//! No block is ever lost or handed out twice and ref counts stay exact; the observable
+//! departures from a pool behind one lock are these:
 //! - `free_blocks` validates against a snapshot of ref counts. A rejected call changes nothing.
 //!   A call that passes validation but whose references were released concurrently by another
 //!   caller (freeing references it does not hold: a caller bug) skips those ids, releases the
@@ -54,6 +55,9 @@
 //!   most one step; no block is ever lost or handed out twice.
 //! - `reset_prefix_cache` checks "no block in use" once, then forgets the keys of free cached
 //!   blocks one by one; blocks allocated concurrently keep what the allocation left them.
+//! - `cache_block` publishes in two steps (map entry, then cached bit): in between,
+//!   `cached_block` may return the block and `touch_cached` on it misses.
+//! - `stats` reads independent counters, not one snapshot.
 //! - `free_queue_order` drains and re-pushes the queue (a debugging aid for a quiescent pool).
 //! - A touch that leaves more stale queue entries than there are blocks compacts the queue
 //!   (see `free_queue`); meanwhile an allocation of every last free block may be refused.

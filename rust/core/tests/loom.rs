@@ -4,11 +4,11 @@
 //! `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 cargo test -q --release -p hybrid-cache-core
 //! --target-dir target/loom --test loom`
 //!
-//! Each model is a tiny pool and two or three threads, small enough to explore *exhaustively*:
+//! Each model is a tiny pool and two to four threads, small enough to explore *exhaustively*:
 //! [`model`] lifts the preemption bound that `LOOM_MAX_PREEMPTIONS` sets, because a bounded
 //! search misses interleavings such as lookup / evict+re-cache / touch (found only with the bound
 //! lifted or with the explicit yield in `touch_races_evicting_allocation`). The whole file still
-//! explores in well under a second once built.
+//! explores in a few seconds once built.
 #![cfg(loom)]
 
 use hybrid_cache_core::{BlockAllocator, BlockHash, BlockId, BlockPool, CacheKey};
