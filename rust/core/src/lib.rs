@@ -3,14 +3,19 @@
 //! separate crate.
 
 pub mod allocator;
+pub mod block_pool;
+mod block_state;
 pub mod coordinator;
 pub mod error;
+mod free_queue;
 pub mod hashing;
 pub mod manager;
 pub mod mutex_pool;
+mod primitive;
 pub mod types;
 
 pub use allocator::BlockAllocator;
+pub use block_pool::BlockPool;
 pub use coordinator::{
     AllocateStep, AttentionKind, Coordinator, CoordinatorConfig, CoordinatorStats, GroupSpec,
     NewRequest,
@@ -18,10 +23,10 @@ pub use coordinator::{
 pub use error::CoreError;
 pub use hashing::{ExtraKeys, HashAlgo, MultimodalItem};
 pub use mutex_pool::MutexPool;
-
-/// The pool the coordinator and the binding use unless told otherwise.
-pub type DefaultPool = MutexPool;
 pub use types::{BlockHash, BlockId, CacheKey, GroupId, PoolStats, NULL_BLOCK};
+
+/// The pool the coordinator and the Python binding use.
+pub type DefaultPool = BlockPool;
 
 /// Shared check for pool constructors: block 0 is the null block, so a usable pool needs at
 /// least one more.

@@ -1,1 +1,364 @@
+//! Loom models of the lock-free pool's protocol (state word, reservation counter, free FIFO).
+//!
+//! Run with:
+//! `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 cargo test -q --release -p hybrid-cache-core
+//! --target-dir target/loom --test loom`
+//!
+//! Each model is a tiny pool and two to four threads, small enough to explore *exhaustively*:
+//! [`model`] lifts the preemption bound that `LOOM_MAX_PREEMPTIONS` sets, because a bounded
+//! search misses interleavings such as lookup / evict+re-cache / touch (found only with the bound
+//! lifted or with the explicit yield in `touch_races_evicting_allocation`). The whole file still
+//! explores in a few seconds once built.
 #![cfg(loom)]
+
+use hybrid_cache_core::{BlockAllocator, BlockHash, BlockId, BlockPool, CacheKey};
+use loom::sync::Arc;
+use loom::thread;
+
+fn key(hash: u128) -> CacheKey {
+    CacheKey {
+        group: 0,
+        hash: BlockHash(hash),
+    }
+}
+
+/// Runs `body` under loom with no preemption bound (see the module docs).
+fn model(body: impl Fn() + Sync + Send + 'static) {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = None;
+    builder.check(body);
+}
+
+/// Checks the quiescent invariants: every block free exactly once or held, counts agree.
+fn check_quiescent(pool: &BlockPool, held: &[BlockId]) {
+    let order = pool.free_queue_order();
+    assert_eq!(order.len(), pool.num_free_blocks());
+    for block in 1..pool.num_blocks() as BlockId {
+        let refs = held.iter().filter(|&&h| h == block).count();
+        assert_eq!(pool.ref_count(block) as usize, refs, "block {block}");
+        let queued = order.iter().filter(|&&b| b == block).count();
+        assert_eq!(
+            queued,
+            usize::from(refs == 0),
+            "block {block} queued {queued}"
+        );
+    }
+}
+
+#[test]
+fn two_threads_allocating() {
+    model(|| {
+        // Two usable blocks; one thread wants 1, the other 2: never both.
+        let pool = Arc::new(BlockPool::new(3).unwrap());
+        let other = Arc::clone(&pool);
+        let handle = thread::spawn(move || {
+            let mut out = Vec::new();
+            let result = other.get_new_blocks(2, &mut out);
+            assert_eq!(result.is_ok(), out.len() == 2);
+            assert!(result.is_ok() || out.is_empty());
+            out
+        });
+        let mut mine = Vec::new();
+        let ok = pool.get_new_blocks(1, &mut mine).is_ok();
+        assert_eq!(ok, mine.len() == 1);
+        let theirs = handle.join().unwrap();
+        assert!(mine.len() + theirs.len() <= 2);
+        assert!(
+            !mine.is_empty() || !theirs.is_empty(),
+            "someone always gets blocks"
+        );
+        let mut held: Vec<BlockId> = mine.iter().chain(&theirs).copied().collect();
+        check_quiescent(&pool, &held);
+        held.sort_unstable();
+        held.dedup();
+        assert_eq!(
+            held.len(),
+            mine.len() + theirs.len(),
+            "no block handed out twice"
+        );
+    });
+}
+
+#[test]
+fn free_races_allocate() {
+    model(|| {
+        // Block 1 held, block 2 free. One thread frees 1 while the other asks for 2 blocks: it
+        // gets both only if the free fully landed, and nothing otherwise.
+        let pool = Arc::new(BlockPool::new(3).unwrap());
+        let mut first = Vec::new();
+        pool.get_new_blocks(1, &mut first).unwrap();
+        assert_eq!(first, vec![1]);
+        let other = Arc::clone(&pool);
+        let handle = thread::spawn(move || {
+            let mut out = Vec::new();
+            let _ = other.get_new_blocks(2, &mut out);
+            out
+        });
+        pool.free_blocks(&[1]).unwrap();
+        let theirs = handle.join().unwrap();
+        match theirs.len() {
+            0 => check_quiescent(&pool, &[]),
+            2 => {
+                assert_eq!(theirs, vec![2, 1], "LRU order: the never-used block first");
+                check_quiescent(&pool, &theirs);
+            }
+            n => panic!("partial allocation of {n} blocks"),
+        }
+    });
+}
+
+#[test]
+fn touch_races_evicting_allocation() {
+    model(|| {
+        // The only usable block is free and cached under A. One thread looks A up and touches
+        // it; the other allocates (evicting A) and re-caches the block under B. The touch must
+        // not succeed on a block that now holds B, and the two never both get the block.
+        let pool = Arc::new(BlockPool::new(2).unwrap());
+        let mut out = Vec::new();
+        pool.get_new_blocks(1, &mut out).unwrap();
+        assert!(pool.cache_block(1, key(0xA)).unwrap());
+        pool.free_blocks(&[1]).unwrap();
+
+        let other = Arc::clone(&pool);
+        let allocator = thread::spawn(move || {
+            let mut out = Vec::new();
+            if other.get_new_blocks(1, &mut out).is_ok() {
+                assert_eq!(out, vec![1]);
+                assert!(other.cache_block(1, key(0xB)).unwrap());
+                true
+            } else {
+                false
+            }
+        });
+        let touched = match pool.cached_block(key(0xA)) {
+            Some(block) => {
+                // A free switch point: the allocator may run to completion between the lookup
+                // and the touch without spending the preemption budget.
+                thread::yield_now();
+                pool.touch_cached(block, key(0xA))
+            }
+            None => false,
+        };
+        let allocated = allocator.join().unwrap();
+        assert!(touched != allocated, "exactly one of them gets the block");
+        assert_eq!(pool.ref_count(1), 1);
+        if touched {
+            assert_eq!(pool.cached_block(key(0xA)), Some(1));
+            assert_eq!(pool.stats().num_evictions, 0);
+        } else {
+            assert_eq!(pool.cached_block(key(0xA)), None);
+            assert_eq!(pool.cached_block(key(0xB)), Some(1));
+            assert_eq!(pool.stats().num_evictions, 1);
+        }
+        assert_eq!(pool.stats().num_cached_blocks, 1);
+        check_quiescent(&pool, &[1]);
+    });
+}
+
+#[test]
+fn free_races_touch() {
+    model(|| {
+        // Block 1 held and cached. One thread frees it while the other touches it. The touch
+        // succeeds unless it lands while the release is still publishing the block (a miss is
+        // allowed there); either way the block is queued iff nobody holds it.
+        let pool = Arc::new(BlockPool::new(2).unwrap());
+        let mut out = Vec::new();
+        pool.get_new_blocks(1, &mut out).unwrap();
+        assert!(pool.cache_block(1, key(7)).unwrap());
+        let other = Arc::clone(&pool);
+        let toucher = thread::spawn(move || other.touch_cached(1, key(7)));
+        pool.free_blocks(&[1]).unwrap();
+        let touched = toucher.join().unwrap();
+        let held: &[BlockId] = if touched { &[1] } else { &[] };
+        check_quiescent(&pool, held);
+        let mut again = Vec::new();
+        assert_eq!(pool.get_new_blocks(1, &mut again).is_ok(), !touched);
+    });
+}
+
+#[test]
+fn two_holders_free_concurrently() {
+    model(|| {
+        // A block with two references (allocation + hit) freed by both holders at once: exactly
+        // one release queues it, and it is handed out again exactly once.
+        let pool = Arc::new(BlockPool::new(2).unwrap());
+        let mut out = Vec::new();
+        pool.get_new_blocks(1, &mut out).unwrap();
+        assert!(pool.cache_block(1, key(3)).unwrap());
+        assert!(pool.touch_cached(1, key(3)));
+        let other = Arc::clone(&pool);
+        let handle = thread::spawn(move || other.free_blocks(&[1]).unwrap());
+        pool.free_blocks(&[1]).unwrap();
+        handle.join().unwrap();
+        check_quiescent(&pool, &[]);
+        let mut again = Vec::new();
+        pool.get_new_blocks(1, &mut again).unwrap();
+        assert_eq!(again, vec![1]);
+        assert_eq!(pool.num_free_blocks(), 0);
+    });
+}
+
+#[test]
+fn two_allocators_race_a_touch() {
+    model(|| {
+        // Two free blocks, block 1 cached under K. Two threads allocate one block each while the
+        // main thread hits K: the touch wins block 1 only if no allocator claimed it first, and
+        // then exactly one allocator is refused. Nobody ever shares a block.
+        let pool = Arc::new(BlockPool::new(3).unwrap());
+        let mut out = Vec::new();
+        pool.get_new_blocks(1, &mut out).unwrap();
+        assert!(pool.cache_block(1, key(5)).unwrap());
+        pool.free_blocks(&[1]).unwrap();
+        let allocators: Vec<_> = (0..2)
+            .map(|_| {
+                let other = Arc::clone(&pool);
+                thread::spawn(move || {
+                    let mut out = Vec::new();
+                    let _ = other.get_new_blocks(1, &mut out);
+                    out
+                })
+            })
+            .collect();
+        let touched = pool.touch_cached(1, key(5));
+        let mut held: Vec<BlockId> = allocators
+            .into_iter()
+            .flat_map(|handle| handle.join().unwrap())
+            .collect();
+        assert_eq!(held.len(), if touched { 1 } else { 2 });
+        if touched {
+            assert_eq!(held, vec![2]);
+            held.push(1);
+        }
+        check_quiescent(&pool, &held);
+        held.sort_unstable();
+        assert_eq!(held, vec![1, 2]);
+        assert_eq!(pool.stats().num_evictions, u64::from(!touched));
+    });
+}
+
+#[test]
+fn same_reference_freed_twice_concurrently() {
+    model(|| {
+        // A caller bug: two threads free the one reference that exists. Both may pass
+        // validation; the release that finds the count already 0 reports DoubleFree. The count
+        // never goes negative and the block is queued exactly once.
+        let pool = Arc::new(BlockPool::new(2).unwrap());
+        let mut out = Vec::new();
+        pool.get_new_blocks(1, &mut out).unwrap();
+        let other = Arc::clone(&pool);
+        let handle = thread::spawn(move || other.free_blocks(&[1]));
+        let mine = pool.free_blocks(&[1]);
+        let theirs = handle.join().unwrap();
+        assert!(mine.is_ok() != theirs.is_ok(), "{mine:?} {theirs:?}");
+        let error = mine.err().or(theirs.err()).unwrap();
+        assert_eq!(error, hybrid_cache_core::CoreError::DoubleFree { block: 1 });
+        check_quiescent(&pool, &[]);
+    });
+}
+
+/// Allocates block 1 of `pool`, caches it under `key(9)`, frees it, then hits and frees it
+/// `cycles` times: each hit of the free block leaves one stale queue entry.
+fn cached_with_stale_entries(pool: &BlockPool, cycles: usize) {
+    let mut out = Vec::new();
+    pool.get_new_blocks(1, &mut out).unwrap();
+    assert_eq!(out, vec![1]);
+    assert!(pool.cache_block(1, key(9)).unwrap());
+    pool.free_blocks(&[1]).unwrap();
+    for _ in 0..cycles {
+        assert!(pool.touch_cached(1, key(9)));
+        pool.free_blocks(&[1]).unwrap();
+    }
+}
+
+#[test]
+fn compaction_races_allocation() {
+    model(|| {
+        // One usable block (stale limit 2) with two stale entries: the next hit compacts while
+        // another thread allocates. The allocation may be refused while the hit or the compactor
+        // holds the only unit, but the block is never lost nor shared.
+        let pool = Arc::new(BlockPool::new(2).unwrap());
+        cached_with_stale_entries(&pool, 2);
+        let other = Arc::clone(&pool);
+        let allocator = thread::spawn(move || {
+            let mut out = Vec::new();
+            let _ = other.get_new_blocks(1, &mut out);
+            out
+        });
+        let touched = pool.touch_cached(1, key(9));
+        if touched {
+            pool.free_blocks(&[1]).unwrap();
+        }
+        let theirs = allocator.join().unwrap();
+        check_quiescent(&pool, &theirs);
+        let mut again = Vec::new();
+        assert_eq!(
+            pool.get_new_blocks(1, &mut again).is_ok(),
+            theirs.is_empty()
+        );
+    });
+}
+
+#[test]
+fn compaction_races_free() {
+    model(|| {
+        // Block 1 free with two stale entries (stale limit 3 for this pool after the third),
+        // block 2 held by another thread that frees it while the main thread's hits compact.
+        let pool = Arc::new(BlockPool::new(3).unwrap());
+        cached_with_stale_entries(&pool, 3);
+        let mut second = Vec::new();
+        pool.get_new_blocks(1, &mut second).unwrap();
+        assert_eq!(second, vec![2]);
+        let other = Arc::clone(&pool);
+        let freer = thread::spawn(move || other.free_blocks(&[2]).unwrap());
+        assert!(
+            pool.touch_cached(1, key(9)),
+            "block 1 is free and its unit unreserved"
+        );
+        pool.free_blocks(&[1]).unwrap();
+        freer.join().unwrap();
+        check_quiescent(&pool, &[]);
+        assert_eq!(pool.num_free_blocks(), 2);
+    });
+}
+
+#[test]
+fn touch_borrows_a_unit_while_the_release_is_in_flight() {
+    model(|| {
+        // Block 1 held and cached, block 2 free. One thread frees block 1, one hits it, one
+        // allocates a block. A touch that lands between the release's CAS and its push takes a
+        // unit that block 2 backs; the release's own unit restores the balance. An allocation
+        // in that window is refused (the documented transient refusal), but it never gets a
+        // block the toucher holds and nothing is lost.
+        let pool = Arc::new(BlockPool::new(3).unwrap());
+        let mut out = Vec::new();
+        pool.get_new_blocks(1, &mut out).unwrap();
+        assert!(pool.cache_block(1, key(4)).unwrap());
+        let freer = {
+            let pool = Arc::clone(&pool);
+            thread::spawn(move || pool.free_blocks(&[1]).unwrap())
+        };
+        let allocator = {
+            let pool = Arc::clone(&pool);
+            thread::spawn(move || {
+                let mut out = Vec::new();
+                let _ = pool.get_new_blocks(1, &mut out);
+                out
+            })
+        };
+        let touched = pool.touch_cached(1, key(4));
+        freer.join().unwrap();
+        let mut held = allocator.join().unwrap();
+        assert!(
+            held.len() == 1 || touched,
+            "only a borrowing touch can make the allocation fail"
+        );
+        if touched {
+            assert!(!held.contains(&1), "the touched block is not handed out");
+            held.push(1);
+        }
+        check_quiescent(&pool, &held);
+        let mut rest = Vec::new();
+        pool.get_new_blocks(3 - held.len() - 1, &mut rest).unwrap();
+        assert_eq!(pool.num_free_blocks(), 0);
+    });
+}

@@ -1,0 +1,504 @@
+//! `BlockPool`: the lock-free block pool, the default [`crate::BlockAllocator`].
+//!
+//! # Structure
+//!
+//! - `blocks`: one `BlockSlot` per block (state word + cache key in atomics, see
+//!   `block_state`). Block 0, the null block, has a slot that is never queued, claimed, touched,
+//!   cached or freed.
+//! - `free_queue`: the LRU free queue with lazy deletion and the reservation counter (see
+//!   `free_queue`).
+//! - `cache`: a concurrent map `CacheKey -> BlockId` (`papaya` in the std build).
+//!
+//! # Protocol
+//!
+//! - `get_new_blocks(k)`: reserve `k` units from the free counter (all or nothing), then pop
+//!   entries and claim each valid one by CAS `(0, g, c) -> (1, g+1, 0)`, skipping stale entries.
+//!   A claimed block that was cached loses its key: the map entry is removed only if it still
+//!   maps that key to this block, and an eviction is counted.
+//! - `free_blocks`: validate every id against a snapshot, then release each; the release that
+//!   reaches 0 pushes `(block, g)` at the tail and then adds one unit to the counter.
+//! - `touch_cached`: CAS `(r, g, 1) -> (r+1, g', 1)` from a snapshot under which the block's key
+//!   slots equal the key looked up (so a block evicted and re-cached in between is a miss); when
+//!   `r == 0` it first reserves one unit (no unit: miss) and bumps the generation, which makes the
+//!   block's queue entry stale.
+//! - `cache_block`: take the block's key slots (`pending` bit, block must be held and
+//!   uncached), insert `key -> block` into the map if absent, write the key, then publish it by
+//!   setting the cached bit (Release).
+//!
+//! Invariants: a block is held (ref count > 0) or free with exactly one valid queue entry (or its
+//! release is between the CAS and the push); `cache[key] == b` and `b` cached imply `b`'s key
+//! slots hold `key`; a cached bit is cleared before its map entry is removed and set after its
+//! map entry is inserted, so a lookup may find a block that is not (or no longer) cached, which
+//! `touch_cached` reports as a miss.
+//!
+//! # Single-threaded behaviour
+//!
+//! Identical to [`crate::MutexPool`]: same errors, same LRU order, same evictions, same stats
+//! (the property tests in `tests/pool_model.rs` check this after every operation).
+//!
+//! # Concurrent behaviour and rejected calls
+//!
+//! No block is ever lost or handed out twice and ref counts stay exact; the observable
+//! departures from a pool behind one lock are these:
+//! - `free_blocks` validates against a snapshot of ref counts. A rejected call changes nothing.
+//!   A call that passes validation but whose references were released concurrently by another
+//!   caller (freeing references it does not hold: a caller bug) skips those ids, releases the
+//!   others and reports `DoubleFree` for the first skipped id: a count never goes negative and no
+//!   block is queued twice.
+//! - `touch_cached` on a free block may miss while every free unit is reserved by allocators (one
+//!   of which is about to evict the block anyway), or while the release that freed it is still
+//!   pushing its entry and no other unit is free.
+//! - `get_new_blocks` may be refused transiently although enough blocks are free: a touch that
+//!   lands between a release's CAS and its push borrows a unit backed by another free block
+//!   until the release adds its own (a few instructions later); likewise while a compaction
+//!   holds its one unit. A caller that treats `NoFreeBlocks` as "preempt and retry" loses at
+//!   most one step; no block is ever lost or handed out twice.
+//! - `reset_prefix_cache` checks "no block in use" once, then forgets the keys of free cached
+//!   blocks one by one; blocks allocated concurrently keep what the allocation left them.
+//! - `cache_block` publishes in two steps (map entry, then cached bit): in between,
+//!   `cached_block` may return the block and `touch_cached` on it misses.
+//! - `stats` reads independent counters, not one snapshot.
+//! - `free_queue_order` drains and re-pushes the queue (a debugging aid for a quiescent pool).
+//! - A touch that leaves more stale queue entries than there are blocks compacts the queue
+//!   (see `free_queue`); meanwhile an allocation of every last free block may be refused.
+
+use std::fmt;
+#[cfg(not(loom))]
+use std::hash::{BuildHasher, Hasher};
+
+use crate::allocator::BlockAllocator;
+use crate::block_state::{BlockSlot, Claim, NotHeld, Release, Touch};
+use crate::error::CoreError;
+use crate::free_queue::{Entry, FreeQueue};
+use crate::primitive::{AtomicU64, AtomicUsize, Ordering};
+use crate::types::{BlockId, CacheKey, PoolStats, NULL_BLOCK};
+
+/// Frees of at most this many ids check duplicates by a quadratic scan instead of a hash map.
+const SMALL_FREE: usize = 16;
+
+/// Hasher for cache keys. The keys are already well-mixed 128-bit hashes, so a multiply-fold is
+/// enough (SipHash would dominate a lookup).
+#[cfg(not(loom))]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct KeyHasher(u64);
+
+#[cfg(not(loom))]
+const MIX: u64 = 0x9e37_79b9_7f4a_7c15;
+
+#[cfg(not(loom))]
+impl Hasher for KeyHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0 ^ byte as u64).wrapping_mul(MIX);
+        }
+    }
+
+    fn write_u32(&mut self, value: u32) {
+        self.0 = (self.0 ^ value as u64).wrapping_mul(MIX);
+    }
+
+    fn write_u128(&mut self, value: u128) {
+        self.0 = (self.0 ^ value as u64).wrapping_mul(MIX);
+        self.0 = (self.0 ^ (value >> 64) as u64).wrapping_mul(MIX);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0 ^ (self.0 >> 29)
+    }
+}
+
+/// Builds [`KeyHasher`]s.
+#[cfg(not(loom))]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct BuildKeyHasher;
+
+#[cfg(not(loom))]
+impl BuildHasher for BuildKeyHasher {
+    type Hasher = KeyHasher;
+
+    fn build_hasher(&self) -> KeyHasher {
+        KeyHasher::default()
+    }
+}
+
+/// The prefix-cache map. Entries are only inserted if absent and only removed conditionally,
+/// never overwritten.
+#[cfg(not(loom))]
+struct CacheMap(papaya::HashMap<CacheKey, BlockId, BuildKeyHasher>);
+
+#[cfg(not(loom))]
+impl CacheMap {
+    fn new() -> Self {
+        CacheMap(papaya::HashMap::with_hasher(BuildKeyHasher))
+    }
+
+    fn get(&self, key: CacheKey) -> Option<BlockId> {
+        self.0.pin().get(&key).copied()
+    }
+
+    fn insert_if_absent(&self, key: CacheKey, block: BlockId) -> bool {
+        self.0.pin().try_insert(key, block).is_ok()
+    }
+
+    fn remove_if_maps_to(&self, key: CacheKey, block: BlockId) {
+        let _ = self.0.pin().remove_if(&key, |_, value| *value == block);
+    }
+}
+
+/// Under loom the map is a plain locked `HashMap`: the models target the state word and queue.
+#[cfg(loom)]
+struct CacheMap(crate::primitive::Mutex<std::collections::HashMap<CacheKey, BlockId>>);
+
+#[cfg(loom)]
+impl CacheMap {
+    fn new() -> Self {
+        CacheMap(crate::primitive::Mutex::new(
+            std::collections::HashMap::new(),
+        ))
+    }
+
+    fn get(&self, key: CacheKey) -> Option<BlockId> {
+        self.0.lock().unwrap().get(&key).copied()
+    }
+
+    fn insert_if_absent(&self, key: CacheKey, block: BlockId) -> bool {
+        let mut map = self.0.lock().unwrap();
+        if map.contains_key(&key) {
+            return false;
+        }
+        map.insert(key, block);
+        true
+    }
+
+    fn remove_if_maps_to(&self, key: CacheKey, block: BlockId) {
+        let mut map = self.0.lock().unwrap();
+        if map.get(&key) == Some(&block) {
+            map.remove(&key);
+        }
+    }
+}
+
+/// The lock-free block pool. See the module docs.
+pub struct BlockPool {
+    /// One slot per block, index = block id; slot 0 (the null block) is never used.
+    blocks: Box<[BlockSlot]>,
+    /// Free blocks in eviction order (lazily deleted) and the count allocators reserve from.
+    free_queue: FreeQueue,
+    /// `key -> block` for cached blocks (and, transiently, blocks being cached or evicted).
+    cache: CacheMap,
+    /// Blocks whose cached bit is set, plus those between map insert and publishing; exact
+    /// whenever no `cache_block` is in flight.
+    num_cached: AtomicUsize,
+    /// Cached blocks claimed for reuse (keys dropped by lazy eviction).
+    num_evictions: AtomicU64,
+}
+
+impl fmt::Debug for BlockPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BlockPool")
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` blocks, block 0 being the null block. Needs at least 2.
+    pub fn new(num_blocks: usize) -> Result<Self, CoreError> {
+        crate::validate_num_blocks(num_blocks)?;
+        let blocks: Box<[BlockSlot]> = (0..num_blocks).map(|_| BlockSlot::new()).collect();
+        // Compact once stale entries outnumber the blocks: the FIFO stays O(num_blocks).
+        let free_queue = FreeQueue::new(num_blocks);
+        for block in 1..num_blocks as BlockId {
+            free_queue.push(Entry {
+                block,
+                generation: blocks[block as usize].load().generation(),
+            });
+        }
+        Ok(BlockPool {
+            blocks,
+            free_queue,
+            cache: CacheMap::new(),
+            num_cached: AtomicUsize::new(0),
+            num_evictions: AtomicU64::new(0),
+        })
+    }
+
+    fn check_block(&self, block: BlockId) -> Result<&BlockSlot, CoreError> {
+        if block == NULL_BLOCK {
+            return Err(CoreError::InvalidBlock(
+                "the null block (id 0) is never allocated and cannot be freed or cached".into(),
+            ));
+        }
+        self.blocks.get(block as usize).ok_or_else(|| {
+            CoreError::InvalidBlock(format!(
+                "block id {block} is out of range: the pool has blocks 1..{}",
+                self.blocks.len()
+            ))
+        })
+    }
+
+    /// Drops the key of a block this thread just claimed while it was cached.
+    fn evict(&self, block: BlockId) {
+        // The claimer holds the block and the cached bit is clear, so nobody rewrites the slots.
+        let key = self.blocks[block as usize].key();
+        self.cache.remove_if_maps_to(key, block);
+        // Relaxed: statistics only.
+        self.num_cached.fetch_sub(1, Ordering::Relaxed);
+        self.num_evictions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Checks a whole `free_blocks` call before anything changes; same order and errors as
+    /// `MutexPool`.
+    fn validate_free(&self, blocks: &[BlockId]) -> Result<(), CoreError> {
+        if blocks.len() <= SMALL_FREE {
+            for (position, &block) in blocks.iter().enumerate() {
+                let slot = self.check_block(block)?;
+                let times = blocks[..=position].iter().filter(|&&b| b == block).count();
+                if times as u64 > slot.load().ref_count() {
+                    return Err(CoreError::DoubleFree { block });
+                }
+            }
+        } else {
+            let mut seen = std::collections::HashMap::with_capacity(blocks.len());
+            for &block in blocks {
+                let slot = self.check_block(block)?;
+                let times = seen.entry(block).or_insert(0u64);
+                *times += 1;
+                if *times > slot.load().ref_count() {
+                    return Err(CoreError::DoubleFree { block });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl BlockAllocator for BlockPool {
+    fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn num_free_blocks(&self) -> usize {
+        self.free_queue.num_countable()
+    }
+
+    fn get_new_blocks(&self, count: usize, out: &mut Vec<BlockId>) -> Result<(), CoreError> {
+        if let Err(free) = self.free_queue.try_reserve(count) {
+            return Err(CoreError::NoFreeBlocks {
+                requested: count,
+                free,
+            });
+        }
+        out.reserve(count);
+        let mut taken = 0;
+        while taken < count {
+            let entry = self.free_queue.pop();
+            match self.blocks[entry.block as usize].claim(entry.generation) {
+                Claim::Claimed { was_cached } => {
+                    if was_cached {
+                        self.evict(entry.block);
+                    }
+                    out.push(entry.block);
+                    taken += 1;
+                }
+                Claim::Stale => self.free_queue.dropped_stale(),
+            }
+        }
+        Ok(())
+    }
+
+    fn free_blocks(&self, blocks: &[BlockId]) -> Result<(), CoreError> {
+        self.validate_free(blocks)?;
+        let mut raced = None;
+        for &block in blocks {
+            match self.blocks[block as usize].release() {
+                Release::NowFree { generation } => {
+                    self.free_queue.push(Entry { block, generation })
+                }
+                Release::StillHeld => {}
+                Release::NotHeld => {
+                    raced.get_or_insert(CoreError::DoubleFree { block });
+                }
+            }
+        }
+        raced.map_or(Ok(()), Err)
+    }
+
+    fn cached_block(&self, key: CacheKey) -> Option<BlockId> {
+        self.cache.get(key)
+    }
+
+    fn touch_cached(&self, block: BlockId, key: CacheKey) -> bool {
+        let Ok(slot) = self.check_block(block) else {
+            return false;
+        };
+        let touched = slot.touch(
+            key,
+            || self.free_queue.try_reserve(1).is_ok(),
+            || self.free_queue.unreserve(1),
+        );
+        match touched {
+            Touch::Taken { was_free: true } => {
+                self.free_queue.made_stale(|entry| {
+                    self.blocks[entry.block as usize]
+                        .load()
+                        .is_free_with(entry.generation)
+                });
+                true
+            }
+            Touch::Taken { was_free: false } => true,
+            Touch::Miss => false,
+        }
+    }
+
+    fn cache_block(&self, block: BlockId, key: CacheKey) -> Result<bool, CoreError> {
+        let slot = self.check_block(block)?;
+        let generation = match slot.begin_caching() {
+            Err(NotHeld) => {
+                return Err(CoreError::InvalidBlock(format!(
+                    "block {block} is free; only a block the caller holds can be cached"
+                )))
+            }
+            Ok(None) => return Ok(false),
+            Ok(Some(generation)) => generation,
+        };
+        if !self.cache.insert_if_absent(key, block) {
+            slot.abort_caching(generation);
+            return Ok(false);
+        }
+        // Counted before the bit is published so a concurrent eviction never underflows it.
+        // Relaxed: statistics only.
+        self.num_cached.fetch_add(1, Ordering::Relaxed);
+        if slot.finish_caching(generation, key) {
+            Ok(true)
+        } else {
+            self.cache.remove_if_maps_to(key, block);
+            self.num_cached.fetch_sub(1, Ordering::Relaxed);
+            Ok(false)
+        }
+    }
+
+    fn reset_prefix_cache(&self) -> bool {
+        if self.free_queue.num_countable() + 1 != self.blocks.len() {
+            return false;
+        }
+        for (block, slot) in self.blocks.iter().enumerate().skip(1) {
+            if let Some(key) = slot.forget_key() {
+                self.cache.remove_if_maps_to(key, block as BlockId);
+                // Relaxed: statistics only.
+                self.num_cached.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        true
+    }
+
+    fn ref_count(&self, block: BlockId) -> u32 {
+        if block == NULL_BLOCK {
+            return 0;
+        }
+        self.blocks
+            .get(block as usize)
+            .map_or(0, |slot| slot.load().ref_count() as u32)
+    }
+
+    fn free_queue_order(&self) -> Vec<BlockId> {
+        self.free_queue
+            .valid_entries(|entry| {
+                self.blocks[entry.block as usize]
+                    .load()
+                    .is_free_with(entry.generation)
+            })
+            .into_iter()
+            .map(|entry| entry.block)
+            .collect()
+    }
+
+    fn stats(&self) -> PoolStats {
+        PoolStats {
+            num_blocks: self.blocks.len(),
+            num_free_blocks: self.free_queue.num_countable(),
+            // Relaxed: statistics only.
+            num_cached_blocks: self.num_cached.load(Ordering::Relaxed),
+            num_evictions: self.num_evictions.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::types::BlockHash;
+
+    fn key(group: u32, hash: u128) -> CacheKey {
+        CacheKey {
+            group,
+            hash: BlockHash(hash),
+        }
+    }
+
+    #[test]
+    fn allocates_in_lru_order_and_frees_to_the_tail() {
+        let pool = BlockPool::new(5).unwrap();
+        let mut out = Vec::new();
+        pool.get_new_blocks(3, &mut out).unwrap();
+        assert_eq!(out, vec![1, 2, 3]);
+        pool.free_blocks(&[3, 2, 1]).unwrap();
+        assert_eq!(pool.free_queue_order(), vec![4, 3, 2, 1]);
+    }
+
+    #[test]
+    fn touch_removes_from_the_middle_and_eviction_drops_the_key() {
+        let pool = BlockPool::new(4).unwrap();
+        let mut out = Vec::new();
+        pool.get_new_blocks(3, &mut out).unwrap();
+        assert!(pool.cache_block(2, key(0, 9)).unwrap());
+        assert!(!pool.cache_block(3, key(0, 9)).unwrap());
+        pool.free_blocks(&[3, 2, 1]).unwrap();
+        assert_eq!(pool.free_queue_order(), vec![3, 2, 1]);
+        assert_eq!(pool.cached_block(key(0, 9)), Some(2));
+        assert!(pool.touch_cached(2, key(0, 9)));
+        assert!(!pool.touch_cached(2, key(1, 9)));
+        assert_eq!(pool.free_queue_order(), vec![3, 1]);
+        assert_eq!(pool.num_free_blocks(), 2);
+        pool.free_blocks(&[2]).unwrap();
+        out.clear();
+        pool.get_new_blocks(3, &mut out).unwrap();
+        assert_eq!(out, vec![3, 1, 2]);
+        assert_eq!(pool.cached_block(key(0, 9)), None);
+        assert_eq!(pool.stats().num_evictions, 1);
+        assert_eq!(pool.stats().num_cached_blocks, 0);
+    }
+
+    #[test]
+    fn hit_only_workload_keeps_the_queue_bounded() {
+        let pool = BlockPool::new(8).unwrap();
+        let mut out = Vec::new();
+        pool.get_new_blocks(2, &mut out).unwrap();
+        assert!(pool.cache_block(out[0], key(0, 1)).unwrap());
+        pool.free_blocks(&out).unwrap();
+        for _ in 0..10_000 {
+            assert!(pool.touch_cached(out[0], key(0, 1)));
+            pool.free_blocks(&out[..1]).unwrap();
+            // Valid entries (7 free blocks) plus at most `stale_limit` (8) stale ones.
+            assert!(pool.free_queue.len() <= 7 + 8, "{}", pool.free_queue.len());
+        }
+        assert_eq!(pool.free_queue_order(), vec![3, 4, 5, 6, 7, 2, 1]);
+    }
+
+    #[test]
+    fn rejected_free_changes_nothing() {
+        let pool = BlockPool::new(40).unwrap();
+        let mut out = Vec::new();
+        pool.get_new_blocks(30, &mut out).unwrap();
+        let mut twice = out.clone();
+        twice.push(out[5]);
+        assert_eq!(
+            pool.free_blocks(&twice),
+            Err(CoreError::DoubleFree { block: out[5] })
+        );
+        assert!(pool.free_blocks(&[1, 0]).is_err());
+        assert!(pool.free_blocks(&[1, 40]).is_err());
+        assert!(out.iter().all(|&block| pool.ref_count(block) == 1));
+        assert_eq!(pool.num_free_blocks(), 9);
+    }
+}

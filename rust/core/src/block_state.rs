@@ -1,0 +1,406 @@
+//! Per-block atomic state: one 64-bit word (reference count, cached bit, caching-in-progress bit,
+//! generation) plus the block's cache key, stored in atomics so no lock is ever taken.
+//!
+//! # The state word
+//!
+//! ```text
+//!  63                          26  25        24       23                0
+//! +------------------------------+---------+--------+-------------------+
+//! | generation (38 bits)         | pending | cached | ref count (24 bit)|
+//! +------------------------------+---------+--------+-------------------+
+//! ```
+//!
+//! - `ref count`: references held by callers; 0 means free (in the free queue, logically).
+//! - `cached`: the block's key slots hold a key that the cache map maps to this block.
+//! - `pending`: a `cache_block` call owns the key slots and is writing them; never set together
+//!   with `cached`, and only set while the block is held.
+//! - `generation`: bumped on every transition from ref count 0 to 1 (allocation pop, or touch of
+//!   a free cached block). A free-queue entry `(block, generation)` is *valid* iff the block's
+//!   word has ref count 0 and that generation; every other entry is *stale* and skipped.
+//!
+//! # Transitions (all by compare-and-swap on the whole word)
+//!
+//! | operation                 | from                  | to                          |
+//! |---------------------------|-----------------------|-----------------------------|
+//! | claim (allocation pop)    | `(0, g, c, p)`        | `(1, g+1, 0, 0)`            |
+//! | touch a cached block      | `(r, g, 1, 0)`        | `(r+1, r==0 ? g+1 : g, 1, 0)` |
+//! | release one reference     | `(r>0, g, c, p)`      | `(r-1, g, c, p)`            |
+//! | begin caching             | `(r>0, g, 0, 0)`      | `(r, g, 0, 1)`              |
+//! | finish caching            | `(r, g, 0, 1)`        | `(r, g, 1, 0)` (same `g`)   |
+//! | forget key (reset)        | `(0, g, 1, 0)`        | `(0, g, 0, 0)`              |
+//!
+//! Invariants:
+//! - A block has at most one valid free-queue entry: a release to 0 pushes `(block, g)` with the
+//!   current `g`, and the next 0 -> 1 transition bumps `g`, so older entries are stale.
+//! - The key slots change only between `begin caching` and `finish caching`, which require the
+//!   block to be held and uncached; a block leaves the cached state only by a claim (bumps `g`)
+//!   or a reset (needs ref count 0, after which only a claim can make it held again). So *two
+//!   different keys observed under the same state word value are impossible*: a toucher that
+//!   reads the word, then the key, then CASes from that exact word has read the key that word
+//!   describes (see [`BlockSlot::touch`] for the memory-ordering argument).
+//!
+//! # ABA and field widths
+//!
+//! 24 bits of ref count allow 16.7 million holders of one block (a touch that would overflow is
+//! refused as a miss). The 38-bit generation wraps after 2^38 (2.7e11) 0 -> 1 transitions of one
+//! block. A stale entry `(b, g)` could only be mistaken for valid if `b`'s generation advanced by
+//! exactly 2^38 while the entry waited in the FIFO; each of those transitions needs a release of
+//! `b` that pushed an entry *behind* the stale one (still queued, since FIFO pops the stale one
+//! first), i.e. about 2^38 queued entries of 16 bytes: 4 TiB of queue. A touch that compares the
+//! whole word across a preemption needs the same 2^38 transitions of one block during that
+//! preemption (hours at full speed). Both are treated as impossible.
+
+use crate::primitive::{AtomicU32, AtomicU64, Ordering};
+use crate::types::{BlockHash, CacheKey};
+
+const REF_BITS: u32 = 24;
+/// Largest reference count the word can hold.
+pub(crate) const MAX_REF_COUNT: u64 = (1 << REF_BITS) - 1;
+const CACHED: u64 = 1 << REF_BITS;
+const PENDING: u64 = 1 << (REF_BITS + 1);
+const GENERATION_SHIFT: u32 = REF_BITS + 2;
+/// Generations live in the top 38 bits; arithmetic on them wraps modulo 2^38.
+const GENERATION_MASK: u64 = (1 << (64 - GENERATION_SHIFT)) - 1;
+
+/// A decoded copy of a block's state word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct State(u64);
+
+impl State {
+    /// The state of every block when the pool is built: free, uncached, generation 0.
+    pub(crate) const INITIAL: State = State(0);
+
+    pub(crate) fn ref_count(self) -> u64 {
+        self.0 & MAX_REF_COUNT
+    }
+
+    pub(crate) fn is_cached(self) -> bool {
+        self.0 & CACHED != 0
+    }
+
+    pub(crate) fn is_pending(self) -> bool {
+        self.0 & PENDING != 0
+    }
+
+    pub(crate) fn generation(self) -> u64 {
+        self.0 >> GENERATION_SHIFT
+    }
+
+    fn with_generation(self, generation: u64) -> State {
+        State(
+            (self.0 & !(GENERATION_MASK << GENERATION_SHIFT))
+                | ((generation & GENERATION_MASK) << GENERATION_SHIFT),
+        )
+    }
+
+    fn next_generation(self) -> State {
+        self.with_generation(self.generation().wrapping_add(1))
+    }
+
+    /// True when a free-queue entry carrying `generation` is valid for this state.
+    pub(crate) fn is_free_with(self, generation: u64) -> bool {
+        self.ref_count() == 0 && self.generation() == generation
+    }
+}
+
+/// Outcome of trying to claim a popped free-queue entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Claim {
+    /// The block is now held once by the caller; `was_cached` says its key must be evicted.
+    Claimed { was_cached: bool },
+    /// The entry was stale (the block was touched or reused since it was queued).
+    Stale,
+}
+
+/// Outcome of releasing one reference.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Release {
+    /// Other references remain.
+    StillHeld,
+    /// This was the last reference: the caller must queue `(block, generation)`.
+    NowFree { generation: u64 },
+    /// The block was not held (a concurrent caller freed the same reference).
+    NotHeld,
+}
+
+/// Outcome of touching a cached block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Touch {
+    /// One reference taken; `was_free` says it came out of the free queue (its reservation is
+    /// consumed).
+    Taken { was_free: bool },
+    /// The block does not hold the key (any more), or a needed reservation was refused.
+    Miss,
+}
+
+/// One block's synchronisation state.
+#[derive(Debug)]
+pub(crate) struct BlockSlot {
+    /// The state word described in the module docs. Only modified by CAS (or `fetch_*` that
+    /// preserve the other fields).
+    state: AtomicU64,
+    /// Group of the cached key. Meaningful only while `cached` is set; written only while
+    /// `pending` is set by the holder that set it.
+    key_group: AtomicU32,
+    /// High 64 bits of the cached key's hash; same rule as `key_group`.
+    key_hash_high: AtomicU64,
+    /// Low 64 bits of the cached key's hash; same rule as `key_group`.
+    key_hash_low: AtomicU64,
+}
+
+impl BlockSlot {
+    pub(crate) fn new() -> Self {
+        BlockSlot {
+            state: AtomicU64::new(State::INITIAL.0),
+            key_group: AtomicU32::new(0),
+            key_hash_high: AtomicU64::new(0),
+            key_hash_low: AtomicU64::new(0),
+        }
+    }
+
+    /// A snapshot of the state word.
+    pub(crate) fn load(&self) -> State {
+        // Acquire: pairs with the Release CASes below so what a releasing holder wrote (the key
+        // slots in particular) is visible to whoever observes the new state.
+        State(self.state.load(Ordering::Acquire))
+    }
+
+    /// Reads the key slots. Only meaningful under the conditions in the module docs.
+    pub(crate) fn key(&self) -> CacheKey {
+        // Acquire: pairs with the Release stores in `write_key`; a toucher that reads a key newer
+        // than its state snapshot thereby also sees the generation bump that preceded it, so
+        // its CAS from the old snapshot fails (see `touch`).
+        let group = self.key_group.load(Ordering::Acquire);
+        let high = self.key_hash_high.load(Ordering::Acquire);
+        let low = self.key_hash_low.load(Ordering::Acquire);
+        CacheKey {
+            group,
+            hash: BlockHash(((high as u128) << 64) | low as u128),
+        }
+    }
+
+    fn write_key(&self, key: CacheKey) {
+        // Release: see `key`.
+        self.key_group.store(key.group, Ordering::Release);
+        self.key_hash_high
+            .store((key.hash.0 >> 64) as u64, Ordering::Release);
+        self.key_hash_low
+            .store(key.hash.0 as u64, Ordering::Release);
+    }
+
+    fn compare_exchange(&self, current: State, new: State) -> Result<State, State> {
+        // AcqRel on success: acquire what the previous owner released (key slots, the caller's
+        // writes to the block), release ours to the next. Acquire on failure: the retry reads a
+        // fresh snapshot with the same guarantees as `load`.
+        self.state
+            .compare_exchange(current.0, new.0, Ordering::AcqRel, Ordering::Acquire)
+            .map(State)
+            .map_err(State)
+    }
+
+    /// Claims the block for allocation if the popped entry `(block, generation)` is valid.
+    pub(crate) fn claim(&self, generation: u64) -> Claim {
+        let mut current = self.load();
+        loop {
+            if !current.is_free_with(generation) {
+                return Claim::Stale;
+            }
+            let claimed = State(1).with_generation(current.generation().wrapping_add(1));
+            match self.compare_exchange(current, claimed) {
+                Ok(_) => {
+                    return Claim::Claimed {
+                        was_cached: current.is_cached(),
+                    }
+                }
+                // Only the cached bit of a still-valid entry can change under us (a reset);
+                // anything else makes the entry stale, which the next iteration sees.
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// Takes one reference if the block holds `key`. When the block is free, `reserve` must
+    /// grant one unit of the free count before the block leaves the queue (`unreserve` returns it
+    /// if the CAS then fails).
+    pub(crate) fn touch(
+        &self,
+        key: CacheKey,
+        mut reserve: impl FnMut() -> bool,
+        mut unreserve: impl FnMut(),
+    ) -> Touch {
+        let mut current = self.load();
+        loop {
+            if !current.is_cached() || current.ref_count() == MAX_REF_COUNT {
+                return Touch::Miss;
+            }
+            // The key is read after the snapshot and validated by the CAS from that snapshot: if
+            // the slots held a newer key, the Acquire loads in `key` make the generation bump that
+            // preceded its writing visible to us, so the CAS below fails.
+            if self.key() != key {
+                return Touch::Miss;
+            }
+            let was_free = current.ref_count() == 0;
+            if was_free && !reserve() {
+                return Touch::Miss;
+            }
+            let touched = if was_free {
+                State(current.0 + 1).next_generation()
+            } else {
+                State(current.0 + 1)
+            };
+            match self.compare_exchange(current, touched) {
+                Ok(_) => return Touch::Taken { was_free },
+                Err(actual) => {
+                    if was_free {
+                        unreserve();
+                    }
+                    current = actual;
+                }
+            }
+        }
+    }
+
+    /// Drops one reference.
+    pub(crate) fn release(&self) -> Release {
+        let mut current = self.load();
+        loop {
+            if current.ref_count() == 0 {
+                return Release::NotHeld;
+            }
+            let released = State(current.0 - 1);
+            match self.compare_exchange(current, released) {
+                Ok(_) if released.ref_count() == 0 => {
+                    return Release::NowFree {
+                        generation: released.generation(),
+                    }
+                }
+                Ok(_) => return Release::StillHeld,
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// Takes ownership of the key slots of a held, uncached block. Returns the generation to hand
+    /// to [`BlockSlot::finish_caching`], or `None` when the block is free, already cached or
+    /// being cached.
+    pub(crate) fn begin_caching(&self) -> Result<Option<u64>, NotHeld> {
+        let mut current = self.load();
+        loop {
+            if current.ref_count() == 0 {
+                return Err(NotHeld);
+            }
+            if current.is_cached() || current.is_pending() {
+                return Ok(None);
+            }
+            match self.compare_exchange(current, State(current.0 | PENDING)) {
+                Ok(_) => return Ok(Some(current.generation())),
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// Writes `key` and publishes it by setting the cached bit. Returns false (and clears
+    /// `pending` only if still ours) when the block was freed and reused since
+    /// `begin_caching`, which only a caller that freed a block it was caching can cause.
+    pub(crate) fn finish_caching(&self, generation: u64, key: CacheKey) -> bool {
+        self.write_key(key);
+        let mut current = self.load();
+        loop {
+            if current.generation() != generation || !current.is_pending() {
+                return false;
+            }
+            let cached = State((current.0 & !PENDING) | CACHED);
+            match self.compare_exchange(current, cached) {
+                Ok(_) => return true,
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// Gives up the key slots taken by `begin_caching` (the key was already cached elsewhere).
+    pub(crate) fn abort_caching(&self, generation: u64) {
+        let mut current = self.load();
+        while current.generation() == generation && current.is_pending() {
+            match self.compare_exchange(current, State(current.0 & !PENDING)) {
+                Ok(_) => return,
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// Clears the cached bit of a free block. Returns the key it held, or `None` if the block
+    /// was not free and cached.
+    pub(crate) fn forget_key(&self) -> Option<CacheKey> {
+        let mut current = self.load();
+        loop {
+            if current.ref_count() != 0 || !current.is_cached() {
+                return None;
+            }
+            // Read before the CAS: once the bit is clear a claimer may rewrite the slots. The
+            // CAS from this exact snapshot validates the read (same argument as `touch`).
+            let key = self.key();
+            match self.compare_exchange(current, State(current.0 & !CACHED)) {
+                Ok(_) => return Some(key),
+                Err(actual) => current = actual,
+            }
+        }
+    }
+}
+
+/// `begin_caching` on a block nobody holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct NotHeld;
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn key(hash: u128) -> CacheKey {
+        CacheKey {
+            group: 3,
+            hash: BlockHash(hash),
+        }
+    }
+
+    #[test]
+    fn generation_wraps_within_its_field() {
+        let state = State::INITIAL.with_generation(GENERATION_MASK);
+        assert_eq!(state.next_generation().generation(), 0);
+        assert_eq!(state.next_generation().ref_count(), 0);
+        assert!(!state.next_generation().is_cached());
+    }
+
+    #[test]
+    fn claim_touch_release_cycle() {
+        let slot = BlockSlot::new();
+        assert_eq!(slot.claim(0), Claim::Claimed { was_cached: false });
+        assert_eq!(slot.claim(0), Claim::Stale);
+        let generation = slot.begin_caching().unwrap().unwrap();
+        assert_eq!(slot.begin_caching(), Ok(None));
+        assert!(slot.finish_caching(generation, key(u128::MAX - 5)));
+        assert_eq!(slot.key(), key(u128::MAX - 5));
+        assert_eq!(slot.release(), Release::NowFree { generation: 1 });
+        assert_eq!(slot.release(), Release::NotHeld);
+        assert_eq!(slot.touch(key(7), || true, || ()), Touch::Miss);
+        assert_eq!(
+            slot.touch(key(u128::MAX - 5), || true, || ()),
+            Touch::Taken { was_free: true }
+        );
+        // The queued entry (block, 1) is stale now.
+        assert_eq!(slot.claim(1), Claim::Stale);
+        assert_eq!(slot.release(), Release::NowFree { generation: 2 });
+        assert_eq!(slot.claim(2), Claim::Claimed { was_cached: true });
+        assert!(!slot.load().is_cached());
+    }
+
+    #[test]
+    fn touch_of_free_block_needs_a_reservation() {
+        let slot = BlockSlot::new();
+        slot.claim(0);
+        let generation = slot.begin_caching().unwrap().unwrap();
+        assert!(slot.finish_caching(generation, key(1)));
+        slot.release();
+        assert_eq!(slot.touch(key(1), || false, || ()), Touch::Miss);
+        assert_eq!(slot.load().ref_count(), 0);
+    }
+}

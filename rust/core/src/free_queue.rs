@@ -1,0 +1,307 @@
+//! The LRU free queue: a lock-free FIFO of `(block, generation)` entries with lazy deletion, and
+//! a counter of the free blocks that may be handed out.
+//!
+//! # Algorithm
+//!
+//! - Releasing a block's last reference pushes `(block, generation)` at the tail, *then*
+//!   increments `num_countable` (Release). Pushing first means every counted unit has its entry
+//!   already in the FIFO.
+//! - Allocating `count` blocks first reserves `count` units from `num_countable` by CAS (all or
+//!   nothing: this is what makes `get_new_blocks` atomic with respect to capacity), then pops
+//!   entries from the head, skipping stale ones (see `block_state`), until it has claimed
+//!   `count` valid ones.
+//! - Touching a free cached block removes it from the middle *logically*: it reserves one unit
+//!   (failing that, the touch is a miss) and bumps the block's generation, which turns its entry
+//!   stale in place.
+//!
+//! # Invariant: reservations are always backed
+//!
+//! At every moment `num_countable + outstanding reservations <= valid entries` (valid entries
+//! counted whether in the FIFO or popped by an allocator that has not yet claimed them). A push
+//! adds a valid entry before its unit; a claim or a touch consumes a reservation together with
+//! one valid entry (a touch racing with the release it follows may consume a unit whose entry is
+//! then pushed stale: the release's own unit restores the balance). Hence a thread holding a
+//! reservation always finds a valid entry in the FIFO: pops never wait on an empty queue except
+//! for the instant between another thread's push and that entry becoming visible, for which
+//! [`FreeQueue::pop`] retries.
+//!
+//! # Stale entries and compaction
+//!
+//! Only a touch of a free block creates a stale entry (exactly one per such touch: the block's
+//! entry, queued or about to be pushed by the release in flight). `num_stale` counts them: the
+//! toucher adds one, whoever drops a stale entry subtracts one. Allocators drop the stale
+//! entries they pop. So that a workload that hits in the cache without allocating cannot grow
+//! the FIFO forever, the touch that lifts `num_stale` above `stale_limit` (the pool's block
+//! count) *compacts*: one thread at a time (a try-flag; nobody waits for it) rotates the FIFO
+//! once under a one-unit reservation, dropping stale entries and re-pushing valid ones at the
+//! tail. Like an allocator, the compactor holds at most one popped entry at a time, so its one
+//! unit keeps the invariant above and no allocator ever waits for it. With no concurrent pushes
+//! a full rotation keeps the valid entries in the same order, so LRU order is unchanged;
+//! concurrent releases may land between re-pushed entries (LRU order under concurrency is
+//! approximate anyway). Each compaction walks at most about `2 * stale_limit` entries and drops
+//! at least `stale_limit`, so it costs O(1) amortised per touch, and the FIFO stays within about
+//! `free blocks + 2 * stale_limit` entries (plus what concurrent touches add meanwhile). The
+//! price: while the compactor holds its unit, an allocation needing every last free block may be
+//! refused; with no unit free there is nothing to compact safely and it is retried later.
+//!
+//! # Backends
+//!
+//! The std build uses `crossbeam_queue::SegQueue` (lock-free, unbounded, linearizable). Under
+//! loom a `loom::sync::Mutex<VecDeque>` stands in: the models check the state-word and counter
+//! protocol around a linearizable FIFO, which is exactly what `SegQueue` provides.
+
+use crate::primitive::{spin_wait, AtomicBool, AtomicUsize, Ordering};
+use crate::types::BlockId;
+
+/// A free-queue entry: valid iff `block`'s state word has ref count 0 and this generation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub(crate) block: BlockId,
+    pub(crate) generation: u64,
+}
+
+#[cfg(not(loom))]
+#[derive(Debug, Default)]
+struct Fifo(crossbeam_queue::SegQueue<Entry>);
+
+#[cfg(not(loom))]
+impl Fifo {
+    fn push(&self, entry: Entry) {
+        self.0.push(entry);
+    }
+
+    fn pop(&self) -> Option<Entry> {
+        self.0.pop()
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+#[cfg(loom)]
+#[derive(Debug, Default)]
+struct Fifo(crate::primitive::Mutex<std::collections::VecDeque<Entry>>);
+
+#[cfg(loom)]
+impl Fifo {
+    fn push(&self, entry: Entry) {
+        self.0.lock().unwrap().push_back(entry);
+    }
+
+    fn pop(&self) -> Option<Entry> {
+        self.0.lock().unwrap().pop_front()
+    }
+
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+}
+
+/// The FIFO plus the count of blocks allocators may reserve. See the module docs.
+#[derive(Debug)]
+pub(crate) struct FreeQueue {
+    /// Entries in release order; valid ones are the free blocks in eviction order.
+    fifo: Fifo,
+    /// Free blocks not reserved by anyone; never more than the valid entries (module docs).
+    num_countable: AtomicUsize,
+    /// Stale entries in the FIFO (or about to be pushed), as a wrapping count: a drop may be
+    /// counted before the touch that made the entry stale, so read it as `isize`.
+    num_stale: AtomicUsize,
+    /// Set while one thread compacts; others skip compaction instead of waiting.
+    compacting: AtomicBool,
+    /// Compaction starts when `num_stale` exceeds this (at least 1).
+    stale_limit: usize,
+}
+
+impl FreeQueue {
+    /// An empty queue that compacts once more than `stale_limit` stale entries pile up.
+    pub(crate) fn new(stale_limit: usize) -> Self {
+        FreeQueue {
+            fifo: Fifo::default(),
+            num_countable: AtomicUsize::new(0),
+            num_stale: AtomicUsize::new(0),
+            compacting: AtomicBool::new(false),
+            stale_limit: stale_limit.max(1),
+        }
+    }
+
+    /// Queues a block whose last reference was just released, and makes it countable.
+    pub(crate) fn push(&self, entry: Entry) {
+        self.fifo.push(entry);
+        // Release: a reserver that sees this unit (Acquire) also sees the entry pushed above.
+        self.num_countable.fetch_add(1, Ordering::Release);
+    }
+
+    /// Reserves `count` units, all or nothing. On refusal returns how many were countable.
+    pub(crate) fn try_reserve(&self, count: usize) -> Result<(), usize> {
+        // Relaxed for the first read: the CAS below re-validates it.
+        let mut available = self.num_countable.load(Ordering::Relaxed);
+        loop {
+            if available < count {
+                return Err(available);
+            }
+            // Acquire on success: pairs with the Release in `push`, so the entries backing the
+            // units we take are visible to our pops.
+            match self.num_countable.compare_exchange_weak(
+                available,
+                available - count,
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(actual) => available = actual,
+            }
+        }
+    }
+
+    /// Returns units reserved but not consumed (their valid entries are still queued).
+    pub(crate) fn unreserve(&self, count: usize) {
+        // Release: same role as in `push` for the entries backing these units.
+        self.num_countable.fetch_add(count, Ordering::Release);
+    }
+
+    /// Pops the head entry. Only called by a thread holding a reservation, for which the module
+    /// invariant guarantees an entry is (about to be) there.
+    pub(crate) fn pop(&self) -> Entry {
+        loop {
+            if let Some(entry) = self.fifo.pop() {
+                return entry;
+            }
+            spin_wait();
+        }
+    }
+
+    /// Records that an allocator popped and dropped a stale entry.
+    pub(crate) fn dropped_stale(&self) {
+        // Relaxed: a heuristic trigger, no data is published through it.
+        self.num_stale.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Records that a touch made one entry stale, compacting the FIFO when too many piled up.
+    /// `is_valid` tells valid entries from stale ones.
+    pub(crate) fn made_stale(&self, is_valid: impl Fn(Entry) -> bool) {
+        // Relaxed: as in `dropped_stale`.
+        let stale = self
+            .num_stale
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_add(1);
+        if (stale as isize) > self.stale_limit as isize {
+            self.compact(is_valid);
+        }
+    }
+
+    /// Rotates the FIFO once, dropping stale entries (see the module docs).
+    fn compact(&self, is_valid: impl Fn(Entry) -> bool) {
+        // Acquire: pairs with the Release that ended the previous compaction (not needed for the
+        // queue's own safety, which never relies on the flag; it only keeps one compactor).
+        if self
+            .compacting
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return;
+        }
+        // One unit for the whole rotation: like an allocator, the compactor holds at most one
+        // popped entry at a time, so one reservation keeps every other reserver's entries in the
+        // FIFO (module invariant). No unit free: nothing to compact safely now, try later.
+        if self.try_reserve(1).is_ok() {
+            for _ in 0..self.fifo.len() {
+                let Some(entry) = self.fifo.pop() else {
+                    break;
+                };
+                if is_valid(entry) {
+                    self.fifo.push(entry);
+                } else {
+                    self.dropped_stale();
+                }
+            }
+            self.unreserve(1);
+        }
+        // Release: see the Acquire above.
+        self.compacting.store(false, Ordering::Release);
+    }
+
+    /// Queued entries, stale ones included (tests).
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn len(&self) -> usize {
+        self.fifo.len()
+    }
+
+    /// Free blocks that may be reserved now.
+    pub(crate) fn num_countable(&self) -> usize {
+        self.num_countable.load(Ordering::Acquire)
+    }
+
+    /// The queued entries that `is_valid` accepts, in FIFO order. Stale entries are kept in the
+    /// queue (dropping them here would hide from the tests the state the hot path really works
+    /// on). Drains and re-pushes the FIFO, so it is meant for a quiescent pool (tests,
+    /// debugging): concurrent pushes would interleave with the re-pushed entries, and a
+    /// concurrent allocator waits until they are back.
+    pub(crate) fn valid_entries(&self, mut is_valid: impl FnMut(Entry) -> bool) -> Vec<Entry> {
+        let mut drained = Vec::new();
+        while let Some(entry) = self.fifo.pop() {
+            drained.push(entry);
+        }
+        for &entry in &drained {
+            self.fifo.push(entry);
+        }
+        drained.retain(|&entry| is_valid(entry));
+        drained
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservations_are_all_or_nothing() {
+        let queue = FreeQueue::new(8);
+        for block in 1..=3 {
+            queue.push(Entry {
+                block,
+                generation: 0,
+            });
+        }
+        assert_eq!(queue.try_reserve(4), Err(3));
+        assert_eq!(queue.try_reserve(2), Ok(()));
+        assert_eq!(queue.num_countable(), 1);
+        assert_eq!(queue.pop().block, 1);
+        queue.unreserve(1);
+        assert_eq!(queue.num_countable(), 2);
+        let kept = queue.valid_entries(|entry| entry.block != 2);
+        assert_eq!(kept.iter().map(|e| e.block).collect::<Vec<_>>(), vec![3]);
+        assert_eq!(queue.pop().block, 2, "invalid entries stay queued");
+        assert_eq!(queue.pop().block, 3);
+    }
+
+    #[test]
+    fn compaction_drops_stale_entries_and_keeps_order() {
+        let queue = FreeQueue::new(2);
+        for block in 1..=6 {
+            queue.push(Entry {
+                block,
+                generation: 0,
+            });
+        }
+        // Blocks 2, 4 and 5 were touched: their entries are stale.
+        let valid = |entry: Entry| ![2, 4, 5].contains(&entry.block);
+        queue.made_stale(valid);
+        queue.made_stale(valid);
+        assert_eq!(queue.len(), 6, "at the limit: no compaction yet");
+        queue.made_stale(valid);
+        assert_eq!(queue.len(), 3);
+        assert_eq!(
+            queue.num_countable(),
+            6,
+            "compaction returns every unit it took"
+        );
+        let order: Vec<BlockId> = queue
+            .valid_entries(|_| true)
+            .iter()
+            .map(|e| e.block)
+            .collect();
+        assert_eq!(order, vec![1, 3, 6]);
+    }
+}
