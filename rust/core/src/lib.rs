@@ -3,13 +3,24 @@
 //! separate crate.
 
 pub mod allocator;
+pub mod coordinator;
 pub mod error;
+pub mod hashing;
+pub mod manager;
 pub mod mutex_pool;
 pub mod types;
 
 pub use allocator::BlockAllocator;
+pub use coordinator::{
+    AllocateStep, AttentionKind, Coordinator, CoordinatorConfig, CoordinatorStats, GroupSpec,
+    NewRequest,
+};
 pub use error::CoreError;
+pub use hashing::{ExtraKeys, HashAlgo, MultimodalItem};
 pub use mutex_pool::MutexPool;
+
+/// The pool the coordinator and the binding use unless told otherwise.
+pub type DefaultPool = MutexPool;
 pub use types::{BlockHash, BlockId, CacheKey, GroupId, PoolStats, NULL_BLOCK};
 
 /// Shared check for pool constructors: block 0 is the null block, so a usable pool needs at

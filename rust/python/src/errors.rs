@@ -66,7 +66,6 @@ pyo3::create_exception!(
 );
 
 /// Converts a core error into its Python exception.
-#[allow(dead_code)] // used by the coordinator binding
 pub fn to_py(error: CoreError) -> PyErr {
     let message = error.to_string();
     match error {
@@ -107,4 +106,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         py.get_type::<TooManyRequestsError>(),
     )?;
     Ok(())
+}
+
+/// An `InvalidArgumentError` with `message` (for conversions the binding itself checks).
+pub fn invalid_argument(message: String) -> PyErr {
+    to_py(CoreError::InvalidArgument(message))
 }

@@ -1,0 +1,298 @@
+//! `allocate` and `allocate_batch`: window release, taking the pending hit, new blocks and
+//! caching, all-or-nothing per request.
+//!
+//! Order inside one `allocate` (after validation):
+//!
+//! ```text
+//!   1. plan    per group: entries the window skips now, hit blocks to touch, new blocks;
+//!              refuse (Ok(false), nothing changed) unless the pool can cover it
+//!   2. touch   the pending hit's blocks (before any new block is taken, which could evict them)
+//!   3. release skipped entries -> null block, freed newest first
+//!   4. take    all new blocks of all groups in one pool call
+//!   5. mirror  the changed entries into the block table; cache newly full blocks
+//! ```
+
+use super::request::{PendingHit, RequestState};
+use super::{Coordinator, RowRef};
+use crate::allocator::BlockAllocator;
+use crate::error::CoreError;
+use crate::manager::{cache_full_blocks, pending_release, release_skipped, CacheContext};
+use crate::types::{BlockId, CacheKey, GroupId, NULL_BLOCK};
+
+/// One `allocate` call's arguments.
+#[derive(Clone, Copy, Debug)]
+pub struct AllocateStep {
+    pub request_id: u64,
+    /// Tokens whose KV is computed (stored) before this step.
+    pub num_computed_tokens: usize,
+    /// Tokens that need a slot in this step.
+    pub num_new_tokens: usize,
+}
+
+impl<P: BlockAllocator> Coordinator<P> {
+    /// Releases blocks the window skipped, takes the pending hit, allocates blocks for the new
+    /// tokens and caches newly full blocks. Returns `Ok(false)` and changes nothing when the pool
+    /// lacks blocks.
+    pub fn allocate(&mut self, step: AllocateStep) -> Result<bool, CoreError> {
+        self.validate_step(&step)?;
+        self.allocate_validated(step)
+    }
+
+    /// `allocate` for each step in order; stops at the first request that does not fit and
+    /// returns how many were allocated. Every step is validated before any is applied, so an
+    /// error changes nothing.
+    pub fn allocate_batch(&mut self, steps: &[AllocateStep]) -> Result<usize, CoreError> {
+        self.batch_number += 1;
+        for step in steps {
+            self.validate_step(step)?;
+            let batch_number = self.batch_number;
+            let state = self.requests.get_mut(&step.request_id).expect("validated");
+            if state.last_batch == batch_number {
+                return Err(CoreError::InvalidArgument(format!(
+                    "request {} appears twice in one allocate_batch call",
+                    step.request_id
+                )));
+            }
+            state.last_batch = batch_number;
+        }
+        for (done, step) in steps.iter().enumerate() {
+            if !self.allocate_validated(*step)? {
+                return Ok(done);
+            }
+        }
+        Ok(steps.len())
+    }
+
+    fn validate_step(&self, step: &AllocateStep) -> Result<(), CoreError> {
+        let state = self.request(step.request_id)?;
+        let (computed, new) = (step.num_computed_tokens, step.num_new_tokens);
+        let invalid = |message: String| Err(CoreError::InvalidArgument(message));
+        let id = step.request_id;
+        if new > self.config.max_num_batched_tokens {
+            return invalid(format!(
+                "request {id}: {new} new tokens exceed max_num_batched_tokens ({})",
+                self.config.max_num_batched_tokens
+            ));
+        }
+        let within_model = match computed.checked_add(new) {
+            Some(total) => total <= self.config.max_model_len,
+            None => false,
+        };
+        if !within_model {
+            return invalid(format!(
+                "request {id}: {computed} computed + {new} new tokens exceed max_model_len ({})",
+                self.config.max_model_len
+            ));
+        }
+        if computed > state.tokens.len() {
+            return invalid(format!(
+                "request {id}: {computed} computed tokens but only {} are known; append them first",
+                state.tokens.len()
+            ));
+        }
+        if computed < state.num_computed {
+            return invalid(format!(
+                "request {id}: computed tokens went back from {} to {computed}",
+                state.num_computed
+            ));
+        }
+        if state.num_allocated == 0 {
+            let hit = state.pending_hit.as_ref().map_or(0, |hit| hit.num_tokens);
+            if computed != 0 && computed != hit {
+                return invalid(format!(
+                    "request {id}: the first allocate must start at 0 computed tokens or at the \
+                     cache hit ({hit}), not {computed}"
+                ));
+            }
+        } else if computed > state.num_allocated {
+            return invalid(format!(
+                "request {id}: {computed} computed tokens but only {} have slots",
+                state.num_allocated
+            ));
+        }
+        Ok(())
+    }
+
+    fn allocate_validated(&mut self, step: AllocateStep) -> Result<bool, CoreError> {
+        let computed = step.num_computed_tokens;
+        let total = computed + step.num_new_tokens;
+        let state = self.requests.get_mut(&step.request_id).expect("validated");
+        let hit = match state.pending_hit.take() {
+            Some(hit) if computed == hit.num_tokens && state.num_allocated == 0 => Some(hit),
+            _ => None,
+        };
+
+        // 1. Plan.
+        let mut num_new = 0;
+        let mut hit_blocks_now_free = 0;
+        let mut released_to_free = 0;
+        for (group, manager) in self.managers.iter().enumerate() {
+            let blocks = &state.groups[group];
+            let row_len = match &hit {
+                Some(hit) => {
+                    for &block in hit.rows[group].iter().filter(|&&b| b != NULL_BLOCK) {
+                        hit_blocks_now_free += usize::from(self.pool.ref_count(block) == 0);
+                    }
+                    hit.rows[group].len()
+                }
+                None => {
+                    for index in pending_release(manager.as_ref(), blocks, computed) {
+                        let block = blocks.blocks[index];
+                        released_to_free +=
+                            usize::from(block != NULL_BLOCK && self.pool.ref_count(block) == 1);
+                    }
+                    blocks.blocks.len()
+                }
+            };
+            num_new += manager.num_new_blocks(row_len, total);
+        }
+        if num_new + hit_blocks_now_free > self.pool.num_free_blocks() + released_to_free {
+            state.pending_hit = hit;
+            return Ok(false);
+        }
+
+        // 2. Touch the hit.
+        if let Some(hit) = &hit {
+            let chains = &state.hash_chains;
+            let chain_of_group = &self.chain_of_group;
+            let key_of = |group: usize, index: usize| CacheKey {
+                group: group as GroupId,
+                hash: chains[chain_of_group[group]][index],
+            };
+            if !touch_hit(&self.pool, hit, &key_of) {
+                // Evicted between the lookup and now (only with a pool shared across threads):
+                // the request must look its hit up again.
+                return Ok(false);
+            }
+            for (group, blocks) in state.groups.iter_mut().enumerate() {
+                blocks.blocks.clone_from(&hit.rows[group]);
+                blocks.num_released = self.managers[group].num_released_blocks(computed);
+                blocks.num_cached = hit.rows[group].len();
+                self.num_references[group] += blocks.num_held();
+            }
+        }
+
+        // 3. Release what the window skipped.
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.clear();
+        let mut dirty_from = Vec::with_capacity(self.managers.len());
+        for (group, manager) in self.managers.iter().enumerate() {
+            let blocks = &mut state.groups[group];
+            let first_released = blocks.num_released;
+            let released = release_skipped(manager.as_ref(), blocks, computed, &mut scratch);
+            self.num_references[group] -= released;
+            dirty_from.push(if hit.is_some() { 0 } else { first_released });
+        }
+        if let Err(error) = self.pool.free_blocks(&scratch) {
+            debug_assert!(false, "releasing held blocks failed: {error}");
+            self.scratch = scratch;
+            return Err(error);
+        }
+
+        // 4. Take the new blocks.
+        scratch.clear();
+        if self.pool.get_new_blocks(num_new, &mut scratch).is_err() {
+            // Another thread took blocks after the plan: undo the hit, keep the release.
+            if let Some(hit) = &hit {
+                self.undo_hit(step.request_id, hit);
+            }
+            self.scratch = scratch;
+            return Ok(false);
+        }
+
+        // 5. Hand them out, mirror into the table, cache.
+        let state = self.requests.get_mut(&step.request_id).expect("validated");
+        let mut new_blocks = scratch.iter();
+        for (group, manager) in self.managers.iter().enumerate() {
+            let blocks = &mut state.groups[group];
+            let count = manager.num_new_blocks(blocks.blocks.len(), total);
+            let old_len = blocks.blocks.len();
+            blocks.blocks.extend(new_blocks.by_ref().take(count));
+            self.num_references[group] += count;
+            let from = dirty_from[group].min(old_len);
+            self.table.write_row(
+                RowRef {
+                    group,
+                    row: state.row,
+                },
+                &blocks.blocks,
+                from,
+            );
+        }
+        debug_assert!(new_blocks.next().is_none(), "every new block is handed out");
+        state.num_computed = computed;
+        state.num_allocated = state.num_allocated.max(total);
+        self.scratch = scratch;
+        if self.config.enable_prefix_caching {
+            self.cache_new_full_blocks(step.request_id, total)?;
+        }
+        Ok(true)
+    }
+
+    /// Caches the request's blocks that are full once `num_scheduled` tokens are computed.
+    fn cache_new_full_blocks(
+        &mut self,
+        request_id: u64,
+        num_scheduled: usize,
+    ) -> Result<(), CoreError> {
+        let state = self.requests.get_mut(&request_id).expect("validated");
+        Self::extend_hashes(&self.hasher, &self.chain_block_sizes, state);
+        let num_known = num_scheduled.min(state.tokens.len());
+        let RequestState {
+            groups,
+            hash_chains,
+            ..
+        } = state;
+        for (group, manager) in self.managers.iter().enumerate() {
+            let block_size = manager.block_size();
+            let context = CacheContext {
+                pool: &self.pool,
+                group: group as GroupId,
+                hashes: &hash_chains[self.chain_of_group[group]],
+                num_full_blocks: num_known / block_size,
+                hit_alignment: self.hit_alignment,
+            };
+            cache_full_blocks(manager.as_ref(), &mut groups[group], &context)?;
+        }
+        Ok(())
+    }
+
+    /// Gives back the references a hit took and clears the request's blocks again.
+    fn undo_hit(&mut self, request_id: u64, hit: &PendingHit) {
+        let state = self.requests.get_mut(&request_id).expect("validated");
+        let mut held: Vec<BlockId> = Vec::new();
+        for (group, blocks) in state.groups.iter_mut().enumerate() {
+            held.extend(blocks.blocks.iter().rev().filter(|&&b| b != NULL_BLOCK));
+            self.num_references[group] -= blocks.num_held();
+            *blocks = Default::default();
+        }
+        debug_assert!(held.len() <= hit.rows.iter().map(Vec::len).sum::<usize>());
+        let freed = self.pool.free_blocks(&held);
+        debug_assert!(freed.is_ok(), "the hit's references are held");
+    }
+}
+
+/// Takes one reference on every block of the hit (keys from the request's hash chains); when
+/// one was evicted in between, gives back the ones taken and returns false.
+fn touch_hit<P: BlockAllocator>(
+    pool: &P,
+    hit: &PendingHit,
+    key_of: &dyn Fn(usize, usize) -> CacheKey,
+) -> bool {
+    let mut touched: Vec<BlockId> = Vec::new();
+    for (group, row) in hit.rows.iter().enumerate() {
+        for (index, &block) in row.iter().enumerate() {
+            if block == NULL_BLOCK {
+                continue;
+            }
+            if !pool.touch_cached(block, key_of(group, index)) {
+                touched.reverse();
+                let freed = pool.free_blocks(&touched);
+                debug_assert!(freed.is_ok(), "the touched references are held");
+                return false;
+            }
+            touched.push(block);
+        }
+    }
+    true
+}

@@ -1,0 +1,157 @@
+//! Coordinator configuration: the groups and the limits, validated once at construction.
+
+use crate::error::CoreError;
+use crate::hashing::HashAlgo;
+use crate::manager::{
+    AttentionManager, ChunkedLocalManager, FullAttentionManager, SlidingWindowManager,
+};
+
+/// The attention type of a group's layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionKind {
+    Full,
+    /// Each query sees the last `window` tokens, itself included.
+    SlidingWindow {
+        window: usize,
+    },
+    /// Each query sees the tokens of its own chunk of `chunk` tokens.
+    ChunkedLocal {
+        chunk: usize,
+    },
+}
+
+/// One KV-cache group: layers of one attention kind sharing one block table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupSpec {
+    pub kind: AttentionKind,
+    /// Tokens per block.
+    pub block_size: usize,
+}
+
+impl GroupSpec {
+    /// Checks the sizes; `group` only names the group in the message.
+    pub fn validate(&self, group: usize) -> Result<(), CoreError> {
+        let invalid = |message: String| Err(CoreError::InvalidArgument(message));
+        if self.block_size == 0 {
+            return invalid(format!("group {group}: block_size must be at least 1"));
+        }
+        match self.kind {
+            AttentionKind::Full => Ok(()),
+            AttentionKind::SlidingWindow { window: 0 } => invalid(format!(
+                "group {group}: the sliding window must be at least 1 token"
+            )),
+            AttentionKind::ChunkedLocal { chunk } if chunk == 0 || chunk % self.block_size != 0 => {
+                invalid(format!(
+                    "group {group}: the chunk ({chunk}) must be a positive multiple of the \
+                     block size ({})",
+                    self.block_size
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    pub(crate) fn manager(&self) -> Box<dyn AttentionManager> {
+        match self.kind {
+            AttentionKind::Full => Box::new(FullAttentionManager::new(self.block_size)),
+            AttentionKind::SlidingWindow { window } => {
+                Box::new(SlidingWindowManager::new(self.block_size, window))
+            }
+            AttentionKind::ChunkedLocal { chunk } => {
+                Box::new(ChunkedLocalManager::new(self.block_size, chunk))
+            }
+        }
+    }
+}
+
+/// Everything a coordinator is built from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CoordinatorConfig {
+    /// Blocks in the pool, the null block included.
+    pub num_blocks: usize,
+    pub groups: Vec<GroupSpec>,
+    /// Rows of the block table: most requests added at once.
+    pub max_num_reqs: usize,
+    /// Most tokens (prompt plus output) of one request.
+    pub max_model_len: usize,
+    /// Most tokens computed for one request in one step.
+    pub max_num_batched_tokens: usize,
+    pub enable_prefix_caching: bool,
+    pub hash: HashAlgo,
+    pub hash_seed: u64,
+}
+
+/// Most entries of the block table (groups x rows x blocks per row), so it stays addressable
+/// by Python and kernels with 32-bit offsets.
+const MAX_TABLE_ENTRIES: usize = 1 << 31;
+
+impl CoordinatorConfig {
+    /// Checks every field; the pool checks `num_blocks`.
+    pub fn validate(&self) -> Result<(), CoreError> {
+        let invalid = |message: &str| Err(CoreError::InvalidArgument(message.to_string()));
+        if self.groups.is_empty() {
+            return invalid("give at least one group");
+        }
+        if self.groups.len() > u32::MAX as usize {
+            return invalid("too many groups");
+        }
+        for (group, spec) in self.groups.iter().enumerate() {
+            spec.validate(group)?;
+        }
+        if self.max_num_reqs == 0 {
+            return invalid("max_num_reqs must be at least 1");
+        }
+        if self.max_model_len == 0 {
+            return invalid("max_model_len must be at least 1");
+        }
+        if self.max_num_batched_tokens == 0 {
+            return invalid("max_num_batched_tokens must be at least 1");
+        }
+        let alignment = self.hit_alignment().ok_or_else(|| {
+            CoreError::InvalidArgument("the lcm of the block sizes overflows".into())
+        })?;
+        if alignment > self.max_model_len.max(1) * 64 {
+            // Not wrong, but no hit could ever be found; almost certainly a mistake.
+            return invalid("the lcm of the group block sizes is far above max_model_len");
+        }
+        let entries = self
+            .groups
+            .len()
+            .checked_mul(self.max_num_reqs)
+            .and_then(|rows| rows.checked_mul(self.max_blocks_per_req()));
+        if !matches!(entries, Some(entries) if entries <= MAX_TABLE_ENTRIES) {
+            return invalid(
+                "the block table (groups x max_num_reqs x max blocks per request) exceeds 2^31 \
+                 entries; lower max_num_reqs or max_model_len, or use larger blocks",
+            );
+        }
+        Ok(())
+    }
+
+    /// Hit lengths are multiples of this: the lcm of the groups' block sizes.
+    pub fn hit_alignment(&self) -> Option<usize> {
+        self.groups.iter().try_fold(1usize, |lcm, spec| {
+            let gcd = gcd(lcm, spec.block_size);
+            (lcm / gcd).checked_mul(spec.block_size)
+        })
+    }
+
+    /// Width of a table row: enough blocks of the smallest size for `max_model_len` tokens.
+    pub fn max_blocks_per_req(&self) -> usize {
+        let smallest = self
+            .groups
+            .iter()
+            .map(|spec| spec.block_size)
+            .min()
+            .unwrap_or(1)
+            .max(1);
+        self.max_model_len.div_ceil(smallest)
+    }
+}
+
+fn gcd(mut a: usize, mut b: usize) -> usize {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}

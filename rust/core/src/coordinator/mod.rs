@@ -1,0 +1,334 @@
+//! The hybrid coordinator: requests, the grouped block table, the fixed-point cache hit and
+//! admission, over any number of groups of any attention type sharing one pool.
+//!
+//! Every call validates its input first and changes nothing when it returns an error;
+//! `allocate` is all-or-nothing per request and reports "no space" as `Ok(false)`.
+//!
+//! Life of a request:
+//!
+//! ```text
+//!   add_request -> find_cache_hit -> allocate(c = hit, n = chunk) -> ... -> allocate(c, 1)
+//!                  (optional)          ^ append_token_ids before each decode step
+//!   free_request (finish, abort or preemption)
+//! ```
+
+mod allocate;
+mod cache_hit;
+mod config;
+mod request;
+mod table;
+
+pub use allocate::AllocateStep;
+pub use config::{AttentionKind, CoordinatorConfig, GroupSpec};
+pub use table::{BlockTable, RowRef};
+
+use std::collections::HashMap;
+
+use crate::allocator::BlockAllocator;
+use crate::error::CoreError;
+use crate::hashing::{BlockHasher, ExtraKeys};
+use crate::manager::{collect_for_free, AdmissionLimits, AttentionManager, GroupBlocks};
+use crate::types::{BlockId, PoolStats};
+use crate::DefaultPool;
+use request::RequestState;
+
+/// Prefix-cache counters of the coordinator plus the pool's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CoordinatorStats {
+    pub pool: PoolStats,
+    /// Prompt tokens looked up by `find_cache_hit`.
+    pub prefix_queries: u64,
+    /// Tokens of those that were hits.
+    pub prefix_hits: u64,
+}
+
+/// A new request for `add_request`.
+#[derive(Clone, Debug, Default)]
+pub struct NewRequest<'a> {
+    pub request_id: u64,
+    pub prompt_token_ids: &'a [u32],
+    /// Tokens the request may reach (admission); `None` means the prompt length.
+    pub max_total_tokens: Option<usize>,
+    pub extra: ExtraKeys,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct Coordinator<P: BlockAllocator = DefaultPool> {
+    pool: P,
+    config: CoordinatorConfig,
+    /// One manager per group, in group order.
+    managers: Vec<Box<dyn AttentionManager>>,
+    /// Groups in the order the fixed-point hit asks them: full attention first.
+    hit_order: Vec<usize>,
+    hasher: BlockHasher,
+    /// The lcm of the block sizes: hit lengths are multiples of it.
+    hit_alignment: usize,
+    /// Distinct block sizes; `chain_of_group[g]` indexes the hash chain group `g` uses.
+    chain_block_sizes: Vec<usize>,
+    chain_of_group: Vec<usize>,
+    table: BlockTable,
+    /// Unused rows; popped from the end, so the lowest rows are handed out first.
+    free_rows: Vec<usize>,
+    requests: HashMap<u64, RequestState>,
+    /// Non-null table entries per group (a block shared by two requests counts twice).
+    num_references: Vec<usize>,
+    prefix_queries: u64,
+    prefix_hits: u64,
+    /// Number of the current `allocate_batch` call (duplicate-id detection).
+    batch_number: u64,
+    /// Scratch list of blocks, reused to avoid allocating per call.
+    scratch: Vec<BlockId>,
+}
+
+impl Coordinator<DefaultPool> {
+    /// A coordinator over a new default pool of `config.num_blocks` blocks.
+    pub fn new(config: CoordinatorConfig) -> Result<Self, CoreError> {
+        config.validate()?;
+        let pool = DefaultPool::new(config.num_blocks)?;
+        Self::with_pool(config, pool)
+    }
+}
+
+impl<P: BlockAllocator> Coordinator<P> {
+    /// A coordinator over `pool`, which must have `config.num_blocks` blocks, all free.
+    pub fn with_pool(config: CoordinatorConfig, pool: P) -> Result<Self, CoreError> {
+        config.validate()?;
+        if pool.num_blocks() != config.num_blocks || pool.num_free_blocks() + 1 != pool.num_blocks()
+        {
+            return Err(CoreError::InvalidArgument(format!(
+                "the pool must have num_blocks = {} blocks, all free",
+                config.num_blocks
+            )));
+        }
+        let managers: Vec<_> = config.groups.iter().map(GroupSpec::manager).collect();
+        let mut hit_order: Vec<usize> = (0..config.groups.len()).collect();
+        hit_order.sort_by_key(|&group| config.groups[group].kind != AttentionKind::Full);
+        let mut chain_block_sizes: Vec<usize> = Vec::new();
+        let mut chain_of_group = Vec::with_capacity(config.groups.len());
+        for spec in &config.groups {
+            let chain = match chain_block_sizes.iter().position(|&b| b == spec.block_size) {
+                Some(chain) => chain,
+                None => {
+                    chain_block_sizes.push(spec.block_size);
+                    chain_block_sizes.len() - 1
+                }
+            };
+            chain_of_group.push(chain);
+        }
+        let table = BlockTable::new(
+            config.groups.len(),
+            config.max_num_reqs,
+            config.max_blocks_per_req(),
+        );
+        Ok(Coordinator {
+            hasher: BlockHasher::new(config.hash, config.hash_seed),
+            hit_alignment: config.hit_alignment().expect("validated"),
+            free_rows: (0..config.max_num_reqs).rev().collect(),
+            requests: HashMap::with_capacity(config.max_num_reqs),
+            num_references: vec![0; config.groups.len()],
+            managers,
+            hit_order,
+            chain_block_sizes,
+            chain_of_group,
+            table,
+            pool,
+            config,
+            prefix_queries: 0,
+            prefix_hits: 0,
+            batch_number: 0,
+            scratch: Vec::new(),
+        })
+    }
+
+    pub fn config(&self) -> &CoordinatorConfig {
+        &self.config
+    }
+
+    pub fn pool(&self) -> &P {
+        &self.pool
+    }
+
+    pub fn table(&self) -> &BlockTable {
+        &self.table
+    }
+
+    pub fn num_groups(&self) -> usize {
+        self.config.groups.len()
+    }
+
+    pub fn max_blocks_per_req(&self) -> usize {
+        self.table.shape()[2]
+    }
+
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Worst-case blocks (all groups) a request of `num_tokens` total tokens holds at once.
+    pub fn max_blocks_needed(&self, num_tokens: usize) -> usize {
+        let limits = AdmissionLimits {
+            max_total_tokens: num_tokens,
+            max_num_batched_tokens: self.config.max_num_batched_tokens,
+        };
+        self.managers
+            .iter()
+            .map(|manager| manager.max_live_blocks(limits))
+            .sum()
+    }
+
+    /// Adds a request and returns its table row. Refuses a request that could never fit.
+    pub fn add_request(&mut self, request: NewRequest<'_>) -> Result<usize, CoreError> {
+        let prompt_len = request.prompt_token_ids.len();
+        if prompt_len == 0 {
+            return Err(CoreError::InvalidArgument(
+                "the prompt must have at least one token".into(),
+            ));
+        }
+        let max_total = request.max_total_tokens.unwrap_or(prompt_len);
+        if max_total < prompt_len {
+            return Err(CoreError::InvalidArgument(format!(
+                "max_total_tokens ({max_total}) is below the prompt length ({prompt_len})"
+            )));
+        }
+        if max_total > self.config.max_model_len {
+            return Err(CoreError::RequestTooLarge(format!(
+                "the request may reach {max_total} tokens but max_model_len is {}; shorten it \
+                 or raise max_model_len",
+                self.config.max_model_len
+            )));
+        }
+        let needed = self.max_blocks_needed(max_total);
+        let usable = self.config.num_blocks - 1;
+        if needed > usable {
+            return Err(CoreError::RequestTooLarge(format!(
+                "a request of {max_total} tokens may hold {needed} blocks at once but the pool \
+                 has {usable}; shorten it or give the pool more blocks"
+            )));
+        }
+        request.extra.validate(prompt_len)?;
+        if self.requests.contains_key(&request.request_id) {
+            return Err(CoreError::DuplicateRequest {
+                request_id: request.request_id,
+            });
+        }
+        let Some(row) = self.free_rows.pop() else {
+            return Err(CoreError::TooManyRequests {
+                max_num_reqs: self.config.max_num_reqs,
+            });
+        };
+        let state = RequestState {
+            row,
+            tokens: request.prompt_token_ids.to_vec(),
+            extra: request.extra,
+            num_computed: 0,
+            num_allocated: 0,
+            hash_chains: vec![Vec::new(); self.chain_block_sizes.len()],
+            groups: vec![GroupBlocks::default(); self.num_groups()],
+            pending_hit: None,
+            last_batch: 0,
+        };
+        self.requests.insert(request.request_id, state);
+        Ok(row)
+    }
+
+    /// Appends sampled tokens so their blocks can be hashed and cached once full.
+    pub fn append_token_ids(
+        &mut self,
+        request_id: u64,
+        token_ids: &[u32],
+    ) -> Result<(), CoreError> {
+        let max_model_len = self.config.max_model_len;
+        let state = self.request_mut(request_id)?;
+        if state.tokens.len() + token_ids.len() > max_model_len {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {request_id} would reach {} tokens, above max_model_len {max_model_len}",
+                state.tokens.len() + token_ids.len()
+            )));
+        }
+        state.tokens.extend_from_slice(token_ids);
+        Ok(())
+    }
+
+    /// Frees every block of the request (newest first) and releases its row.
+    pub fn free_request(&mut self, request_id: u64) -> Result<(), CoreError> {
+        let state = self
+            .requests
+            .get(&request_id)
+            .ok_or(CoreError::UnknownRequest { request_id })?;
+        let mut freed = std::mem::take(&mut self.scratch);
+        freed.clear();
+        for blocks in &state.groups {
+            collect_for_free(blocks, &mut freed);
+        }
+        let result = self.pool.free_blocks(&freed);
+        self.scratch = freed;
+        result?;
+        let state = self.requests.remove(&request_id).expect("checked above");
+        for (group, blocks) in state.groups.iter().enumerate() {
+            self.num_references[group] -= blocks.num_held();
+            self.table.write_row(
+                RowRef {
+                    group,
+                    row: state.row,
+                },
+                &[],
+                0,
+            );
+        }
+        self.free_rows.push(state.row);
+        Ok(())
+    }
+
+    /// The table row of a request.
+    pub fn row_of(&self, request_id: u64) -> Result<usize, CoreError> {
+        Ok(self.request(request_id)?.row)
+    }
+
+    /// A request's blocks in one group (its table row).
+    pub fn request_blocks(&self, request_id: u64, group: usize) -> Result<&[BlockId], CoreError> {
+        let state = self.request(request_id)?;
+        let blocks = state.groups.get(group).ok_or(CoreError::InvalidGroup {
+            group: group as u32,
+            num_groups: self.num_groups(),
+        })?;
+        Ok(&blocks.blocks)
+    }
+
+    /// Non-null table entries per group (a block shared by two requests counts twice).
+    pub fn num_used_blocks_per_group(&self) -> &[usize] {
+        &self.num_references
+    }
+
+    /// Forgets every cached block; refused (false) while any block is in use.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.pool.reset_prefix_cache()
+    }
+
+    pub fn stats(&self) -> CoordinatorStats {
+        CoordinatorStats {
+            pool: self.pool.stats(),
+            prefix_queries: self.prefix_queries,
+            prefix_hits: self.prefix_hits,
+        }
+    }
+
+    fn request(&self, request_id: u64) -> Result<&RequestState, CoreError> {
+        self.requests
+            .get(&request_id)
+            .ok_or(CoreError::UnknownRequest { request_id })
+    }
+
+    fn request_mut(&mut self, request_id: u64) -> Result<&mut RequestState, CoreError> {
+        self.requests
+            .get_mut(&request_id)
+            .ok_or(CoreError::UnknownRequest { request_id })
+    }
+
+    /// Extends the request's hash chains to every full block of its known tokens.
+    fn extend_hashes(hasher: &BlockHasher, chain_block_sizes: &[usize], state: &mut RequestState) {
+        for (chain, &block_size) in state.hash_chains.iter_mut().zip(chain_block_sizes) {
+            hasher.extend_chain(&state.tokens, block_size, &state.extra, chain);
+        }
+    }
+}

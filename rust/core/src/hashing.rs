@@ -1,0 +1,344 @@
+//! Chained block hashing with extra keys.
+//!
+//! Only full blocks are hashed. Block `i` of a request (tokens `i*B .. (i+1)*B`) gets
+//!
+//! ```text
+//!   h_0 = H(root,    tokens[0..B],   extra keys of block 0)
+//!   h_i = H(h_{i-1}, tokens[iB..(i+1)B], extra keys of block i)
+//! ```
+//!
+//! so a hash names the whole prefix up to and including its block. `root` is derived from a seed,
+//! which makes hashes reproducible across runs with the same seed and unrelated across seeds.
+//!
+//! Extra keys mixed into a block:
+//! - the adapter (LoRA) id, on every block: a prefix under another adapter has other KV;
+//! - the cache salt, on block 0 only: the chain carries it to every later block;
+//! - each multimodal item hash, on every block its token range overlaps.
+//!
+//! The bytes hashed are `parent (16 LE) | token count (4 LE) | tokens (4 LE each) | tagged extras`,
+//! each extra preceded by a one-byte tag so two different key sets never serialise alike.
+//!
+//! Algorithms: xxh3-128 (default, fast, not cryptographic) or sha256 truncated to 128 bits.
+//!
+//! Why a hit does not compare stored token ids under xxh3-128: the pool stores no tokens (it would
+//! double the memory touched per lookup and need a second store kept in sync with eviction), and
+//! for inputs nobody crafts on purpose a 128-bit collision is negligible: even 10^12 distinct
+//! cached blocks collide with probability about 10^24 / 2^129 < 10^-14. Xxh3 is not collision
+//! resistant against an adversary, though: a deployment where one tenant could craft prompts to
+//! alias another tenant's cache should use a per-tenant cache salt and `HashAlgo::Sha256`.
+
+use sha2::{Digest, Sha256};
+
+use crate::error::CoreError;
+use crate::types::BlockHash;
+
+/// Which 128-bit hash function names blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HashAlgo {
+    /// xxh3-128: fast, non-cryptographic (see the module docs for why that is enough).
+    #[default]
+    Xxh3,
+    /// sha256 truncated to its first 128 bits: for caches shared by untrusted tenants.
+    Sha256,
+}
+
+/// A multimodal item (an image, an audio clip) occupying `num_tokens` placeholder tokens from
+/// `start_token`; `item_hash` names its content.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MultimodalItem {
+    pub start_token: usize,
+    pub num_tokens: usize,
+    pub item_hash: u128,
+}
+
+/// Keys besides the token ids that decide what a block's KV holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExtraKeys {
+    /// Adapter (LoRA) id; mixed into every block.
+    pub lora_id: Option<u64>,
+    /// Cache salt (e.g. per tenant); mixed into block 0 only.
+    pub cache_salt: Option<String>,
+    /// Multimodal items; each is mixed into the blocks it overlaps.
+    pub mm_items: Vec<MultimodalItem>,
+}
+
+impl ExtraKeys {
+    /// Checks the multimodal ranges against a prompt of `prompt_len` tokens.
+    pub fn validate(&self, prompt_len: usize) -> Result<(), CoreError> {
+        for item in &self.mm_items {
+            let inside = match item.start_token.checked_add(item.num_tokens) {
+                Some(end) => end <= prompt_len,
+                None => false,
+            };
+            if item.num_tokens == 0 || !inside {
+                return Err(CoreError::InvalidArgument(format!(
+                    "multimodal item (start {}, {} tokens) must cover at least one token inside \
+                     the prompt of {prompt_len} tokens",
+                    item.start_token, item.num_tokens
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+const TAG_LORA: u8 = 1;
+const TAG_SALT: u8 = 2;
+const TAG_MULTIMODAL: u8 = 3;
+
+/// Computes chained block hashes for one algorithm and seed.
+#[derive(Clone, Debug)]
+pub struct BlockHasher {
+    algo: HashAlgo,
+    /// Parent hash of block 0.
+    root: BlockHash,
+}
+
+impl BlockHasher {
+    /// A hasher whose chains start from a root derived from `seed`.
+    pub fn new(algo: HashAlgo, seed: u64) -> Self {
+        let mut bytes = b"hybrid-cache root".to_vec();
+        bytes.extend_from_slice(&seed.to_le_bytes());
+        let root = digest(algo, &bytes);
+        BlockHasher { algo, root }
+    }
+
+    pub fn algo(&self) -> HashAlgo {
+        self.algo
+    }
+
+    /// The parent of block 0.
+    pub fn root(&self) -> BlockHash {
+        self.root
+    }
+
+    /// Appends to `hashes` the hashes of every full block of `tokens` (blocks of `block_size`)
+    /// not hashed yet: `hashes` holds the chain of blocks `0..hashes.len()` on entry.
+    pub fn extend_chain(
+        &self,
+        tokens: &[u32],
+        block_size: usize,
+        extra: &ExtraKeys,
+        hashes: &mut Vec<BlockHash>,
+    ) {
+        debug_assert!(block_size > 0, "block size is validated by the coordinator");
+        let num_full = tokens.len() / block_size;
+        let mut buffer = Vec::with_capacity(24 + 4 * block_size);
+        for index in hashes.len()..num_full {
+            let parent = hashes.last().copied().unwrap_or(self.root);
+            let start = index * block_size;
+            let block = BlockSpan {
+                index,
+                start,
+                tokens: &tokens[start..start + block_size],
+            };
+            let hash = self.hash_block(parent, &block, extra, &mut buffer);
+            hashes.push(hash);
+        }
+    }
+
+    /// Hash of one block given its parent; `buffer` is scratch space reused across blocks.
+    fn hash_block(
+        &self,
+        parent: BlockHash,
+        block: &BlockSpan<'_>,
+        extra: &ExtraKeys,
+        buffer: &mut Vec<u8>,
+    ) -> BlockHash {
+        buffer.clear();
+        buffer.extend_from_slice(&parent.0.to_le_bytes());
+        buffer.extend_from_slice(&(block.tokens.len() as u32).to_le_bytes());
+        for token in block.tokens {
+            buffer.extend_from_slice(&token.to_le_bytes());
+        }
+        if let Some(lora_id) = extra.lora_id {
+            buffer.push(TAG_LORA);
+            buffer.extend_from_slice(&lora_id.to_le_bytes());
+        }
+        if let (0, Some(salt)) = (block.index, &extra.cache_salt) {
+            buffer.push(TAG_SALT);
+            buffer.extend_from_slice(&(salt.len() as u64).to_le_bytes());
+            buffer.extend_from_slice(salt.as_bytes());
+        }
+        let block_end = block.start + block.tokens.len();
+        for item in &extra.mm_items {
+            let item_end = item.start_token + item.num_tokens;
+            if item.start_token < block_end && block.start < item_end {
+                buffer.push(TAG_MULTIMODAL);
+                buffer.extend_from_slice(&item.item_hash.to_le_bytes());
+            }
+        }
+        digest(self.algo, buffer)
+    }
+}
+
+/// One full block of a request: its index, first token position and tokens.
+struct BlockSpan<'a> {
+    index: usize,
+    start: usize,
+    tokens: &'a [u32],
+}
+
+fn digest(algo: HashAlgo, bytes: &[u8]) -> BlockHash {
+    match algo {
+        HashAlgo::Xxh3 => BlockHash(xxhash_rust::xxh3::xxh3_128(bytes)),
+        HashAlgo::Sha256 => {
+            let full = Sha256::digest(bytes);
+            let mut first = [0u8; 16];
+            first.copy_from_slice(&full[..16]);
+            BlockHash(u128::from_le_bytes(first))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(hasher: &BlockHasher, tokens: &[u32], extra: &ExtraKeys) -> Vec<BlockHash> {
+        let mut hashes = Vec::new();
+        hasher.extend_chain(tokens, 2, extra, &mut hashes);
+        hashes
+    }
+
+    const TOKENS: [u32; 7] = [1, 2, 3, 4, 5, 6, 7];
+
+    #[test]
+    fn hashes_full_blocks_only_and_deterministically() {
+        let hasher = BlockHasher::new(HashAlgo::Xxh3, 0);
+        let first = chain(&hasher, &TOKENS, &ExtraKeys::default());
+        assert_eq!(first.len(), 3, "7 tokens make 3 full blocks of 2");
+        let again = chain(
+            &BlockHasher::new(HashAlgo::Xxh3, 0),
+            &TOKENS,
+            &ExtraKeys::default(),
+        );
+        assert_eq!(first, again);
+        let other_seed = chain(
+            &BlockHasher::new(HashAlgo::Xxh3, 1),
+            &TOKENS,
+            &ExtraKeys::default(),
+        );
+        assert!(first.iter().zip(&other_seed).all(|(a, b)| a != b));
+    }
+
+    #[test]
+    fn extending_in_steps_equals_hashing_at_once() {
+        let hasher = BlockHasher::new(HashAlgo::Xxh3, 3);
+        let mut hashes = Vec::new();
+        hasher.extend_chain(&TOKENS[..3], 2, &ExtraKeys::default(), &mut hashes);
+        assert_eq!(hashes.len(), 1);
+        hasher.extend_chain(&TOKENS, 2, &ExtraKeys::default(), &mut hashes);
+        assert_eq!(hashes, chain(&hasher, &TOKENS, &ExtraKeys::default()));
+    }
+
+    #[test]
+    fn a_change_in_one_block_changes_it_and_every_later_block() {
+        let hasher = BlockHasher::new(HashAlgo::Xxh3, 0);
+        let base = chain(&hasher, &TOKENS, &ExtraKeys::default());
+        let mut changed_tokens = TOKENS;
+        changed_tokens[2] = 99;
+        let changed = chain(&hasher, &changed_tokens, &ExtraKeys::default());
+        assert_eq!(base[0], changed[0]);
+        assert_ne!(base[1], changed[1]);
+        assert_ne!(base[2], changed[2], "the chain carries the change forward");
+    }
+
+    #[test]
+    fn salt_enters_block_zero_only() {
+        let hasher = BlockHasher::new(HashAlgo::Xxh3, 0);
+        let salted = ExtraKeys {
+            cache_salt: Some("tenant-a".into()),
+            ..ExtraKeys::default()
+        };
+        let base = chain(&hasher, &TOKENS, &ExtraKeys::default());
+        let with_salt = chain(&hasher, &TOKENS, &salted);
+        assert_ne!(base[0], with_salt[0]);
+        // Block 1 differs only through its parent: rehashing block 1 with block 0's unsalted
+        // parent but the salted keys gives the unsalted hash back.
+        let mut from_block_one = vec![base[0]];
+        hasher.extend_chain(&TOKENS, 2, &salted, &mut from_block_one);
+        assert_eq!(from_block_one[1], base[1]);
+    }
+
+    #[test]
+    fn lora_enters_every_block() {
+        let hasher = BlockHasher::new(HashAlgo::Xxh3, 0);
+        let lora = ExtraKeys {
+            lora_id: Some(7),
+            ..ExtraKeys::default()
+        };
+        let base = chain(&hasher, &TOKENS, &ExtraKeys::default());
+        let mut from_block_one = vec![base[0]];
+        hasher.extend_chain(&TOKENS, 2, &lora, &mut from_block_one);
+        assert_ne!(from_block_one[1], base[1]);
+        assert_ne!(from_block_one[2], base[2]);
+    }
+
+    #[test]
+    fn multimodal_hash_enters_only_the_blocks_it_overlaps() {
+        let hasher = BlockHasher::new(HashAlgo::Xxh3, 0);
+        // Tokens 3..5 overlap blocks 1 (tokens 2-3) and 2 (tokens 4-5), not block 0.
+        let image = ExtraKeys {
+            mm_items: vec![MultimodalItem {
+                start_token: 3,
+                num_tokens: 2,
+                item_hash: 0xabc,
+            }],
+            ..ExtraKeys::default()
+        };
+        let base = chain(&hasher, &TOKENS, &ExtraKeys::default());
+        let with_image = chain(&hasher, &TOKENS, &image);
+        assert_eq!(base[0], with_image[0]);
+        // Rehash each block from the plain parent so only its own keys can differ.
+        for index in 1..3 {
+            let mut from_parent = base[..index].to_vec();
+            hasher.extend_chain(&TOKENS[..2 * (index + 1)], 2, &image, &mut from_parent);
+            assert_ne!(
+                from_parent[index], base[index],
+                "block {index} overlaps the item"
+            );
+        }
+        let mut block_three = base.clone();
+        let long: Vec<u32> = (1..=8).collect();
+        hasher.extend_chain(&long, 2, &image, &mut block_three);
+        let mut plain_three = base.clone();
+        hasher.extend_chain(&long, 2, &ExtraKeys::default(), &mut plain_three);
+        assert_eq!(
+            block_three[3], plain_three[3],
+            "block 3 does not overlap the item"
+        );
+    }
+
+    #[test]
+    fn xxh3_and_sha256_differ() {
+        let xxh3 = chain(
+            &BlockHasher::new(HashAlgo::Xxh3, 0),
+            &TOKENS,
+            &ExtraKeys::default(),
+        );
+        let sha = chain(
+            &BlockHasher::new(HashAlgo::Sha256, 0),
+            &TOKENS,
+            &ExtraKeys::default(),
+        );
+        assert_eq!(sha.len(), 3);
+        assert!(xxh3.iter().zip(&sha).all(|(a, b)| a != b));
+    }
+
+    #[test]
+    fn multimodal_ranges_are_validated() {
+        let item = |start_token, num_tokens| ExtraKeys {
+            mm_items: vec![MultimodalItem {
+                start_token,
+                num_tokens,
+                item_hash: 1,
+            }],
+            ..ExtraKeys::default()
+        };
+        assert!(item(0, 4).validate(4).is_ok());
+        assert!(item(0, 0).validate(4).is_err());
+        assert!(item(3, 2).validate(4).is_err());
+        assert!(item(usize::MAX, 2).validate(4).is_err());
+    }
+}

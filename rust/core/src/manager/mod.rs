@@ -1,0 +1,217 @@
+//! One manager per attention type.
+//!
+//! The shared algorithm lives in the provided methods of [`AttentionManager`]; each type
+//! overrides two hooks:
+//! - [`AttentionManager::num_skipped_tokens`]: how many leading tokens no future query can see
+//!   once `c` tokens are computed (0 for full attention);
+//! - [`AttentionManager::longest_hit_blocks`]: the longest cache hit this type accepts.
+//!
+//! A manager holds no per-request state: a request's blocks for one group live in a
+//! [`GroupBlocks`] owned by the coordinator, which also mirrors them into the block table.
+//!
+//! Null-block rule: entries a window (or chunk) released, and the left part of a windowed cache
+//! hit, hold [`NULL_BLOCK`]; they are never freed, cached or counted as held.
+//!
+//! ```text
+//!   table row of a sliding-window group, B = 2, W = 4, c = 7 computed tokens:
+//!   tokens   0 1 | 2 3 | 4 5 | 6 7
+//!   skipped  x x   x x   .       skipped(7) = 7 - 4 + 1 = 4 -> floor(4 / 2) = 2 blocks
+//!   row     [ 0  ,  0  , b2  , b3 ]     (0 = the null block)
+//! ```
+
+mod chunked_local;
+mod full;
+mod sliding_window;
+
+pub use chunked_local::ChunkedLocalManager;
+pub use full::FullAttentionManager;
+pub use sliding_window::SlidingWindowManager;
+
+use std::fmt::Debug;
+
+use crate::allocator::BlockAllocator;
+use crate::error::CoreError;
+use crate::types::{BlockHash, BlockId, CacheKey, GroupId, NULL_BLOCK};
+
+/// A request's blocks in one group.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GroupBlocks {
+    /// The request's table row for this group: entry `i` holds tokens `i*B .. (i+1)*B`, or the
+    /// null block when released. `blocks.len()` is the row's length in the block table.
+    pub blocks: Vec<BlockId>,
+    /// Leading entries already released (all null); release resumes here.
+    pub num_released: usize,
+    /// Leading entries already considered for caching; caching resumes here.
+    pub num_cached: usize,
+}
+
+impl GroupBlocks {
+    /// Non-null entries, i.e. references this request holds in the group.
+    pub fn num_held(&self) -> usize {
+        self.blocks
+            .iter()
+            .filter(|&&block| block != NULL_BLOCK)
+            .count()
+    }
+}
+
+/// Limits that bound how many blocks one request can hold at once.
+#[derive(Clone, Copy, Debug)]
+pub struct AdmissionLimits {
+    /// Tokens the request may reach (prompt plus output).
+    pub max_total_tokens: usize,
+    /// Most tokens computed in one step (one prefill chunk).
+    pub max_num_batched_tokens: usize,
+}
+
+/// Everything `cache_full_blocks` needs besides the request's blocks.
+pub struct CacheContext<'a> {
+    pub pool: &'a dyn BlockAllocator,
+    pub group: GroupId,
+    /// The request's chained hashes for this group's block size (at least `num_full_blocks`).
+    pub hashes: &'a [BlockHash],
+    /// Blocks whose tokens are all known and scheduled.
+    pub num_full_blocks: usize,
+    /// Hit lengths are multiples of this many tokens (the lcm of all groups' block sizes).
+    pub hit_alignment: usize,
+}
+
+/// The per-attention-type block manager. See the module docs.
+pub trait AttentionManager: Send + Sync + Debug {
+    /// Tokens per block of this group.
+    fn block_size(&self) -> usize;
+
+    /// Hook: leading tokens no future query sees once `num_computed` tokens are computed.
+    fn num_skipped_tokens(&self, num_computed: usize) -> usize;
+
+    /// Hook: the longest hit, in blocks (at most `max_blocks`), this type accepts given which
+    /// blocks are cached (`is_cached(i)` for block index `i`).
+    fn longest_hit_blocks(
+        &self,
+        max_blocks: usize,
+        is_cached: &mut dyn FnMut(usize) -> bool,
+    ) -> usize;
+
+    /// Hook: most blocks a request within `limits` holds at once (admission).
+    fn max_live_blocks(&self, limits: AdmissionLimits) -> usize;
+
+    /// Leading entries that are null once `num_computed` tokens are computed.
+    fn num_released_blocks(&self, num_computed: usize) -> usize {
+        self.num_skipped_tokens(num_computed) / self.block_size()
+    }
+
+    /// New blocks needed so the row covers `num_tokens` tokens.
+    fn num_new_blocks(&self, row_len: usize, num_tokens: usize) -> usize {
+        num_tokens
+            .div_ceil(self.block_size())
+            .saturating_sub(row_len)
+    }
+
+    /// Whether block `index` can ever be part of a hit whose length is a multiple of
+    /// `hit_alignment` tokens. Rule: the smallest aligned hit length `h` covering the block must
+    /// still need it after the window skips `skipped(h)` tokens; a longer hit skips at least as
+    /// much, so if that one does not need the block, none does.
+    ///
+    /// ```text
+    ///   B = 2, W = 4 (k = 2 blocks kept), hit alignment 8 tokens = 4 blocks:
+    ///   block     0  1  2  3 | 4  5  6  7
+    ///   cached    .  .  x  x | .  .  x  x   (the tail k blocks of each aligned segment)
+    /// ```
+    fn can_be_hit(&self, index: usize, hit_alignment: usize) -> bool {
+        let block_size = self.block_size();
+        let block_end = (index + 1) * block_size;
+        let smallest_hit = block_end.div_ceil(hit_alignment) * hit_alignment;
+        self.num_released_blocks(smallest_hit) <= index
+    }
+}
+
+/// Replaces the entries a window skipped with the null block and appends them, newest first,
+/// to `freed` (the caller frees them). Returns how many were appended.
+pub fn release_skipped(
+    manager: &dyn AttentionManager,
+    blocks: &mut GroupBlocks,
+    num_computed: usize,
+    freed: &mut Vec<BlockId>,
+) -> usize {
+    let end = manager
+        .num_released_blocks(num_computed)
+        .min(blocks.blocks.len());
+    let start = blocks.num_released.min(end);
+    let before = freed.len();
+    for entry in blocks.blocks[start..end].iter_mut().rev() {
+        if *entry != NULL_BLOCK {
+            freed.push(*entry);
+            *entry = NULL_BLOCK;
+        }
+    }
+    blocks.num_released = blocks.num_released.max(end);
+    freed.len() - before
+}
+
+/// The entries the release of `num_computed` would free, oldest first (nothing changes).
+pub fn pending_release(
+    manager: &dyn AttentionManager,
+    blocks: &GroupBlocks,
+    num_computed: usize,
+) -> std::ops::Range<usize> {
+    let end = manager
+        .num_released_blocks(num_computed)
+        .min(blocks.blocks.len());
+    blocks.num_released.min(end)..end
+}
+
+/// Caches the request's newly full blocks that can ever be hit. Blocks that already carry a
+/// key (a hit) or whose key another block holds stay as they are.
+pub fn cache_full_blocks(
+    manager: &dyn AttentionManager,
+    blocks: &mut GroupBlocks,
+    context: &CacheContext<'_>,
+) -> Result<(), CoreError> {
+    let end = context.num_full_blocks.min(blocks.blocks.len());
+    for index in blocks.num_cached..end {
+        let block = blocks.blocks[index];
+        if block == NULL_BLOCK || !manager.can_be_hit(index, context.hit_alignment) {
+            continue;
+        }
+        let key = CacheKey {
+            group: context.group,
+            hash: context.hashes[index],
+        };
+        context.pool.cache_block(block, key)?;
+    }
+    blocks.num_cached = blocks.num_cached.max(end);
+    Ok(())
+}
+
+/// Appends the request's held blocks, newest first, to `out` (for freeing the request: the tail
+/// of a prefix chain is evicted before its head).
+pub fn collect_for_free(blocks: &GroupBlocks, out: &mut Vec<BlockId>) {
+    out.extend(
+        blocks
+            .blocks
+            .iter()
+            .rev()
+            .copied()
+            .filter(|&block| block != NULL_BLOCK),
+    );
+}
+
+/// The table prefix of a hit of `hit_blocks` blocks: null entries for what the window skips,
+/// then the cached blocks (looked up with `cached`). `None` when a needed block is not cached.
+pub fn hit_row(
+    manager: &dyn AttentionManager,
+    hit_blocks: usize,
+    cached: &mut dyn FnMut(usize) -> Option<BlockId>,
+) -> Option<Vec<BlockId>> {
+    let first_needed = manager
+        .num_released_blocks(hit_blocks * manager.block_size())
+        .min(hit_blocks);
+    let mut row = vec![NULL_BLOCK; hit_blocks];
+    for (index, entry) in row.iter_mut().enumerate().skip(first_needed) {
+        *entry = cached(index)?;
+    }
+    Some(row)
+}
+
+#[cfg(test)]
+mod tests;

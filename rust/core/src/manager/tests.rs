@@ -1,0 +1,218 @@
+//! The DESIGN.md vectors for each manager type.
+
+use super::*;
+use crate::mutex_pool::MutexPool;
+
+fn row_after_release(
+    manager: &dyn AttentionManager,
+    num_blocks: usize,
+    computed: &[usize],
+) -> Vec<BlockId> {
+    let mut blocks = GroupBlocks {
+        blocks: (1..=num_blocks as BlockId).collect(),
+        ..GroupBlocks::default()
+    };
+    let mut freed = Vec::new();
+    for &num_computed in computed {
+        release_skipped(manager, &mut blocks, num_computed, &mut freed);
+    }
+    blocks.blocks
+}
+
+#[test]
+fn sliding_window_release_vectors() {
+    let window = SlidingWindowManager::new(2, 4);
+    assert_eq!(row_after_release(&window, 6, &[4]), vec![1, 2, 3, 4, 5, 6]);
+    assert_eq!(row_after_release(&window, 6, &[5]), vec![0, 2, 3, 4, 5, 6]);
+    assert_eq!(
+        row_after_release(&window, 6, &[5, 6]),
+        vec![0, 2, 3, 4, 5, 6]
+    );
+    assert_eq!(row_after_release(&window, 6, &[7]), vec![0, 0, 3, 4, 5, 6]);
+    assert_eq!(
+        row_after_release(&window, 6, &[7, 11]),
+        vec![0, 0, 0, 0, 5, 6]
+    );
+}
+
+#[test]
+fn release_frees_newest_first_and_only_once() {
+    let window = SlidingWindowManager::new(2, 4);
+    let mut blocks = GroupBlocks {
+        blocks: vec![1, 2, 3, 4, 5, 6],
+        ..GroupBlocks::default()
+    };
+    let mut freed = Vec::new();
+    assert_eq!(release_skipped(&window, &mut blocks, 11, &mut freed), 4);
+    assert_eq!(freed, vec![4, 3, 2, 1]);
+    assert_eq!(release_skipped(&window, &mut blocks, 11, &mut freed), 0);
+    assert_eq!(pending_release(&window, &blocks, 12), 4..4);
+}
+
+#[test]
+fn chunked_local_release_vectors() {
+    let chunked = ChunkedLocalManager::new(2, 4);
+    assert_eq!(
+        row_after_release(&chunked, 7, &[4]),
+        vec![0, 0, 3, 4, 5, 6, 7]
+    );
+    assert_eq!(
+        row_after_release(&chunked, 7, &[6]),
+        vec![0, 0, 3, 4, 5, 6, 7]
+    );
+    assert_eq!(
+        row_after_release(&chunked, 7, &[12]),
+        vec![0, 0, 0, 0, 0, 0, 7]
+    );
+}
+
+#[test]
+fn design_check_live_blocks() {
+    // B = 16, W = 32, length 112, c = 111: 2 live windowed blocks, 7 full blocks.
+    let window = SlidingWindowManager::new(16, 32);
+    let full = FullAttentionManager::new(16);
+    for (manager, live) in [(&window as &dyn AttentionManager, 2), (&full, 7)] {
+        let num_blocks = manager.num_new_blocks(0, 112);
+        let row = row_after_release(manager, num_blocks, &[111]);
+        assert_eq!(row.iter().filter(|&&b| b != NULL_BLOCK).count(), live);
+    }
+}
+
+/// Hit length in blocks for a cached pattern under B = 2, W = 4, and the hit row.
+fn window_hit(pattern: &[bool]) -> (usize, Vec<BlockId>) {
+    let window = SlidingWindowManager::new(2, 4);
+    let hit = window.longest_hit_blocks(pattern.len(), &mut |index| pattern[index]);
+    let row = hit_row(&window, hit, &mut |index| {
+        pattern[index].then_some(index as BlockId + 1)
+    })
+    .expect("every needed block of a hit is cached");
+    (hit, row)
+}
+
+#[test]
+fn sliding_window_cache_hit_vectors() {
+    const T: bool = true;
+    const F: bool = false;
+    let vectors: [(&[bool], usize); 10] = [
+        (&[F, F, F, F], 0),
+        (&[T], 1),
+        (&[T, F], 1),
+        (&[T, T], 2),
+        (&[T, T, F], 2),
+        (&[T, T, T], 3),
+        (&[T, T, T, F], 3),
+        (&[T, T, F, T, F, F, T, T, F, F, F], 8),
+        (&[T, T, F, T, F, F, T, T, F, T, T, T], 12),
+        (&[T, T, F, T, F, F, T, T, F, F, F, T], 8),
+    ];
+    for (pattern, expected) in vectors {
+        let (hit, row) = window_hit(pattern);
+        assert_eq!(hit, expected, "pattern {pattern:?}");
+        assert_eq!(row.len(), hit);
+        let kept = hit.min(2);
+        assert!(
+            row[..hit - kept].iter().all(|&b| b == NULL_BLOCK),
+            "{pattern:?}: {row:?}"
+        );
+        assert!(
+            row[hit - kept..].iter().all(|&b| b != NULL_BLOCK),
+            "{pattern:?}: {row:?}"
+        );
+    }
+}
+
+#[test]
+fn full_attention_hit_is_the_cached_run_from_the_left() {
+    let full = FullAttentionManager::new(2);
+    let pattern = [true, true, false, true];
+    assert_eq!(full.longest_hit_blocks(4, &mut |i| pattern[i]), 2);
+    assert_eq!(full.longest_hit_blocks(1, &mut |i| pattern[i]), 1);
+}
+
+#[test]
+fn chunked_hit_starts_at_the_chunk_of_the_limit() {
+    let chunked = ChunkedLocalManager::new(2, 4);
+    // Limit 6 blocks = 12 tokens: chunk starts at block 6, nothing needed; limit 5 blocks:
+    // chunk starts at block 4, block 4 must be cached.
+    let nothing_cached = |_: usize| false;
+    assert_eq!(chunked.longest_hit_blocks(6, &mut { nothing_cached }), 6);
+    assert_eq!(chunked.longest_hit_blocks(5, &mut { nothing_cached }), 4);
+    assert_eq!(chunked.longest_hit_blocks(5, &mut |i| i == 4), 5);
+}
+
+#[test]
+fn window_of_one_needs_no_block() {
+    let window = SlidingWindowManager::new(2, 1);
+    assert_eq!(window.longest_hit_blocks(5, &mut |_| false), 5);
+}
+
+#[test]
+fn only_blocks_a_hit_can_use_are_cacheable() {
+    // B = 2, W = 4 (2 kept blocks), hits aligned to 8 tokens (4 blocks): only the last two
+    // blocks of each aligned segment can be hit.
+    let window = SlidingWindowManager::new(2, 4);
+    let cacheable: Vec<bool> = (0..8).map(|i| window.can_be_hit(i, 8)).collect();
+    assert_eq!(
+        cacheable,
+        [false, false, true, true, false, false, true, true]
+    );
+    // Aligned to the block size itself, every block can be hit.
+    assert!((0..8).all(|i| window.can_be_hit(i, 2)));
+    let full = FullAttentionManager::new(2);
+    assert!((0..8).all(|i| full.can_be_hit(i, 8)));
+}
+
+#[test]
+fn admission_caps() {
+    let limits = AdmissionLimits {
+        max_total_tokens: 10_000,
+        max_num_batched_tokens: 512,
+    };
+    assert_eq!(FullAttentionManager::new(16).max_live_blocks(limits), 625);
+    // cdiv(4095 + 512, 16) + 1 = 289.
+    assert_eq!(
+        SlidingWindowManager::new(16, 4096).max_live_blocks(limits),
+        289
+    );
+    // Never more than the whole request.
+    let short = AdmissionLimits {
+        max_total_tokens: 100,
+        ..limits
+    };
+    assert_eq!(
+        SlidingWindowManager::new(16, 4096).max_live_blocks(short),
+        7
+    );
+    assert_eq!(ChunkedLocalManager::new(16, 64).max_live_blocks(limits), 37);
+}
+
+#[test]
+fn caches_full_hittable_blocks_once() {
+    let pool = MutexPool::new(8).unwrap();
+    let full = FullAttentionManager::new(2);
+    let mut out = Vec::new();
+    pool.get_new_blocks(3, &mut out).unwrap();
+    let mut blocks = GroupBlocks {
+        blocks: out.clone(),
+        ..GroupBlocks::default()
+    };
+    let hashes = [BlockHash(10), BlockHash(11)];
+    let context = CacheContext {
+        pool: &pool,
+        group: 0,
+        hashes: &hashes,
+        num_full_blocks: 2,
+        hit_alignment: 2,
+    };
+    cache_full_blocks(&full, &mut blocks, &context).unwrap();
+    assert_eq!(blocks.num_cached, 2);
+    assert_eq!(pool.stats().num_cached_blocks, 2);
+    let key = CacheKey {
+        group: 0,
+        hash: BlockHash(11),
+    };
+    assert_eq!(pool.cached_block(key), Some(out[1]));
+    let mut freed = Vec::new();
+    collect_for_free(&blocks, &mut freed);
+    assert_eq!(freed, vec![out[2], out[1], out[0]]);
+}

@@ -1,0 +1,470 @@
+//! DESIGN.md vectors and error cases, driven through the coordinator's public API.
+
+use hybrid_cache_core::coordinator::RowRef;
+use hybrid_cache_core::{
+    AllocateStep, AttentionKind, BlockAllocator, Coordinator, CoordinatorConfig, CoreError,
+    ExtraKeys, GroupSpec, HashAlgo, NewRequest, NULL_BLOCK,
+};
+
+fn group(kind: AttentionKind, block_size: usize) -> GroupSpec {
+    GroupSpec { kind, block_size }
+}
+
+fn full(block_size: usize) -> GroupSpec {
+    group(AttentionKind::Full, block_size)
+}
+
+fn window(block_size: usize, window: usize) -> GroupSpec {
+    group(AttentionKind::SlidingWindow { window }, block_size)
+}
+
+fn chunked(block_size: usize, chunk: usize) -> GroupSpec {
+    group(AttentionKind::ChunkedLocal { chunk }, block_size)
+}
+
+fn coordinator(num_blocks: usize, groups: Vec<GroupSpec>) -> Coordinator {
+    Coordinator::new(CoordinatorConfig {
+        num_blocks,
+        groups,
+        max_num_reqs: 4,
+        max_model_len: 256,
+        max_num_batched_tokens: 64,
+        enable_prefix_caching: true,
+        hash: HashAlgo::Xxh3,
+        hash_seed: 0,
+    })
+    .unwrap()
+}
+
+fn add(coordinator: &mut Coordinator, request_id: u64, tokens: &[u32]) -> usize {
+    coordinator
+        .add_request(NewRequest {
+            request_id,
+            prompt_token_ids: tokens,
+            max_total_tokens: None,
+            extra: ExtraKeys::default(),
+        })
+        .unwrap()
+}
+
+fn allocate(coordinator: &mut Coordinator, request_id: u64, computed: usize, new: usize) -> bool {
+    coordinator
+        .allocate(AllocateStep {
+            request_id,
+            num_computed_tokens: computed,
+            num_new_tokens: new,
+        })
+        .unwrap()
+}
+
+/// Null (0) or not for each entry of a request's row.
+fn nulls(coordinator: &Coordinator, request_id: u64, group: usize) -> Vec<bool> {
+    let blocks = coordinator.request_blocks(request_id, group).unwrap();
+    blocks.iter().map(|&block| block == NULL_BLOCK).collect()
+}
+
+fn tokens(count: u32) -> Vec<u32> {
+    (100..100 + count).collect()
+}
+
+fn row_ref(c: &Coordinator, request_id: u64, group: usize) -> RowRef {
+    RowRef {
+        group,
+        row: c.row_of(request_id).unwrap(),
+    }
+}
+
+/// Checks after each (computed, new) step which entries of group `group` are null.
+fn check_release(c: &mut Coordinator, group: usize, steps: &[(usize, usize, &[usize])]) {
+    for &(computed, new, nulled) in steps {
+        assert!(allocate(c, 1, computed, new));
+        let row = nulls(c, 1, group);
+        let expected: Vec<bool> = (0..row.len()).map(|i| nulled.contains(&i)).collect();
+        assert_eq!(row, expected, "c = {computed}");
+        let at = row_ref(c, 1, group);
+        let table_row: Vec<i32> = (0..row.len()).map(|i| c.table().entry(at, i)).collect();
+        let blocks = c.request_blocks(1, group).unwrap();
+        let blocks: Vec<i32> = blocks.iter().map(|&b| b as i32).collect();
+        assert_eq!(table_row, blocks, "the table mirrors the row");
+        assert_eq!(c.table().row_len(at), blocks.len());
+    }
+}
+
+#[test]
+fn window_release_vectors_in_the_table() {
+    // B = 2, W = 4: c=4 frees nothing; c=5 block 0; c=6 nothing more; c=7 block 1;
+    // c=11 blocks 2 and 3.
+    let mut c = coordinator(32, vec![window(2, 4)]);
+    add(&mut c, 1, &tokens(12));
+    assert!(allocate(&mut c, 1, 0, 4));
+    check_release(
+        &mut c,
+        0,
+        &[
+            (4, 1, &[]),
+            (5, 1, &[0]),
+            (6, 1, &[0]),
+            (7, 4, &[0, 1]),
+            (11, 1, &[0, 1, 2, 3]),
+        ],
+    );
+    assert_eq!(c.num_used_blocks_per_group(), &[2]);
+}
+
+#[test]
+fn chunked_release_vectors_in_the_table() {
+    // B = 2, C = 4: c=4 nulls blocks 0-1; c=6 still 0-1; c=12 blocks 0-5.
+    let mut c = coordinator(32, vec![chunked(2, 4)]);
+    add(&mut c, 1, &tokens(13));
+    assert!(allocate(&mut c, 1, 0, 4));
+    check_release(
+        &mut c,
+        0,
+        &[
+            (4, 2, &[0, 1]),
+            (6, 6, &[0, 1]),
+            (12, 1, &[0, 1, 2, 3, 4, 5]),
+        ],
+    );
+}
+
+#[test]
+fn design_check_two_windowed_blocks_against_seven_full() {
+    // B = 16, W = 32, length 112, c = 111.
+    let mut c = coordinator(64, vec![full(16), window(16, 32)]);
+    add(&mut c, 1, &tokens(112));
+    assert!(allocate(&mut c, 1, 0, 64));
+    assert!(allocate(&mut c, 1, 64, 47));
+    assert!(allocate(&mut c, 1, 111, 1));
+    assert_eq!(c.num_used_blocks_per_group(), &[7, 2]);
+    assert_eq!(c.pool().num_free_blocks(), 63 - 9);
+    c.free_request(1).unwrap();
+    assert_eq!(c.pool().num_free_blocks(), 63);
+    assert_eq!(c.num_used_blocks_per_group(), &[0, 0]);
+}
+
+#[test]
+fn cache_hit_across_two_requests_full_and_window() {
+    let mut c = coordinator(64, vec![full(2), window(2, 4)]);
+    let prompt = tokens(12);
+    add(&mut c, 1, &prompt);
+    assert_eq!(c.find_cache_hit(1).unwrap(), 0);
+    assert!(allocate(&mut c, 1, 0, 12));
+    c.free_request(1).unwrap();
+    add(&mut c, 2, &prompt);
+    // At most 11 tokens may hit; aligned to 2 -> 10.
+    assert_eq!(c.find_cache_hit(2).unwrap(), 10);
+    let free_before = c.pool().num_free_blocks();
+    assert!(allocate(&mut c, 2, 10, 2));
+    // Full: 5 hit blocks + 1 new; window: skipped(10) = 7 -> 3 nulls, 2 hit blocks + 1 new.
+    assert_eq!(nulls(&c, 2, 0), vec![false; 6]);
+    assert_eq!(nulls(&c, 2, 1), vec![true, true, true, false, false, false]);
+    assert_eq!(free_before - c.pool().num_free_blocks(), 6 + 3);
+    let stats = c.stats();
+    assert_eq!(stats.prefix_queries, 24);
+    assert_eq!(stats.prefix_hits, 10);
+}
+
+#[test]
+fn hybrid_hit_is_aligned_to_the_lcm_and_shortened_by_the_full_group() {
+    // Full B = 4, window B = 2 W = 4: hits are multiples of 4.
+    let mut c = coordinator(64, vec![full(4), window(2, 4)]);
+    let prompt = tokens(15);
+    add(&mut c, 1, &prompt);
+    assert!(allocate(&mut c, 1, 0, 15));
+    c.free_request(1).unwrap();
+    add(&mut c, 2, &prompt);
+    assert_eq!(c.find_cache_hit(2).unwrap(), 12);
+    c.free_request(2).unwrap();
+    // A prompt that shares only 6 tokens: the full group stops at 4 (its block 1 differs).
+    let mut other = prompt.clone();
+    other[6] = 1;
+    add(&mut c, 3, &other);
+    assert_eq!(c.find_cache_hit(3).unwrap(), 4);
+}
+
+#[test]
+fn window_caches_only_blocks_a_hit_can_use() {
+    // Full B = 4, window B = 2 W = 3 (one kept block): hits are multiples of 4 tokens, so only
+    // the odd window blocks (the tail of each 4-token segment) are ever needed.
+    let mut c = coordinator(64, vec![full(4), window(2, 3)]);
+    add(&mut c, 1, &tokens(16));
+    assert!(allocate(&mut c, 1, 0, 16));
+    // 4 full blocks + 4 of the 8 window blocks.
+    assert_eq!(c.stats().pool.num_cached_blocks, 8);
+    c.free_request(1).unwrap();
+    add(&mut c, 2, &tokens(16));
+    assert_eq!(c.find_cache_hit(2).unwrap(), 12);
+}
+
+#[test]
+fn chunked_hit_needs_only_the_current_chunk() {
+    let mut c = coordinator(64, vec![full(2), chunked(2, 4)]);
+    add(&mut c, 1, &tokens(10));
+    assert!(allocate(&mut c, 1, 0, 10));
+    c.free_request(1).unwrap();
+    add(&mut c, 2, &tokens(10));
+    assert_eq!(c.find_cache_hit(2).unwrap(), 8);
+    assert!(allocate(&mut c, 2, 8, 2));
+    assert_eq!(nulls(&c, 2, 1), vec![true, true, true, true, false]);
+}
+
+#[test]
+fn salt_and_lora_separate_cache_entries() {
+    let mut c = coordinator(64, vec![full(2)]);
+    add(&mut c, 1, &tokens(8));
+    assert!(allocate(&mut c, 1, 0, 8));
+    c.free_request(1).unwrap();
+    for extra in [
+        ExtraKeys {
+            cache_salt: Some("other tenant".into()),
+            ..ExtraKeys::default()
+        },
+        ExtraKeys {
+            lora_id: Some(3),
+            ..ExtraKeys::default()
+        },
+    ] {
+        c.add_request(NewRequest {
+            request_id: 2,
+            prompt_token_ids: &tokens(8),
+            max_total_tokens: None,
+            extra,
+        })
+        .unwrap();
+        assert_eq!(c.find_cache_hit(2).unwrap(), 0);
+        c.free_request(2).unwrap();
+    }
+}
+
+#[test]
+fn freeing_a_request_evicts_its_chain_tail_first() {
+    let mut c = coordinator(8, vec![full(2)]);
+    add(&mut c, 1, &tokens(6));
+    assert!(allocate(&mut c, 1, 0, 6));
+    let blocks = c.request_blocks(1, 0).unwrap().to_vec();
+    c.free_request(1).unwrap();
+    let order = c.pool().free_queue_order();
+    assert_eq!(
+        &order[order.len() - 3..],
+        &[blocks[2], blocks[1], blocks[0]]
+    );
+}
+
+#[test]
+fn allocate_is_all_or_nothing() {
+    let mut c = coordinator(10, vec![full(2), window(2, 4)]);
+    add(&mut c, 1, &tokens(8));
+    add(&mut c, 2, &tokens(8));
+    assert!(allocate(&mut c, 1, 0, 4));
+    let free_before = c.pool().num_free_blocks();
+    // Needs 4 + 4 blocks, only 5 free: nothing changes.
+    assert!(!allocate(&mut c, 2, 0, 8));
+    assert_eq!(c.pool().num_free_blocks(), free_before);
+    assert!(c.request_blocks(2, 0).unwrap().is_empty());
+    assert_eq!(c.table().row_len(row_ref(&c, 2, 0)), 0);
+}
+
+#[test]
+fn allocate_batch_stops_at_the_first_request_that_does_not_fit() {
+    let mut c = coordinator(8, vec![full(2)]);
+    for id in 1..=3 {
+        add(&mut c, id, &tokens(6));
+    }
+    let step = |request_id| AllocateStep {
+        request_id,
+        num_computed_tokens: 0,
+        num_new_tokens: 6,
+    };
+    assert_eq!(c.allocate_batch(&[step(1), step(2), step(3)]).unwrap(), 2);
+    assert_eq!(c.pool().num_free_blocks(), 1);
+    assert!(c.request_blocks(3, 0).unwrap().is_empty());
+    // A bad step anywhere rejects the whole batch before anything happens.
+    c.free_request(1).unwrap();
+    let bad = AllocateStep {
+        request_id: 99,
+        ..step(3)
+    };
+    assert_eq!(
+        c.allocate_batch(&[step(3), bad]),
+        Err(CoreError::UnknownRequest { request_id: 99 })
+    );
+    assert!(c.request_blocks(3, 0).unwrap().is_empty());
+    assert!(matches!(
+        c.allocate_batch(&[step(3), step(3)]),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert_eq!(c.allocate_batch(&[step(3)]).unwrap(), 1);
+}
+
+#[test]
+fn admission_refuses_what_can_never_fit() {
+    // Window 4096, block 16, batch 64: cap cdiv(4095 + 64, 16) + 1 = 261 blocks, plus full.
+    let mut c = Coordinator::new(CoordinatorConfig {
+        num_blocks: 300,
+        groups: vec![full(16), window(16, 4096)],
+        max_num_reqs: 2,
+        max_model_len: 8192,
+        max_num_batched_tokens: 64,
+        enable_prefix_caching: false,
+        hash: HashAlgo::Sha256,
+        hash_seed: 1,
+    })
+    .unwrap();
+    assert_eq!(c.max_blocks_needed(8192), 512 + 261);
+    assert_eq!(c.max_blocks_needed(100), 7 + 7);
+    for max_total_tokens in [8192, 9000] {
+        let refused = c.add_request(NewRequest {
+            request_id: 1,
+            prompt_token_ids: &tokens(10),
+            max_total_tokens: Some(max_total_tokens),
+            extra: ExtraKeys::default(),
+        });
+        assert!(matches!(refused, Err(CoreError::RequestTooLarge(_))));
+    }
+    assert_eq!(c.num_requests(), 0);
+    assert_eq!(
+        c.find_cache_hit(1),
+        Err(CoreError::UnknownRequest { request_id: 1 })
+    );
+}
+
+#[test]
+fn bad_input_is_rejected_with_state_unchanged() {
+    let mut c = coordinator(16, vec![full(2), window(2, 4)]);
+    add(&mut c, 1, &tokens(6));
+    assert!(allocate(&mut c, 1, 0, 4));
+    assert!(allocate(&mut c, 1, 3, 1));
+    let free = c.pool().num_free_blocks();
+    let row = c.request_blocks(1, 0).unwrap().to_vec();
+    let step = |computed, new| AllocateStep {
+        request_id: 1,
+        num_computed_tokens: computed,
+        num_new_tokens: new,
+    };
+    // Backwards, beyond the slots, beyond the known tokens, above the batch limit.
+    for (computed, new) in [(2, 1), (5, 1), (7, 1), (3, 65)] {
+        assert!(
+            matches!(
+                c.allocate(step(computed, new)),
+                Err(CoreError::InvalidArgument(_))
+            ),
+            "c = {computed}, n = {new}"
+        );
+    }
+    assert_eq!(c.pool().num_free_blocks(), free);
+    assert_eq!(c.request_blocks(1, 0).unwrap(), row.as_slice());
+    assert_eq!(
+        c.add_request(NewRequest {
+            request_id: 1,
+            prompt_token_ids: &tokens(2),
+            ..NewRequest::default()
+        }),
+        Err(CoreError::DuplicateRequest { request_id: 1 })
+    );
+    assert!(matches!(
+        c.add_request(NewRequest {
+            request_id: 5,
+            prompt_token_ids: &[],
+            ..NewRequest::default()
+        }),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert_eq!(
+        c.free_request(42),
+        Err(CoreError::UnknownRequest { request_id: 42 })
+    );
+    assert!(matches!(
+        c.request_blocks(1, 2),
+        Err(CoreError::InvalidGroup { group: 2, .. })
+    ));
+    assert!(matches!(
+        c.find_cache_hit(1),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        c.append_token_ids(1, &vec![1; 300]),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    for id in 2..=4 {
+        add(&mut c, id, &tokens(2));
+    }
+    assert_eq!(
+        c.add_request(NewRequest {
+            request_id: 9,
+            prompt_token_ids: &tokens(2),
+            ..NewRequest::default()
+        }),
+        Err(CoreError::TooManyRequests { max_num_reqs: 4 })
+    );
+    assert_eq!(c.num_requests(), 4);
+    assert_eq!(c.pool().num_free_blocks(), free);
+    assert_eq!(c.request_blocks(1, 0).unwrap(), row.as_slice());
+}
+
+#[test]
+fn first_allocate_must_start_at_zero_or_at_the_hit() {
+    let mut c = coordinator(16, vec![full(2)]);
+    add(&mut c, 1, &tokens(6));
+    assert!(matches!(
+        c.allocate(AllocateStep {
+            request_id: 1,
+            num_computed_tokens: 2,
+            num_new_tokens: 1,
+        }),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert!(allocate(&mut c, 1, 0, 6));
+}
+
+#[test]
+fn invalid_configs_are_rejected() {
+    let base = CoordinatorConfig {
+        num_blocks: 16,
+        groups: vec![full(2)],
+        max_num_reqs: 2,
+        max_model_len: 64,
+        max_num_batched_tokens: 16,
+        enable_prefix_caching: true,
+        hash: HashAlgo::Xxh3,
+        hash_seed: 0,
+    };
+    let with = |change: &dyn Fn(&mut CoordinatorConfig)| {
+        let mut config = base.clone();
+        change(&mut config);
+        config
+    };
+    let variants = [
+        with(&|c| c.num_blocks = 1),
+        with(&|c| c.groups = vec![]),
+        with(&|c| c.groups = vec![full(0)]),
+        with(&|c| c.groups = vec![window(2, 0)]),
+        with(&|c| c.groups = vec![chunked(2, 3)]),
+        with(&|c| c.max_num_reqs = 0),
+        with(&|c| c.max_model_len = 0),
+        with(&|c| c.max_num_batched_tokens = 0),
+        with(&|c| c.max_num_reqs = 1 << 30),
+    ];
+    for config in variants {
+        assert!(
+            matches!(
+                Coordinator::new(config.clone()),
+                Err(CoreError::InvalidArgument(_))
+            ),
+            "{config:?}"
+        );
+    }
+    assert!(Coordinator::new(base).is_ok());
+}
+
+#[test]
+fn reset_prefix_cache_only_when_idle() {
+    let mut c = coordinator(16, vec![full(2)]);
+    add(&mut c, 1, &tokens(4));
+    assert!(allocate(&mut c, 1, 0, 4));
+    assert!(!c.reset_prefix_cache());
+    c.free_request(1).unwrap();
+    assert!(c.reset_prefix_cache());
+    add(&mut c, 2, &tokens(4));
+    assert_eq!(c.find_cache_hit(2).unwrap(), 0);
+}

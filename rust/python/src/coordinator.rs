@@ -1,0 +1,337 @@
+//! `Coordinator` and `GroupSpec`: conversion and error mapping around the core coordinator.
+
+use hybrid_cache_core::{
+    AllocateStep, AttentionKind, Coordinator, CoordinatorConfig, ExtraKeys, GroupSpec, HashAlgo,
+    MultimodalItem, NewRequest,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::convert::{hash128, int64s, size, token_ids};
+use crate::errors::{invalid_argument, to_py};
+use crate::table_view::TableView;
+
+/// One KV-cache group, as in `_core.pyi`.
+#[pyclass(name = "GroupSpec", module = "hybrid_cache._core", frozen)]
+#[derive(Clone)]
+pub struct PyGroupSpec {
+    spec: GroupSpec,
+}
+
+#[pymethods]
+impl PyGroupSpec {
+    #[new]
+    #[pyo3(signature = (kind, block_size, window=None, chunk=None))]
+    fn new(kind: &str, block_size: i64, window: Option<i64>, chunk: Option<i64>) -> PyResult<Self> {
+        let block_size = size("block_size", block_size)?;
+        let kind = match (kind, window, chunk) {
+            ("full", None, None) => AttentionKind::Full,
+            ("sliding_window", Some(window), None) => AttentionKind::SlidingWindow {
+                window: size("window", window)?,
+            },
+            ("chunked_local", None, Some(chunk)) => AttentionKind::ChunkedLocal {
+                chunk: size("chunk", chunk)?,
+            },
+            _ => {
+                return Err(invalid_argument(format!(
+                    "kind {kind:?} with window={window:?}, chunk={chunk:?}: use 'full' (no \
+                     window or chunk), 'sliding_window' with a window, or 'chunked_local' with \
+                     a chunk"
+                )))
+            }
+        };
+        let spec = GroupSpec { kind, block_size };
+        spec.validate(0).map_err(to_py)?;
+        Ok(PyGroupSpec { spec })
+    }
+
+    #[getter]
+    fn kind(&self) -> &'static str {
+        match self.spec.kind {
+            AttentionKind::Full => "full",
+            AttentionKind::SlidingWindow { .. } => "sliding_window",
+            AttentionKind::ChunkedLocal { .. } => "chunked_local",
+        }
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.spec.block_size
+    }
+
+    #[getter]
+    fn window(&self) -> Option<usize> {
+        match self.spec.kind {
+            AttentionKind::SlidingWindow { window } => Some(window),
+            _ => None,
+        }
+    }
+
+    #[getter]
+    fn chunk(&self) -> Option<usize> {
+        match self.spec.kind {
+            AttentionKind::ChunkedLocal { chunk } => Some(chunk),
+            _ => None,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        let extra = match self.spec.kind {
+            AttentionKind::Full => String::new(),
+            AttentionKind::SlidingWindow { window } => format!(", window={window}"),
+            AttentionKind::ChunkedLocal { chunk } => format!(", chunk={chunk}"),
+        };
+        format!(
+            "GroupSpec({:?}, block_size={}{extra})",
+            self.kind(),
+            self.spec.block_size
+        )
+    }
+}
+
+/// The hybrid coordinator, as in `_core.pyi`.
+#[pyclass(name = "Coordinator", module = "hybrid_cache._core")]
+pub struct PyCoordinator {
+    inner: Coordinator,
+}
+
+#[pymethods]
+impl PyCoordinator {
+    #[new]
+    #[pyo3(signature = (
+        num_blocks, groups, max_num_reqs, max_model_len, max_num_batched_tokens,
+        enable_prefix_caching=true, hash_algo="xxh3", hash_seed=0
+    ))]
+    #[allow(clippy::too_many_arguments)] // mirrors the Python signature in _core.pyi
+    fn new(
+        num_blocks: i64,
+        groups: Vec<PyRef<'_, PyGroupSpec>>,
+        max_num_reqs: i64,
+        max_model_len: i64,
+        max_num_batched_tokens: i64,
+        enable_prefix_caching: bool,
+        hash_algo: &str,
+        hash_seed: u64,
+    ) -> PyResult<Self> {
+        let hash = match hash_algo {
+            "xxh3" => HashAlgo::Xxh3,
+            "sha256" => HashAlgo::Sha256,
+            other => {
+                return Err(invalid_argument(format!(
+                    "hash_algo must be 'xxh3' or 'sha256', got {other:?}"
+                )))
+            }
+        };
+        let config = CoordinatorConfig {
+            num_blocks: size("num_blocks", num_blocks)?,
+            groups: groups.iter().map(|group| group.spec).collect(),
+            max_num_reqs: size("max_num_reqs", max_num_reqs)?,
+            max_model_len: size("max_model_len", max_model_len)?,
+            max_num_batched_tokens: size("max_num_batched_tokens", max_num_batched_tokens)?,
+            enable_prefix_caching,
+            hash,
+            hash_seed,
+        };
+        let inner = Coordinator::new(config).map_err(to_py)?;
+        Ok(PyCoordinator { inner })
+    }
+
+    #[getter]
+    fn num_groups(&self) -> usize {
+        self.inner.num_groups()
+    }
+
+    #[getter]
+    fn max_num_reqs(&self) -> usize {
+        self.inner.config().max_num_reqs
+    }
+
+    #[getter]
+    fn max_blocks_per_req(&self) -> usize {
+        self.inner.max_blocks_per_req()
+    }
+
+    #[getter]
+    fn num_free_blocks(&self) -> usize {
+        use hybrid_cache_core::BlockAllocator;
+        self.inner.pool().num_free_blocks()
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.config().num_blocks
+    }
+
+    fn max_blocks_needed(&self, num_tokens: i64) -> PyResult<usize> {
+        Ok(self
+            .inner
+            .max_blocks_needed(size("num_tokens", num_tokens)?))
+    }
+
+    #[pyo3(signature = (
+        request_id, prompt_token_ids, max_total_tokens=None, lora_id=None, cache_salt=None,
+        mm_hashes=None
+    ))]
+    fn add_request(
+        &mut self,
+        request_id: i64,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        max_total_tokens: Option<i64>,
+        lora_id: Option<i64>,
+        cache_salt: Option<String>,
+        mm_hashes: Option<Vec<(i64, i64, Bound<'_, PyAny>)>>,
+    ) -> PyResult<usize> {
+        let request_id = crate::convert::request_id(request_id)?;
+        let tokens = token_ids(prompt_token_ids)?;
+        let max_total_tokens = max_total_tokens
+            .map(|tokens| size("max_total_tokens", tokens))
+            .transpose()?;
+        let lora_id = lora_id
+            .map(|id| {
+                u64::try_from(id).map_err(|_| {
+                    invalid_argument(format!("lora_id must be non-negative, got {id}"))
+                })
+            })
+            .transpose()?;
+        let mut mm_items = Vec::new();
+        for (start_token, num_tokens, item_hash) in mm_hashes.unwrap_or_default() {
+            mm_items.push(MultimodalItem {
+                start_token: size("mm start_token", start_token)?,
+                num_tokens: size("mm num_tokens", num_tokens)?,
+                item_hash: hash128(&item_hash)?,
+            });
+        }
+        let request = NewRequest {
+            request_id,
+            prompt_token_ids: &tokens,
+            max_total_tokens,
+            extra: ExtraKeys {
+                lora_id,
+                cache_salt,
+                mm_items,
+            },
+        };
+        self.inner.add_request(request).map_err(to_py)
+    }
+
+    fn append_token_ids(&mut self, request_id: i64, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let request_id = crate::convert::request_id(request_id)?;
+        let tokens = crate::convert::token_ids(token_ids)?;
+        self.inner
+            .append_token_ids(request_id, &tokens)
+            .map_err(to_py)
+    }
+
+    fn find_cache_hit(&mut self, request_id: i64) -> PyResult<usize> {
+        let request_id = crate::convert::request_id(request_id)?;
+        self.inner.find_cache_hit(request_id).map_err(to_py)
+    }
+
+    fn allocate(
+        &mut self,
+        request_id: i64,
+        num_computed_tokens: i64,
+        num_new_tokens: i64,
+    ) -> PyResult<bool> {
+        let step = AllocateStep {
+            request_id: crate::convert::request_id(request_id)?,
+            num_computed_tokens: size("num_computed_tokens", num_computed_tokens)?,
+            num_new_tokens: size("num_new_tokens", num_new_tokens)?,
+        };
+        self.inner.allocate(step).map_err(to_py)
+    }
+
+    fn allocate_batch(
+        &mut self,
+        request_ids: &Bound<'_, PyAny>,
+        num_computed_tokens: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let ids = int64s("request_ids", request_ids)?;
+        let computed = int64s("num_computed_tokens", num_computed_tokens)?;
+        let new = int64s("num_new_tokens", num_new_tokens)?;
+        if ids.len() != computed.len() || ids.len() != new.len() {
+            return Err(invalid_argument(format!(
+                "request_ids, num_computed_tokens and num_new_tokens must have one length, got \
+                 {}, {} and {}",
+                ids.len(),
+                computed.len(),
+                new.len()
+            )));
+        }
+        let steps = ids
+            .iter()
+            .zip(&computed)
+            .zip(&new)
+            .map(|((&id, &computed), &new)| {
+                Ok(AllocateStep {
+                    request_id: crate::convert::request_id(id)?,
+                    num_computed_tokens: size("num_computed_tokens", computed)?,
+                    num_new_tokens: size("num_new_tokens", new)?,
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        self.inner.allocate_batch(&steps).map_err(to_py)
+    }
+
+    fn free_request(&mut self, request_id: i64) -> PyResult<()> {
+        let request_id = crate::convert::request_id(request_id)?;
+        self.inner.free_request(request_id).map_err(to_py)
+    }
+
+    fn row_of(&self, request_id: i64) -> PyResult<usize> {
+        let request_id = crate::convert::request_id(request_id)?;
+        self.inner.row_of(request_id).map_err(to_py)
+    }
+
+    /// (num_groups, max_num_reqs, max_blocks_per_req) int32 numpy view of the table, no copy.
+    fn block_table<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let (data, shape) = {
+            let this = slf.borrow();
+            let table = this.inner.table();
+            (table.entries_ptr(), table.shape().to_vec())
+        };
+        numpy_view(slf, data, &shape)
+    }
+
+    /// (num_groups, max_num_reqs) int32 numpy view of the row lengths, no copy.
+    fn num_blocks_per_row<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let (data, shape) = {
+            let this = slf.borrow();
+            let table = this.inner.table();
+            (table.lengths_ptr(), table.shape()[..2].to_vec())
+        };
+        numpy_view(slf, data, &shape)
+    }
+
+    fn num_used_blocks_per_group(&self) -> Vec<usize> {
+        self.inner.num_used_blocks_per_group().to_vec()
+    }
+
+    fn reset_prefix_cache(&mut self) -> bool {
+        self.inner.reset_prefix_cache()
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = self.inner.stats();
+        let dict = PyDict::new(py);
+        dict.set_item("num_blocks", stats.pool.num_blocks)?;
+        dict.set_item("num_free_blocks", stats.pool.num_free_blocks)?;
+        dict.set_item("num_cached_blocks", stats.pool.num_cached_blocks)?;
+        dict.set_item("num_evictions", stats.pool.num_evictions)?;
+        dict.set_item("prefix_queries", stats.prefix_queries)?;
+        dict.set_item("prefix_hits", stats.prefix_hits)?;
+        Ok(dict)
+    }
+}
+
+/// `numpy.asarray` over a `TableView` of the coordinator's memory.
+fn numpy_view<'py>(
+    owner: &Bound<'py, PyCoordinator>,
+    data: *const i32,
+    shape: &[usize],
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = owner.py();
+    let view = Bound::new(py, TableView::new(owner.clone().unbind(), data, shape))?;
+    py.import("numpy")?.call_method1("asarray", (view,))
+}
