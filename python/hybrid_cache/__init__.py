@@ -1,5 +1,32 @@
 """hybrid-cache: a KV-cache allocator and small inference engine for hybrid-attention LLMs."""
 
-from hybrid_cache._core import __version__
+from hybrid_cache._core import BlockPool, Coordinator, GroupSpec, __version__
+from hybrid_cache.errors import (
+    DoubleFreeError,
+    DuplicateRequestError,
+    HybridCacheError,
+    InvalidArgumentError,
+    InvalidBlockError,
+    InvalidGroupError,
+    NoFreeBlocksError,
+    RequestTooLargeError,
+    TooManyRequestsError,
+    UnknownRequestError,
+)
 
-__all__ = ["__version__"]
+__all__ = [
+    "BlockPool",
+    "Coordinator",
+    "DoubleFreeError",
+    "DuplicateRequestError",
+    "GroupSpec",
+    "HybridCacheError",
+    "InvalidArgumentError",
+    "InvalidBlockError",
+    "InvalidGroupError",
+    "NoFreeBlocksError",
+    "RequestTooLargeError",
+    "TooManyRequestsError",
+    "UnknownRequestError",
+    "__version__",
+]

@@ -56,10 +56,13 @@ class BlockPool:
     def ref_count(self, block: int) -> int: ...
     def free_queue_order(self) -> list[int]: ...
 
+class TableView:
+    """Buffer-protocol exporter behind `block_table()` / `num_blocks_per_row()` (read-only)."""
+
 class Coordinator:
     """The hybrid KV-cache coordinator: requests, grouped block table, cache hits, admission.
 
-    Request ids are integers chosen by the engine. The block table is persistent Rust memory:
+    Request ids are integers in 0..2^63 chosen by the engine. The block table is persistent Rust memory:
     `block_table()` returns a numpy view (no copy), shape (num_groups, max_num_reqs,
     max_blocks_per_req), int32, where row `row_of(id)` belongs to a request while it is added.
     """
@@ -103,10 +106,18 @@ class Coordinator:
     def find_cache_hit(self, request_id: int) -> int:
         """Longest prefix (tokens) every group can hit; multiple of the lcm of block sizes and at
         most len(tokens) - 1. Stored as the request's pending hit; nothing is touched."""
+    def pending_hit_tokens(self, request_id: int) -> int:
+        """Tokens of the pending hit (0 when none): the first `allocate` starts there or at 0."""
     def allocate(self, request_id: int, num_computed_tokens: int, num_new_tokens: int) -> bool:
         """Releases blocks the window skipped, applies the pending hit, allocates blocks for
         `num_new_tokens` more tokens and caches newly full blocks. All or nothing: returns False
-        (nothing changed) when the pool lacks blocks."""
+        (nothing changed) when the pool lacks blocks. Also False when the pending hit was evicted
+        since `find_cache_hit` (other requests reused its blocks): the pending hit is then
+        dropped; call `find_cache_hit` again (or start at 0).
+
+        The first allocate of a request starts at 0 computed tokens or at its pending hit; later
+        ones never go back, never pass the tokens that have slots or are known, and ask for at
+        most `max_num_batched_tokens` new tokens."""
     def allocate_batch(
         self,
         request_ids: npt.NDArray[np.int64],
@@ -118,10 +129,14 @@ class Coordinator:
     def free_request(self, request_id: int) -> None:
         """Frees every block of the request (newest first) and releases its row."""
     def row_of(self, request_id: int) -> int: ...
-    def block_table(self) -> npt.NDArray[np.int32]: ...
+    def block_table(self) -> npt.NDArray[np.int32]:
+        """Read-only numpy view of the table (no copy); it stays valid while it lives (it keeps
+        the coordinator alive) and shows later allocations without calling again. Unused
+        entries and blocks released by a window are 0 (the null block)."""
     def num_blocks_per_row(self) -> npt.NDArray[np.int32]:
         """(num_groups, max_num_reqs) int32 view: table entries in use per row."""
-    def num_used_blocks_per_group(self) -> list[int]: ...
+    def num_used_blocks_per_group(self) -> list[int]:
+        """Non-null table entries per group (a block shared by two requests counts twice)."""
     def reset_prefix_cache(self) -> bool: ...
     def stats(self) -> dict[str, int]:
         """num_blocks, num_free_blocks, num_cached_blocks, num_evictions,

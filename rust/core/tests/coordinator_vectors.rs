@@ -468,3 +468,23 @@ fn reset_prefix_cache_only_when_idle() {
     add(&mut c, 2, &tokens(4));
     assert_eq!(c.find_cache_hit(2).unwrap(), 0);
 }
+
+#[test]
+fn an_evicted_pending_hit_is_dropped_and_refused() {
+    let mut c = coordinator(6, vec![full(2)]);
+    add(&mut c, 1, &tokens(4));
+    assert!(allocate(&mut c, 1, 0, 4));
+    c.free_request(1).unwrap();
+    add(&mut c, 2, &tokens(4));
+    assert_eq!(c.find_cache_hit(2).unwrap(), 2);
+    // Another request takes every free block, evicting the hit.
+    add(&mut c, 3, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+    assert!(allocate(&mut c, 3, 0, 10));
+    let free = c.pool().num_free_blocks();
+    assert!(!allocate(&mut c, 2, 2, 2));
+    assert_eq!(c.pending_hit_tokens(2).unwrap(), 0);
+    assert_eq!(c.pool().num_free_blocks(), free);
+    c.free_request(3).unwrap();
+    assert_eq!(c.find_cache_hit(2).unwrap(), 0);
+    assert!(allocate(&mut c, 2, 0, 4));
+}

@@ -227,6 +227,11 @@ impl PyCoordinator {
         self.inner.find_cache_hit(request_id).map_err(to_py)
     }
 
+    fn pending_hit_tokens(&self, request_id: i64) -> PyResult<usize> {
+        let request_id = crate::convert::request_id(request_id)?;
+        self.inner.pending_hit_tokens(request_id).map_err(to_py)
+    }
+
     fn allocate(
         &mut self,
         request_id: i64,

@@ -32,7 +32,9 @@ pub struct AllocateStep {
 impl<P: BlockAllocator> Coordinator<P> {
     /// Releases blocks the window skipped, takes the pending hit, allocates blocks for the new
     /// tokens and caches newly full blocks. Returns `Ok(false)` and changes nothing when the pool
-    /// lacks blocks.
+    /// lacks blocks. Also `Ok(false)` when the pending cache hit was evicted since
+    /// `find_cache_hit` (other requests' allocations reused its blocks): then the pending hit is
+    /// dropped, and the request must call `find_cache_hit` again (or start at 0).
     pub fn allocate(&mut self, step: AllocateStep) -> Result<bool, CoreError> {
         self.validate_step(&step)?;
         self.allocate_validated(step)
@@ -126,11 +128,25 @@ impl<P: BlockAllocator> Coordinator<P> {
         let mut num_new = 0;
         let mut hit_blocks_now_free = 0;
         let mut released_to_free = 0;
+        let chains = &state.hash_chains;
+        let chain_of_group = &self.chain_of_group;
+        let key_of = |group: usize, index: usize| CacheKey {
+            group: group as GroupId,
+            hash: chains[chain_of_group[group]][index],
+        };
         for (group, manager) in self.managers.iter().enumerate() {
             let blocks = &state.groups[group];
             let row_len = match &hit {
                 Some(hit) => {
-                    for &block in hit.rows[group].iter().filter(|&&b| b != NULL_BLOCK) {
+                    for (index, &block) in hit.rows[group].iter().enumerate() {
+                        if block == NULL_BLOCK {
+                            continue;
+                        }
+                        if self.pool.cached_block(key_of(group, index)) != Some(block) {
+                            // Other requests' allocations evicted it since `find_cache_hit`:
+                            // the hit is gone and the request must look it up again.
+                            return Ok(false);
+                        }
                         hit_blocks_now_free += usize::from(self.pool.ref_count(block) == 0);
                     }
                     hit.rows[group].len()
@@ -153,12 +169,6 @@ impl<P: BlockAllocator> Coordinator<P> {
 
         // 2. Touch the hit.
         if let Some(hit) = &hit {
-            let chains = &state.hash_chains;
-            let chain_of_group = &self.chain_of_group;
-            let key_of = |group: usize, index: usize| CacheKey {
-                group: group as GroupId,
-                hash: chains[chain_of_group[group]][index],
-            };
             if !touch_hit(&self.pool, hit, &key_of) {
                 // Evicted between the lookup and now (only with a pool shared across threads):
                 // the request must look its hit up again.

@@ -96,6 +96,15 @@ impl<P: BlockAllocator> Coordinator<P> {
     }
 }
 
+impl<P: BlockAllocator> Coordinator<P> {
+    /// Tokens of the request's pending hit (0 when none): what its first `allocate` must use
+    /// as the computed count, unless it starts at 0.
+    pub fn pending_hit_tokens(&self, request_id: u64) -> Result<usize, CoreError> {
+        let state = self.request(request_id)?;
+        Ok(state.pending_hit.as_ref().map_or(0, |hit| hit.num_tokens))
+    }
+}
+
 /// Cache lookups for one request.
 struct HitLookup<'a, P> {
     pool: &'a P,
