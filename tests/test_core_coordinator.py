@@ -85,6 +85,7 @@ def test_window_release_shows_null_blocks_in_the_table():
         coordinator.append_token_ids(1, [7])
         assert coordinator.allocate(1, computed, 1)
     assert list(table[1, row, :4]) == [0, 0, 0, 0]
+    assert coordinator.request_blocks(1, 1) == list(table[1, row, :6])
     assert (table[1, row, 4:6] > 0).all()
     np.testing.assert_array_equal(table[0, row, :4], full_before)
     assert coordinator.num_used_blocks_per_group() == [6, 2]
@@ -186,3 +187,11 @@ def test_max_blocks_needed():
     coordinator = Coordinator(4096, groups, 4, 8192, 512)
     # full: 8192 / 16; window: cdiv(4095 + 512, 16) + 1.
     assert coordinator.max_blocks_needed(8192) == 512 + 289
+
+
+def test_demo_runs(capsys):
+    from hybrid_cache import demo
+
+    demo.run()
+    out = capsys.readouterr().out
+    assert "hybrid" in out and "Prefix cache" in out

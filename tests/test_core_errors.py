@@ -81,6 +81,8 @@ def busy():
         (lambda c: c.allocate_batch([1], [6, 6], [1]), errors.InvalidArgumentError),
         (lambda c: c.allocate_batch([1, 3], [6, 0], [1, 1]), errors.UnknownRequestError),
         (lambda c: c.max_blocks_needed(-1), errors.InvalidArgumentError),
+        (lambda c: c.request_blocks(1, 2), errors.InvalidGroupError),
+        (lambda c: c.request_blocks(1, -1), errors.InvalidArgumentError),
     ],
 )
 def test_rejected_calls_change_nothing(busy, call, error):

@@ -129,6 +129,8 @@ class Coordinator:
     def free_request(self, request_id: int) -> None:
         """Frees every block of the request (newest first) and releases its row."""
     def row_of(self, request_id: int) -> int: ...
+    def request_blocks(self, request_id: int, group: int) -> list[int]:
+        """The request's table row in `group` (a copy; 0 marks released entries)."""
     def block_table(self) -> npt.NDArray[np.int32]:
         """Read-only numpy view of the table (no copy); it stays valid while it lives (it keeps
         the coordinator alive) and shows later allocations without calling again. Unused

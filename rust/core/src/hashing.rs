@@ -123,6 +123,9 @@ impl BlockHasher {
     ) {
         debug_assert!(block_size > 0, "block size is validated by the coordinator");
         let num_full = tokens.len() / block_size;
+        if hashes.len() >= num_full {
+            return;
+        }
         let mut buffer = Vec::with_capacity(24 + 4 * block_size);
         for index in hashes.len()..num_full {
             let parent = hashes.last().copied().unwrap_or(self.root);

@@ -25,12 +25,29 @@ const MAX_REQUESTS: usize = 4;
 enum Op {
     /// Add request `slot` with a prompt: `shared` tokens of the common prefix, then `own`
     /// tokens of its own.
-    Add { slot: u64, shared: usize, own: usize },
-    Hit { slot: u64 },
-    Allocate { slot: u64, new: usize },
-    Batch { slots: Vec<u64>, new: usize },
-    Append { slot: u64, count: usize },
-    Free { slot: u64 },
+    Add {
+        slot: u64,
+        shared: usize,
+        own: usize,
+    },
+    Hit {
+        slot: u64,
+    },
+    Allocate {
+        slot: u64,
+        new: usize,
+    },
+    Batch {
+        slots: Vec<u64>,
+        new: usize,
+    },
+    Append {
+        slot: u64,
+        count: usize,
+    },
+    Free {
+        slot: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -179,7 +196,10 @@ impl Harness {
                 match self.model.get_mut(&slot) {
                     Some(request) if request.num_allocated == 0 => {
                         let hit = result.unwrap();
-                        assert!(hit < request.num_tokens, "a hit leaves one token to compute");
+                        assert!(
+                            hit < request.num_tokens,
+                            "a hit leaves one token to compute"
+                        );
                         assert_eq!(hit % self.alignment, 0);
                         request.pending_hit = hit;
                     }
@@ -194,7 +214,11 @@ impl Harness {
                 if self.coordinator.allocate(step).unwrap() {
                     self.applied(step);
                 } else {
-                    assert_eq!(before, self.snapshot(), "a refused allocate changes nothing");
+                    assert_eq!(
+                        before,
+                        self.snapshot(),
+                        "a refused allocate changes nothing"
+                    );
                     self.sync_pending_hit(slot);
                 }
             }
@@ -290,12 +314,22 @@ impl Harness {
         }
         for block in 1..pool.num_blocks() as u32 {
             let expected = references.get(&block).map_or(0, |entry| entry.1);
-            assert_eq!(pool.ref_count(block) as usize, expected, "ref count of {block}");
+            assert_eq!(
+                pool.ref_count(block) as usize,
+                expected,
+                "ref count of {block}"
+            );
         }
-        assert_eq!(pool.num_free_blocks(), pool.num_blocks() - 1 - references.len());
+        assert_eq!(
+            pool.num_free_blocks(),
+            pool.num_blocks() - 1 - references.len()
+        );
         assert_eq!(pool.ref_count(NULL_BLOCK), 0);
         let per_group: usize = self.coordinator.num_used_blocks_per_group().iter().sum();
-        assert_eq!(per_group, references.values().map(|entry| entry.1).sum::<usize>());
+        assert_eq!(
+            per_group,
+            references.values().map(|entry| entry.1).sum::<usize>()
+        );
     }
 }
 

@@ -289,6 +289,16 @@ impl PyCoordinator {
         self.inner.row_of(request_id).map_err(to_py)
     }
 
+    fn request_blocks(&self, request_id: i64, group: i64) -> PyResult<Vec<u32>> {
+        let request_id = crate::convert::request_id(request_id)?;
+        let group = size("group", group)?;
+        let blocks = self
+            .inner
+            .request_blocks(request_id, group)
+            .map_err(to_py)?;
+        Ok(blocks.to_vec())
+    }
+
     /// (num_groups, max_num_reqs, max_blocks_per_req) int32 numpy view of the table, no copy.
     fn block_table<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         let (data, shape) = {

@@ -162,7 +162,8 @@ impl<P: BlockAllocator> Coordinator<P> {
             };
             num_new += manager.num_new_blocks(row_len, total);
         }
-        if num_new + hit_blocks_now_free > self.pool.num_free_blocks() + released_to_free {
+        let needed = num_new + hit_blocks_now_free;
+        if needed > 0 && needed > self.pool.num_free_blocks() + released_to_free {
             state.pending_hit = hit;
             return Ok(false);
         }
@@ -182,31 +183,41 @@ impl<P: BlockAllocator> Coordinator<P> {
             }
         }
 
-        // 3. Release what the window skipped.
+        // 3. Release what the window skipped. `dirty_from[g]`: first entry of group g whose
+        // table copy is stale.
         let mut scratch = std::mem::take(&mut self.scratch);
+        let mut dirty_from = std::mem::take(&mut self.dirty_from);
         scratch.clear();
-        let mut dirty_from = Vec::with_capacity(self.managers.len());
+        dirty_from.clear();
         for (group, manager) in self.managers.iter().enumerate() {
             let blocks = &mut state.groups[group];
-            let first_released = blocks.num_released;
+            let released_range = pending_release(manager.as_ref(), blocks, computed);
             let released = release_skipped(manager.as_ref(), blocks, computed, &mut scratch);
             self.num_references[group] -= released;
-            dirty_from.push(if hit.is_some() { 0 } else { first_released });
+            dirty_from.push(match (&hit, released) {
+                (Some(_), _) => 0,
+                (None, 0) => blocks.blocks.len(),
+                (None, _) => released_range.start,
+            });
         }
-        if let Err(error) = self.pool.free_blocks(&scratch) {
-            debug_assert!(false, "releasing held blocks failed: {error}");
-            self.scratch = scratch;
-            return Err(error);
+        if !scratch.is_empty() {
+            if let Err(error) = self.pool.free_blocks(&scratch) {
+                debug_assert!(false, "releasing held blocks failed: {error}");
+                self.scratch = scratch;
+                self.dirty_from = dirty_from;
+                return Err(error);
+            }
         }
 
         // 4. Take the new blocks.
         scratch.clear();
-        if self.pool.get_new_blocks(num_new, &mut scratch).is_err() {
+        if num_new > 0 && self.pool.get_new_blocks(num_new, &mut scratch).is_err() {
             // Another thread took blocks after the plan: undo the hit, keep the release.
             if let Some(hit) = &hit {
                 self.undo_hit(step.request_id, hit);
             }
             self.scratch = scratch;
+            self.dirty_from = dirty_from;
             return Ok(false);
         }
 
@@ -233,6 +244,7 @@ impl<P: BlockAllocator> Coordinator<P> {
         state.num_computed = computed;
         state.num_allocated = state.num_allocated.max(total);
         self.scratch = scratch;
+        self.dirty_from = dirty_from;
         if self.config.enable_prefix_caching {
             self.cache_new_full_blocks(step.request_id, total)?;
         }

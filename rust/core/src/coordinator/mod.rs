@@ -23,6 +23,7 @@ pub use config::{AttentionKind, CoordinatorConfig, GroupSpec};
 pub use table::{BlockTable, RowRef};
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
@@ -70,7 +71,7 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     table: BlockTable,
     /// Unused rows; popped from the end, so the lowest rows are handed out first.
     free_rows: Vec<usize>,
-    requests: HashMap<u64, RequestState>,
+    requests: HashMap<u64, RequestState, BuildHasherDefault<RequestIdHasher>>,
     /// Non-null table entries per group (a block shared by two requests counts twice).
     num_references: Vec<usize>,
     prefix_queries: u64,
@@ -79,6 +80,8 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     batch_number: u64,
     /// Scratch list of blocks, reused to avoid allocating per call.
     scratch: Vec<BlockId>,
+    /// Scratch: per group, the first table entry an `allocate` changed.
+    dirty_from: Vec<usize>,
 }
 
 impl Coordinator<DefaultPool> {
@@ -125,7 +128,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             hasher: BlockHasher::new(config.hash, config.hash_seed),
             hit_alignment: config.hit_alignment().expect("validated"),
             free_rows: (0..config.max_num_reqs).rev().collect(),
-            requests: HashMap::with_capacity(config.max_num_reqs),
+            requests: HashMap::with_capacity_and_hasher(config.max_num_reqs, Default::default()),
             num_references: vec![0; config.groups.len()],
             managers,
             hit_order,
@@ -138,6 +141,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             prefix_hits: 0,
             batch_number: 0,
             scratch: Vec::new(),
+            dirty_from: Vec::new(),
         })
     }
 
@@ -330,5 +334,26 @@ impl<P: BlockAllocator> Coordinator<P> {
         for (chain, &block_size) in state.hash_chains.iter_mut().zip(chain_block_sizes) {
             hasher.extend_chain(&state.tokens, block_size, &state.extra, chain);
         }
+    }
+}
+
+/// Hasher for request ids: ids are chosen by the engine (not by users), so a multiplicative
+/// mix is enough and much cheaper than SipHash on the per-step path.
+#[derive(Default)]
+struct RequestIdHasher(u64);
+
+impl Hasher for RequestIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = (value ^ (value >> 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
 }

@@ -1,0 +1,192 @@
+//! Coordinator microbenchmarks (criterion):
+//! - one decode step for 256 running requests in 2 groups (full + window 4096, block 16) through
+//!   `allocate_batch`;
+//! - the prefix-hit lookup for a 2048-token prompt whose blocks are cached;
+//! - one decode step of a single long request while the window releases blocks.
+//!
+//! Run: `cargo bench -p hybrid-cache-core --bench coordinator -- --warm-up-time 1
+//! --measurement-time 3`.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use hybrid_cache_core::{
+    AllocateStep, AttentionKind, Coordinator, CoordinatorConfig, ExtraKeys, GroupSpec, HashAlgo,
+    NewRequest,
+};
+
+const BLOCK_SIZE: usize = 16;
+const WINDOW: usize = 4096;
+
+fn gemma2_config(
+    num_blocks: usize,
+    max_num_reqs: usize,
+    max_model_len: usize,
+) -> CoordinatorConfig {
+    CoordinatorConfig {
+        num_blocks,
+        groups: vec![
+            GroupSpec {
+                kind: AttentionKind::Full,
+                block_size: BLOCK_SIZE,
+            },
+            GroupSpec {
+                kind: AttentionKind::SlidingWindow { window: WINDOW },
+                block_size: BLOCK_SIZE,
+            },
+        ],
+        max_num_reqs,
+        max_model_len,
+        max_num_batched_tokens: 2048,
+        enable_prefix_caching: true,
+        hash: HashAlgo::Xxh3,
+        hash_seed: 0,
+    }
+}
+
+fn prompt(request_id: u64, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| i ^ (request_id as u32) << 20)
+        .collect()
+}
+
+/// 256 requests, each prefilled with `prompt_len` tokens; returns the next computed count.
+fn running_batch(coordinator: &mut Coordinator, prompt_len: usize) -> usize {
+    for request_id in 0..256u64 {
+        coordinator
+            .add_request(NewRequest {
+                request_id,
+                prompt_token_ids: &prompt(request_id, prompt_len),
+                max_total_tokens: None,
+                extra: ExtraKeys::default(),
+            })
+            .unwrap();
+        let step = AllocateStep {
+            request_id,
+            num_computed_tokens: 0,
+            num_new_tokens: prompt_len,
+        };
+        assert!(coordinator.allocate(step).unwrap());
+    }
+    prompt_len
+}
+
+fn decode_step_256(criterion: &mut Criterion) {
+    const PROMPT: usize = 2000;
+    const MAX_LEN: usize = 8192;
+    let mut coordinator = Coordinator::new(gemma2_config(256 * 800, 256, MAX_LEN)).unwrap();
+    let mut computed = running_batch(&mut coordinator, PROMPT);
+    let mut steps = Vec::with_capacity(256);
+    criterion.bench_function("decode_step_256_requests_full_plus_window4096", |bench| {
+        bench.iter_custom(|iterations| {
+            let mut elapsed = Duration::ZERO;
+            for _ in 0..iterations {
+                if computed + 1 >= MAX_LEN {
+                    for request_id in 0..256 {
+                        coordinator.free_request(request_id).unwrap();
+                    }
+                    computed = running_batch(&mut coordinator, PROMPT);
+                }
+                steps.clear();
+                for request_id in 0..256u64 {
+                    coordinator.append_token_ids(request_id, &[1]).unwrap();
+                    steps.push(AllocateStep {
+                        request_id,
+                        num_computed_tokens: computed,
+                        num_new_tokens: 1,
+                    });
+                }
+                let start = Instant::now();
+                let done = coordinator.allocate_batch(black_box(&steps)).unwrap();
+                elapsed += start.elapsed();
+                assert_eq!(done, 256);
+                computed += 1;
+            }
+            elapsed
+        })
+    });
+}
+
+fn prefix_hit_2048(criterion: &mut Criterion) {
+    let mut coordinator = Coordinator::new(gemma2_config(2048, 4, 4096)).unwrap();
+    let tokens = prompt(7, 2048);
+    let request = |request_id| NewRequest {
+        request_id,
+        prompt_token_ids: &tokens,
+        max_total_tokens: None,
+        extra: ExtraKeys::default(),
+    };
+    coordinator.add_request(request(0)).unwrap();
+    let step = AllocateStep {
+        request_id: 0,
+        num_computed_tokens: 0,
+        num_new_tokens: 2048,
+    };
+    assert!(coordinator.allocate(step).unwrap());
+    coordinator.free_request(0).unwrap();
+    criterion.bench_function("prefix_hit_lookup_2048_tokens", |bench| {
+        bench.iter(|| {
+            coordinator.add_request(request(1)).unwrap();
+            let hit = coordinator.find_cache_hit(1).unwrap();
+            coordinator.free_request(1).unwrap();
+            assert_eq!(hit, 2032);
+            hit
+        })
+    });
+}
+
+fn window_release_long_decode(criterion: &mut Criterion) {
+    const MAX_LEN: usize = 65536;
+    let mut coordinator = Coordinator::new(gemma2_config(8192, 1, MAX_LEN)).unwrap();
+    let restart = |coordinator: &mut Coordinator| {
+        coordinator
+            .add_request(NewRequest {
+                request_id: 0,
+                prompt_token_ids: &prompt(0, WINDOW),
+                max_total_tokens: None,
+                extra: ExtraKeys::default(),
+            })
+            .unwrap();
+        for chunk_start in (0..WINDOW).step_by(2048) {
+            let step = AllocateStep {
+                request_id: 0,
+                num_computed_tokens: chunk_start,
+                num_new_tokens: 2048,
+            };
+            assert!(coordinator.allocate(step).unwrap());
+        }
+        WINDOW
+    };
+    let mut computed = restart(&mut coordinator);
+    criterion.bench_function("decode_step_one_request_window_release", |bench| {
+        bench.iter_custom(|iterations| {
+            let mut elapsed = Duration::ZERO;
+            for _ in 0..iterations {
+                if computed + 1 >= MAX_LEN {
+                    coordinator.free_request(0).unwrap();
+                    computed = restart(&mut coordinator);
+                }
+                coordinator.append_token_ids(0, &[3]).unwrap();
+                let step = AllocateStep {
+                    request_id: 0,
+                    num_computed_tokens: computed,
+                    num_new_tokens: 1,
+                };
+                let start = Instant::now();
+                let allocated = coordinator.allocate(black_box(step)).unwrap();
+                elapsed += start.elapsed();
+                assert!(allocated);
+                computed += 1;
+            }
+            elapsed
+        })
+    });
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20);
+    targets = decode_step_256, prefix_hit_2048, window_release_long_decode
+}
+criterion_main!(benches);
