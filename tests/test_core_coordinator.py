@@ -99,8 +99,7 @@ def test_gemma2_shaped_decode_holds_fewer_windowed_blocks():
     zeros = np.zeros(3, dtype=np.int64)
     assert coordinator.allocate_batch(ids, zeros, np.full(3, 20, dtype=np.int64)) == 3
     for computed in range(20, 60):
-        for request_id in ids:
-            coordinator.append_token_ids(int(request_id), [1])
+        coordinator.append_token_ids_batch(ids, np.full(3, 1, dtype=np.int64))
         computed_array = np.full(3, computed, dtype=np.int64)
         assert coordinator.allocate_batch(ids, computed_array, np.ones(3, dtype=np.int64)) == 3
     full_blocks, window_blocks = coordinator.num_used_blocks_per_group()

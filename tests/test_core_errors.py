@@ -39,6 +39,8 @@ def snapshot(coordinator):
         coordinator.block_table().copy(),
         coordinator.num_blocks_per_row().copy(),
         coordinator.num_used_blocks_per_group(),
+        coordinator.num_tokens(1),
+        coordinator.pending_hit_tokens(1),
     )
 
 
@@ -47,7 +49,7 @@ def assert_unchanged(before, coordinator):
     assert before[0] == after[0]
     np.testing.assert_array_equal(before[1], after[1])
     np.testing.assert_array_equal(before[2], after[2])
-    assert before[3] == after[3]
+    assert before[3:] == after[3:]
 
 
 @pytest.fixture
@@ -82,6 +84,10 @@ def busy():
         (lambda c: c.allocate_batch([1, 3], [6, 0], [1, 1]), errors.UnknownRequestError),
         (lambda c: c.max_blocks_needed(-1), errors.InvalidArgumentError),
         (lambda c: c.request_blocks(1, 2), errors.InvalidGroupError),
+        (lambda c: c.append_token_ids_batch([1, 1], [5, 5]), errors.InvalidArgumentError),
+        (lambda c: c.append_token_ids_batch([1, 4], [5, 5]), errors.UnknownRequestError),
+        (lambda c: c.append_token_ids_batch([1], [5, 5]), errors.InvalidArgumentError),
+        (lambda c: c.append_token_ids_batch([1], [-5]), errors.InvalidArgumentError),
         (lambda c: c.request_blocks(1, -1), errors.InvalidArgumentError),
     ],
 )

@@ -103,6 +103,13 @@ class Coordinator:
         `max_total_tokens` (default: len(prompt)) can never fit. `mm_hashes` are
         (start_token, num_tokens, item_hash) triples mixed into the blocks they overlap."""
     def append_token_ids(self, request_id: int, token_ids: Sequence[int]) -> None: ...
+    def append_token_ids_batch(
+        self,
+        request_ids: npt.NDArray[np.int64] | Sequence[int],
+        token_ids: npt.NDArray[np.int64] | Sequence[int],
+    ) -> None:
+        """One sampled token per request (a decode step) in one call; validated as a whole
+        first (known ids, no id twice, room below max_model_len): an error changes nothing."""
     def find_cache_hit(self, request_id: int) -> int:
         """Longest prefix (tokens) every group can hit; multiple of the lcm of block sizes and at
         most len(tokens) - 1. Stored as the request's pending hit; nothing is touched."""
@@ -128,6 +135,8 @@ class Coordinator:
         returns how many were allocated."""
     def free_request(self, request_id: int) -> None:
         """Frees every block of the request (newest first) and releases its row."""
+    def num_tokens(self, request_id: int) -> int:
+        """Tokens known for the request: prompt plus appended."""
     def row_of(self, request_id: int) -> int: ...
     def request_blocks(self, request_id: int, group: int) -> list[int]:
         """The request's table row in `group` (a copy; 0 marks released entries)."""

@@ -84,8 +84,7 @@ def run() -> None:
         if step == NUM_DECODE_STEPS:
             break
         for coordinator in layouts.values():
-            for request_id in request_ids:
-                coordinator.append_token_ids(int(request_id), [1])
+            coordinator.append_token_ids_batch(request_ids, ones)
             computed_array = np.full(NUM_REQUESTS, computed, dtype=np.int64)
             assert coordinator.allocate_batch(request_ids, computed_array, ones) == NUM_REQUESTS
 

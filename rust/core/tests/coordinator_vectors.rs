@@ -488,3 +488,21 @@ fn an_evicted_pending_hit_is_dropped_and_refused() {
     assert_eq!(c.find_cache_hit(2).unwrap(), 0);
     assert!(allocate(&mut c, 2, 0, 4));
 }
+
+#[test]
+fn append_batch_is_validated_as_a_whole() {
+    let mut c = coordinator(16, vec![full(2)]);
+    add(&mut c, 1, &tokens(3));
+    add(&mut c, 2, &tokens(3));
+    assert!(matches!(
+        c.append_token_ids_batch(&[1, 2, 1], &[5, 5, 5]),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert_eq!(
+        c.append_token_ids_batch(&[1, 9], &[5, 5]),
+        Err(CoreError::UnknownRequest { request_id: 9 })
+    );
+    assert_eq!((c.num_tokens(1).unwrap(), c.num_tokens(2).unwrap()), (3, 3));
+    c.append_token_ids_batch(&[2, 1], &[5, 6]).unwrap();
+    assert_eq!((c.num_tokens(1).unwrap(), c.num_tokens(2).unwrap()), (4, 4));
+}

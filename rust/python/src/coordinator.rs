@@ -222,6 +222,21 @@ impl PyCoordinator {
             .map_err(to_py)
     }
 
+    fn append_token_ids_batch(
+        &mut self,
+        request_ids: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ids = int64s("request_ids", request_ids)?
+            .into_iter()
+            .map(crate::convert::request_id)
+            .collect::<PyResult<Vec<u64>>>()?;
+        let tokens = crate::convert::token_ids(token_ids)?;
+        self.inner
+            .append_token_ids_batch(&ids, &tokens)
+            .map_err(to_py)
+    }
+
     fn find_cache_hit(&mut self, request_id: i64) -> PyResult<usize> {
         let request_id = crate::convert::request_id(request_id)?;
         self.inner.find_cache_hit(request_id).map_err(to_py)
@@ -282,6 +297,11 @@ impl PyCoordinator {
     fn free_request(&mut self, request_id: i64) -> PyResult<()> {
         let request_id = crate::convert::request_id(request_id)?;
         self.inner.free_request(request_id).map_err(to_py)
+    }
+
+    fn num_tokens(&self, request_id: i64) -> PyResult<usize> {
+        let request_id = crate::convert::request_id(request_id)?;
+        self.inner.num_tokens(request_id).map_err(to_py)
     }
 
     fn row_of(&self, request_id: i64) -> PyResult<usize> {

@@ -254,6 +254,47 @@ impl<P: BlockAllocator> Coordinator<P> {
         Ok(())
     }
 
+    /// Appends one sampled token to each request (a decode step): `token_ids[i]` to
+    /// `request_ids[i]`. Every entry is validated first (known id, no id twice, room below
+    /// max_model_len), so an error changes nothing.
+    pub fn append_token_ids_batch(
+        &mut self,
+        request_ids: &[u64],
+        token_ids: &[u32],
+    ) -> Result<(), CoreError> {
+        if request_ids.len() != token_ids.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} request ids but {} token ids; give one token per request",
+                request_ids.len(),
+                token_ids.len()
+            )));
+        }
+        self.batch_number += 1;
+        let (batch_number, max_model_len) = (self.batch_number, self.config.max_model_len);
+        for &request_id in request_ids {
+            let state = self.request_mut(request_id)?;
+            if state.last_batch == batch_number {
+                return Err(CoreError::InvalidArgument(format!(
+                    "request {request_id} appears twice in one append_token_ids_batch call"
+                )));
+            }
+            if state.tokens.len() >= max_model_len {
+                return Err(CoreError::InvalidArgument(format!(
+                    "request {request_id} already has max_model_len ({max_model_len}) tokens"
+                )));
+            }
+            state.last_batch = batch_number;
+        }
+        for (request_id, &token) in request_ids.iter().zip(token_ids) {
+            self.requests
+                .get_mut(request_id)
+                .expect("validated")
+                .tokens
+                .push(token);
+        }
+        Ok(())
+    }
+
     /// Frees every block of the request (newest first) and releases its row.
     pub fn free_request(&mut self, request_id: u64) -> Result<(), CoreError> {
         let state = self
@@ -282,6 +323,11 @@ impl<P: BlockAllocator> Coordinator<P> {
         }
         self.free_rows.push(state.row);
         Ok(())
+    }
+
+    /// Tokens known for a request: prompt plus appended.
+    pub fn num_tokens(&self, request_id: u64) -> Result<usize, CoreError> {
+        Ok(self.request(request_id)?.tokens.len())
     }
 
     /// The table row of a request.
