@@ -18,10 +18,10 @@ pub use coordinator::{
 pub use error::CoreError;
 pub use hashing::{ExtraKeys, HashAlgo, MultimodalItem};
 pub use mutex_pool::MutexPool;
+pub use types::{BlockHash, BlockId, CacheKey, GroupId, PoolStats, NULL_BLOCK};
 
 /// The pool the coordinator and the binding use unless told otherwise.
 pub type DefaultPool = MutexPool;
-pub use types::{BlockHash, BlockId, CacheKey, GroupId, PoolStats, NULL_BLOCK};
 
 /// Shared check for pool constructors: block 0 is the null block, so a usable pool needs at
 /// least one more.
