@@ -62,8 +62,8 @@ class TableView:
 class Coordinator:
     """The hybrid KV-cache coordinator: requests, grouped block table, cache hits, admission.
 
-    Request ids are integers in 0..2^63 chosen by the engine. The block table is persistent Rust memory:
-    `block_table()` returns a numpy view (no copy), shape (num_groups, max_num_reqs,
+    Request ids are integers in 0..2^63 chosen by the engine. The block table is persistent Rust
+    memory: `block_table()` returns a numpy view (no copy), shape (num_groups, max_num_reqs,
     max_blocks_per_req), int32, where row `row_of(id)` belongs to a request while it is added.
     """
 
@@ -127,12 +127,15 @@ class Coordinator:
         most `max_num_batched_tokens` new tokens."""
     def allocate_batch(
         self,
-        request_ids: npt.NDArray[np.int64],
-        num_computed_tokens: npt.NDArray[np.int64],
-        num_new_tokens: npt.NDArray[np.int64],
+        request_ids: npt.NDArray[np.int64] | Sequence[int],
+        num_computed_tokens: npt.NDArray[np.int64] | Sequence[int],
+        num_new_tokens: npt.NDArray[np.int64] | Sequence[int],
     ) -> int:
         """`allocate` for each request in order; stops at the first that does not fit and
-        returns how many were allocated."""
+        returns how many were allocated. int64 arrays are read through the buffer protocol (one
+        copy, no per-item Python calls); other sequences of ints work too. Every entry is
+        validated before any is applied (unknown ids, an id twice, bad counts raise and change
+        nothing)."""
     def free_request(self, request_id: int) -> None:
         """Frees every block of the request (newest first) and releases its row."""
     def num_tokens(self, request_id: int) -> int:

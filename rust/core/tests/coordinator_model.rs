@@ -6,7 +6,8 @@
 //! - the free count equals the blocks nobody references;
 //! - each row has the expected length, null entries exactly where the window/chunk released
 //!   them, and the persistent table mirrors it; unused rows are empty;
-//! - a refused allocation changes nothing; everything is free once every request is freed.
+//! - a refused allocation changes nothing; everything is free once every request is freed;
+//! - a cache hit only hands out blocks that were filled with the same prefix of tokens.
 
 use std::collections::HashMap;
 
@@ -87,6 +88,7 @@ fn groups(variant: usize) -> Vec<GroupSpec> {
 /// What the model knows of one request.
 #[derive(Clone, Debug, Default)]
 struct ModelRequest {
+    tokens: Vec<u32>,
     num_tokens: usize,
     num_computed: usize,
     num_allocated: usize,
@@ -98,6 +100,8 @@ struct Harness {
     model: HashMap<u64, ModelRequest>,
     specs: Vec<GroupSpec>,
     alignment: usize,
+    /// The token prefix (up to and including the block) each full block was last filled with.
+    block_prefix: HashMap<u32, Vec<u32>>,
 }
 
 fn skipped(kind: AttentionKind, computed: usize) -> usize {
@@ -127,6 +131,7 @@ impl Harness {
             model: HashMap::new(),
             specs,
             alignment,
+            block_prefix: HashMap::new(),
         }
     }
 
@@ -142,7 +147,9 @@ impl Harness {
                 return None;
             }
             self.coordinator.append_token_ids(slot, &[9]).unwrap();
-            self.model.get_mut(&slot).unwrap().num_tokens += 1;
+            let request = self.model.get_mut(&slot).unwrap();
+            request.num_tokens += 1;
+            request.tokens.push(9);
         }
         Some(request.num_allocated)
     }
@@ -160,6 +167,33 @@ impl Harness {
     }
 
     fn applied(&mut self, step: AllocateStep) {
+        let request = &self.model[&step.request_id];
+        let total = step.num_computed_tokens + step.num_new_tokens;
+        for (group, spec) in self.specs.iter().enumerate() {
+            let blocks = self
+                .coordinator
+                .request_blocks(step.request_id, group)
+                .unwrap();
+            let full = total.min(request.tokens.len()) / spec.block_size;
+            for (index, &block) in blocks.iter().enumerate().take(full) {
+                if block == NULL_BLOCK {
+                    continue;
+                }
+                let prefix = request.tokens[..(index + 1) * spec.block_size].to_vec();
+                if request.num_allocated == 0 && request.pending_hit > 0 {
+                    // Blocks of a hit must hold exactly this prefix.
+                    if (index + 1) * spec.block_size <= request.pending_hit {
+                        let filled = self.block_prefix.get(&block);
+                        assert_eq!(
+                            filled,
+                            Some(&prefix),
+                            "hit block {block} holds other tokens"
+                        );
+                    }
+                }
+                self.block_prefix.insert(block, prefix);
+            }
+        }
         let request = self.model.get_mut(&step.request_id).unwrap();
         request.num_computed = step.num_computed_tokens;
         let total = step.num_computed_tokens + step.num_new_tokens;
@@ -186,6 +220,7 @@ impl Harness {
                 if result.is_ok() {
                     let request = ModelRequest {
                         num_tokens: prompt.len(),
+                        tokens: prompt.clone(),
                         ..ModelRequest::default()
                     };
                     self.model.insert(slot, request);
@@ -243,6 +278,7 @@ impl Harness {
                     Some(request) if request.num_tokens + count <= MAX_MODEL_LEN => {
                         result.unwrap();
                         request.num_tokens += count;
+                        request.tokens.extend(std::iter::repeat_n(5, count));
                     }
                     _ => assert!(result.is_err()),
                 }

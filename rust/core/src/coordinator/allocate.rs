@@ -13,6 +13,7 @@
 //! ```
 
 use super::request::{PendingHit, RequestState};
+use super::CoordinatorConfig;
 use super::{Coordinator, RowRef};
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
@@ -45,10 +46,15 @@ impl<P: BlockAllocator> Coordinator<P> {
     /// error changes nothing.
     pub fn allocate_batch(&mut self, steps: &[AllocateStep]) -> Result<usize, CoreError> {
         self.batch_number += 1;
+        let batch_number = self.batch_number;
         for step in steps {
-            self.validate_step(step)?;
-            let batch_number = self.batch_number;
-            let state = self.requests.get_mut(&step.request_id).expect("validated");
+            let state =
+                self.requests
+                    .get_mut(&step.request_id)
+                    .ok_or(CoreError::UnknownRequest {
+                        request_id: step.request_id,
+                    })?;
+            check_step(&self.config, state, step)?;
             if state.last_batch == batch_number {
                 return Err(CoreError::InvalidArgument(format!(
                     "request {} appears twice in one allocate_batch call",
@@ -66,53 +72,7 @@ impl<P: BlockAllocator> Coordinator<P> {
     }
 
     fn validate_step(&self, step: &AllocateStep) -> Result<(), CoreError> {
-        let state = self.request(step.request_id)?;
-        let (computed, new) = (step.num_computed_tokens, step.num_new_tokens);
-        let invalid = |message: String| Err(CoreError::InvalidArgument(message));
-        let id = step.request_id;
-        if new > self.config.max_num_batched_tokens {
-            return invalid(format!(
-                "request {id}: {new} new tokens exceed max_num_batched_tokens ({})",
-                self.config.max_num_batched_tokens
-            ));
-        }
-        let within_model = match computed.checked_add(new) {
-            Some(total) => total <= self.config.max_model_len,
-            None => false,
-        };
-        if !within_model {
-            return invalid(format!(
-                "request {id}: {computed} computed + {new} new tokens exceed max_model_len ({})",
-                self.config.max_model_len
-            ));
-        }
-        if computed > state.tokens.len() {
-            return invalid(format!(
-                "request {id}: {computed} computed tokens but only {} are known; append them first",
-                state.tokens.len()
-            ));
-        }
-        if computed < state.num_computed {
-            return invalid(format!(
-                "request {id}: computed tokens went back from {} to {computed}",
-                state.num_computed
-            ));
-        }
-        if state.num_allocated == 0 {
-            let hit = state.pending_hit.as_ref().map_or(0, |hit| hit.num_tokens);
-            if computed != 0 && computed != hit {
-                return invalid(format!(
-                    "request {id}: the first allocate must start at 0 computed tokens or at the \
-                     cache hit ({hit}), not {computed}"
-                ));
-            }
-        } else if computed > state.num_allocated {
-            return invalid(format!(
-                "request {id}: {computed} computed tokens but only {} have slots",
-                state.num_allocated
-            ));
-        }
-        Ok(())
+        check_step(&self.config, self.request(step.request_id)?, step)
     }
 
     fn allocate_validated(&mut self, step: AllocateStep) -> Result<bool, CoreError> {
@@ -213,8 +173,8 @@ impl<P: BlockAllocator> Coordinator<P> {
         scratch.clear();
         if num_new > 0 && self.pool.get_new_blocks(num_new, &mut scratch).is_err() {
             // Another thread took blocks after the plan: undo the hit, keep the release.
-            if let Some(hit) = &hit {
-                self.undo_hit(step.request_id, hit);
+            if hit.is_some() {
+                undo_hit(&self.pool, &mut self.num_references, state);
             }
             self.scratch = scratch;
             self.dirty_from = dirty_from;
@@ -222,7 +182,6 @@ impl<P: BlockAllocator> Coordinator<P> {
         }
 
         // 5. Hand them out, mirror into the table, cache.
-        let state = self.requests.get_mut(&step.request_id).expect("validated");
         let mut new_blocks = scratch.iter();
         for (group, manager) in self.managers.iter().enumerate() {
             let blocks = &mut state.groups[group];
@@ -246,51 +205,21 @@ impl<P: BlockAllocator> Coordinator<P> {
         self.scratch = scratch;
         self.dirty_from = dirty_from;
         if self.config.enable_prefix_caching {
-            self.cache_new_full_blocks(step.request_id, total)?;
+            // Cache the blocks that are full once the scheduled tokens are computed.
+            Self::extend_hashes(&self.hasher, &self.chain_block_sizes, state);
+            let num_known = total.min(state.tokens.len());
+            for (group, manager) in self.managers.iter().enumerate() {
+                let context = CacheContext {
+                    pool: &self.pool,
+                    group: group as GroupId,
+                    hashes: &state.hash_chains[self.chain_of_group[group]],
+                    num_full_blocks: num_known / manager.block_size(),
+                    hit_alignment: self.hit_alignment,
+                };
+                cache_full_blocks(manager.as_ref(), &mut state.groups[group], &context)?;
+            }
         }
         Ok(true)
-    }
-
-    /// Caches the request's blocks that are full once `num_scheduled` tokens are computed.
-    fn cache_new_full_blocks(
-        &mut self,
-        request_id: u64,
-        num_scheduled: usize,
-    ) -> Result<(), CoreError> {
-        let state = self.requests.get_mut(&request_id).expect("validated");
-        Self::extend_hashes(&self.hasher, &self.chain_block_sizes, state);
-        let num_known = num_scheduled.min(state.tokens.len());
-        let RequestState {
-            groups,
-            hash_chains,
-            ..
-        } = state;
-        for (group, manager) in self.managers.iter().enumerate() {
-            let block_size = manager.block_size();
-            let context = CacheContext {
-                pool: &self.pool,
-                group: group as GroupId,
-                hashes: &hash_chains[self.chain_of_group[group]],
-                num_full_blocks: num_known / block_size,
-                hit_alignment: self.hit_alignment,
-            };
-            cache_full_blocks(manager.as_ref(), &mut groups[group], &context)?;
-        }
-        Ok(())
-    }
-
-    /// Gives back the references a hit took and clears the request's blocks again.
-    fn undo_hit(&mut self, request_id: u64, hit: &PendingHit) {
-        let state = self.requests.get_mut(&request_id).expect("validated");
-        let mut held: Vec<BlockId> = Vec::new();
-        for (group, blocks) in state.groups.iter_mut().enumerate() {
-            held.extend(blocks.blocks.iter().rev().filter(|&&b| b != NULL_BLOCK));
-            self.num_references[group] -= blocks.num_held();
-            *blocks = Default::default();
-        }
-        debug_assert!(held.len() <= hit.rows.iter().map(Vec::len).sum::<usize>());
-        let freed = self.pool.free_blocks(&held);
-        debug_assert!(freed.is_ok(), "the hit's references are held");
     }
 }
 
@@ -317,4 +246,70 @@ fn touch_hit<P: BlockAllocator>(
         }
     }
     true
+}
+
+/// Checks one step against the request's state and the limits (see `allocate`).
+fn check_step(
+    config: &CoordinatorConfig,
+    state: &RequestState,
+    step: &AllocateStep,
+) -> Result<(), CoreError> {
+    let (computed, new) = (step.num_computed_tokens, step.num_new_tokens);
+    let invalid = |message: String| Err(CoreError::InvalidArgument(message));
+    let id = step.request_id;
+    if new > config.max_num_batched_tokens {
+        return invalid(format!(
+            "request {id}: {new} new tokens exceed max_num_batched_tokens ({})",
+            config.max_num_batched_tokens
+        ));
+    }
+    let within_model = match computed.checked_add(new) {
+        Some(total) => total <= config.max_model_len,
+        None => false,
+    };
+    if !within_model {
+        return invalid(format!(
+            "request {id}: {computed} computed + {new} new tokens exceed max_model_len ({})",
+            config.max_model_len
+        ));
+    }
+    if computed > state.tokens.len() {
+        return invalid(format!(
+            "request {id}: {computed} computed tokens but only {} are known; append them first",
+            state.tokens.len()
+        ));
+    }
+    if computed < state.num_computed {
+        return invalid(format!(
+            "request {id}: computed tokens went back from {} to {computed}",
+            state.num_computed
+        ));
+    }
+    if state.num_allocated == 0 {
+        let hit = state.pending_hit.as_ref().map_or(0, |hit| hit.num_tokens);
+        if computed != 0 && computed != hit {
+            return invalid(format!(
+                "request {id}: the first allocate must start at 0 computed tokens or at the \
+                 cache hit ({hit}), not {computed}"
+            ));
+        }
+    } else if computed > state.num_allocated {
+        return invalid(format!(
+            "request {id}: {computed} computed tokens but only {} have slots",
+            state.num_allocated
+        ));
+    }
+    Ok(())
+}
+
+/// Gives back the references a hit took and clears the request's blocks again.
+fn undo_hit<P: BlockAllocator>(pool: &P, num_references: &mut [usize], state: &mut RequestState) {
+    let mut held: Vec<BlockId> = Vec::new();
+    for (group, blocks) in state.groups.iter_mut().enumerate() {
+        held.extend(blocks.blocks.iter().rev().filter(|&&b| b != NULL_BLOCK));
+        num_references[group] -= blocks.num_held();
+        *blocks = Default::default();
+    }
+    let freed = pool.free_blocks(&held);
+    debug_assert!(freed.is_ok(), "the hit's references are held");
 }

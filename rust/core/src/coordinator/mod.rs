@@ -4,6 +4,17 @@
 //! Every call validates its input first and changes nothing when it returns an error;
 //! `allocate` is all-or-nothing per request and reports "no space" as `Ok(false)`.
 //!
+//! Caching rule for windowed groups: hit lengths are multiples of the lcm `L` of the block
+//! sizes, so a windowed block is cached only if some aligned hit needs it, i.e. it lies in the
+//! tail of an `L`-aligned segment that the window still sees (see
+//! [`crate::manager::AttentionManager::can_be_hit`]). Other blocks are never inserted in the
+//! cache map and go back to the free queue as plain free blocks.
+//!
+//! Admission: `add_request` refuses a request whose worst case (all groups, see
+//! `max_blocks_needed`) exceeds the pool: `cdiv(len, B)` for full attention and
+//! `min(cdiv(len, B), cdiv(min(W - 1 + max_num_batched_tokens, len), B) + 1)` for a window `W`
+//! (chunk `C` in place of `W` for chunked-local), `len` being the request's `max_total_tokens`.
+//!
 //! Life of a request:
 //!
 //! ```text

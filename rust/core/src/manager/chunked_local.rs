@@ -50,8 +50,9 @@ impl AttentionManager for ChunkedLocalManager {
     }
 
     fn max_live_blocks(&self, limits: AdmissionLimits) -> usize {
-        let live_tokens =
-            (self.chunk - 1 + limits.max_num_batched_tokens).min(limits.max_total_tokens);
+        let live_tokens = (self.chunk - 1)
+            .saturating_add(limits.max_num_batched_tokens)
+            .min(limits.max_total_tokens);
         let capped = live_tokens.div_ceil(self.block_size) + 1;
         capped.min(limits.max_total_tokens.div_ceil(self.block_size))
     }
