@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-COMMAND_MODULES: tuple[str, ...] = ("plan", "generate")
+COMMAND_MODULES: tuple[str, ...] = ("plan", "generate", "bench")
 
 
 def register_all(subparsers: argparse._SubParsersAction) -> None:

@@ -1,0 +1,156 @@
+"""One mode of the benchmark on the real engine: `LLM` with the bench flags, the workload added
+at once, then `LLMEngine.step()` until done, each step timed.
+
+Engine overhead is measured by timing the model's forward apart from the step: a forward
+pre-hook and a forward hook on the model (`torch.nn.Module` hooks, no change to the engine)
+take `time.perf_counter()` around `model(input_ids, positions)`; the step's wall time is taken
+around `LLMEngine.step()`. Overhead = step time - forward time: scheduling, the Rust allocator,
+building the batch and attention metadata, logits and sampling, bookkeeping. On the CPU every
+torch op is synchronous, so the timers see the work itself.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from hybrid_cache.bench.metrics import RunResult
+from hybrid_cache.bench.settings import BenchSettings
+from hybrid_cache.bench.simulate import group_names
+from hybrid_cache.bench.workload import FIRST_ORDINARY_ID, make_prompts
+
+WARM_UP_LEN = 32
+
+
+class ForwardTimer:
+    """Accumulates the wall time of a module's forward calls (hooks on the module)."""
+
+    def __init__(self, module: Any) -> None:
+        self.total_s: float = 0.0
+        self._started: Optional[float] = None
+        self._handles = [
+            module.register_forward_pre_hook(self._before),
+            module.register_forward_hook(self._after),
+        ]
+
+    def _before(self, module: Any, inputs: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _after(self, module: Any, inputs: Any, output: Any) -> None:
+        assert self._started is not None, "forward hook without its pre-hook"
+        self.total_s += time.perf_counter() - self._started
+        self._started = None
+
+    def take(self) -> float:
+        """The time accumulated since the last call."""
+        total, self.total_s = self.total_s, 0.0
+        return total
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def build_llm(settings: BenchSettings, mode: str) -> Any:
+    from hybrid_cache.engine.llm import LLM
+
+    return LLM(
+        settings.model,
+        load_format=settings.load_format,
+        kv_cache_memory=settings.kv_cache_memory,
+        max_model_len=settings.context_len,
+        block_size=settings.block_size,
+        kv_cache_mode=mode,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        hf_overrides=settings.hf_overrides or None,
+        seed=settings.seed,
+        attention_backend=settings.attention_backend,
+    )
+
+
+def run_engine_mode(settings: BenchSettings, mode: str, progress: Any = None) -> RunResult:
+    """Builds the engine (not timed), runs every prompt to completion (timed), and returns the
+    figures. Greedy sampling, EOS ignored: each request generates exactly `output_len` tokens."""
+    from hybrid_cache.bench.errors import BenchConfigError
+    from hybrid_cache.engine.errors import InvalidRequestError
+    from hybrid_cache.engine.sampling_params import SamplingParams
+
+    llm = build_llm(settings, mode)
+    engine = llm.engine
+    prompts = make_prompts(
+        settings.num_prompts,
+        settings.input_len,
+        settings.prefix_len,
+        llm.spec.vocab_size,
+        settings.seed,
+    )
+    params = SamplingParams(max_tokens=settings.output_len, temperature=0.0, ignore_eos=True)
+    warm_up(llm, settings)
+    core_before = engine.kv_cache.stats()  # the core's cumulative prefix-cache counters
+    engine.reset_step_stats()
+    requests = []
+    try:
+        for index, prompt in enumerate(prompts):
+            requests.append(engine.add_request(f"bench-{index}", prompt, params))
+    except InvalidRequestError as error:
+        raise BenchConfigError(f"the workload does not fit the {mode} engine: {error}") from error
+
+    timer = ForwardTimer(llm.model)
+    result = RunResult(
+        mode=mode,
+        simulated=False,
+        elapsed_s=0.0,
+        num_requests=0,
+        num_prompt_tokens=0,
+        num_output_tokens=0,
+        num_blocks=llm.layout.num_blocks,
+        group_kinds=group_names(llm.layout),
+        num_preemptions=0,
+        prefix_cache_hit_rate=0.0,
+        peak_blocks_per_group=[],
+    )
+    started, started_cpu = time.perf_counter(), time.process_time()
+    try:
+        while engine.has_unfinished_requests():
+            step_started = time.perf_counter()
+            finished = engine.step()
+            result.step_time_s.append(time.perf_counter() - step_started)
+            result.forward_time_s.append(timer.take())
+            for request in finished:
+                if request.error is not None:
+                    raise BenchConfigError(f"request {request.request_id} failed: {request.error}")
+                result.num_requests += 1
+                result.num_prompt_tokens += request.num_prompt_tokens
+                result.num_output_tokens += request.num_output_tokens
+            if progress is not None and finished:
+                progress.update(len(finished))
+    finally:
+        timer.remove()
+    result.elapsed_s = time.perf_counter() - started
+    result.cpu_time_s = time.process_time() - started_cpu
+    result.output_token_ids = [list(request.output_token_ids) for request in requests]
+    for step in engine.step_stats:
+        result.running_per_step.append(step.num_scheduled_requests)
+        result.tokens_per_step.append(step.num_scheduled_tokens)
+        result.blocks_per_group_per_step.append(list(step.num_used_blocks_per_group))
+    result.num_preemptions = sum(step.num_preemptions for step in engine.step_stats)
+    result.peak_blocks_per_group = [
+        max(per_group) for per_group in zip(*result.blocks_per_group_per_step)
+    ]
+    core_after = engine.kv_cache.stats()
+    queries = core_after.get("prefix_queries", 0) - core_before.get("prefix_queries", 0)
+    hits = core_after.get("prefix_hits", 0) - core_before.get("prefix_hits", 0)
+    result.prefix_cache_hit_rate = hits / queries if queries else 0.0
+    return result
+
+
+def warm_up(llm: Any, settings: BenchSettings) -> None:
+    """One short untimed request, so one-time costs (first torch calls, allocator setup) fall
+    outside the measurement; the prefix cache is emptied afterwards."""
+    from hybrid_cache.engine.sampling_params import SamplingParams
+
+    prompt = {"prompt_token_ids": [FIRST_ORDINARY_ID] * min(settings.input_len, WARM_UP_LEN)}
+    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    assert llm.reset_prefix_cache(), "the warm-up request must have given its blocks back"

@@ -1,0 +1,151 @@
+"""`RunResult`: what one mode of a benchmark measured, and the throughput figures from it.
+
+Per-step series come from the engine's `StepStats` (blocks in use per group, requests in the
+batch) plus, on the real engine, the wall time of each step and of its model forward. In a
+simulation `elapsed_s` and the step times are the cost model's, not wall time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class RunResult:
+    """One mode's run. `group_kinds[g]` names group g (e.g. `sliding_window(W=16)`)."""
+
+    mode: str
+    simulated: bool
+    elapsed_s: float
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_blocks: int
+    group_kinds: list[str]
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+    peak_blocks_per_group: list[int]
+    # Process CPU time of the timed loop (real engine only): on a shared machine it moves less
+    # with other processes' load than wall time does.
+    cpu_time_s: Optional[float] = None
+    # One entry per engine step.
+    running_per_step: list[int] = field(default_factory=list)
+    tokens_per_step: list[int] = field(default_factory=list)
+    blocks_per_group_per_step: list[list[int]] = field(default_factory=list)
+    step_time_s: list[float] = field(default_factory=list)
+    forward_time_s: list[float] = field(default_factory=list)
+    # Generated tokens per request, in prompt order (real engine only; not in the JSON).
+    output_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.running_per_step)
+
+    @property
+    def mean_running(self) -> float:
+        steps = self.running_per_step
+        return sum(steps) / len(steps) if steps else 0.0
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        total = self.num_prompt_tokens + self.num_output_tokens
+        return total / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def total_tokens_per_cpu_s(self) -> Optional[float]:
+        if not self.cpu_time_s:
+            return None
+        return (self.num_prompt_tokens + self.num_output_tokens) / self.cpu_time_s
+
+    def overhead_share(self, min_running: int = 0) -> float | None:
+        """Share of step time outside the model forward, over the steps with at least
+        `min_running` requests in the batch; None when nothing was timed."""
+        steps = [
+            (step, forward)
+            for step, forward, running in zip(
+                self.step_time_s, self.forward_time_s, self.running_per_step
+            )
+            if running >= min_running
+        ]
+        step_total = sum(step for step, _ in steps)
+        if not steps or step_total <= 0:
+            return None
+        return 1.0 - sum(forward for _, forward in steps) / step_total
+
+    def decode_step_cost(self) -> Optional[tuple[float, float]]:
+        """Least-squares fit of pure decode steps (one token per request):
+        `step_time = fixed + per_request x running`; (fixed, per_request) seconds, or None when
+        there are too few such steps. Says how much a larger batch amortises."""
+        points = [
+            (running, step)
+            for running, tokens, step in zip(
+                self.running_per_step, self.tokens_per_step, self.step_time_s
+            )
+            if running == tokens and running > 0
+        ]
+        if len({running for running, _ in points}) < 2:
+            return None
+        count = len(points)
+        mean_x = sum(x for x, _ in points) / count
+        mean_y = sum(y for _, y in points) / count
+        spread = sum((x - mean_x) ** 2 for x, _ in points)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+        return mean_y - slope * mean_x, slope
+
+    def throughput_line(self) -> str:
+        return (
+            f"Throughput: {self.requests_per_s:.2f} requests/s, "
+            f"{self.total_tokens_per_s:.2f} total tokens/s, "
+            f"{self.output_tokens_per_s:.2f} output tokens/s"
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """The headline figures (no per-step series), for JSON and tables."""
+        return {
+            "mode": self.mode,
+            "simulated": self.simulated,
+            "elapsed_s": self.elapsed_s,
+            "num_requests": self.num_requests,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "requests_per_s": self.requests_per_s,
+            "total_tokens_per_s": self.total_tokens_per_s,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "cpu_time_s": self.cpu_time_s,
+            "total_tokens_per_cpu_s": self.total_tokens_per_cpu_s,
+            "num_steps": self.num_steps,
+            "mean_running": self.mean_running,
+            "num_preemptions": self.num_preemptions,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "num_blocks": self.num_blocks,
+            "group_kinds": self.group_kinds,
+            "peak_blocks_per_group": self.peak_blocks_per_group,
+            "engine_overhead_share": self.overhead_share(),
+            "max_running": max(self.running_per_step, default=0),
+            "engine_overhead_share_at_max_running": self.overhead_share(
+                max(self.running_per_step, default=0)
+            ),
+            "decode_step_cost_s": self.decode_step_cost(),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything, per-step series included."""
+        return {
+            **self.summary(),
+            "steps": {
+                "running": self.running_per_step,
+                "tokens": self.tokens_per_step,
+                "blocks_per_group": self.blocks_per_group_per_step,
+                "step_time_s": self.step_time_s,
+                "forward_time_s": self.forward_time_s,
+            },
+        }

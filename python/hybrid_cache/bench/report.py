@@ -1,0 +1,131 @@
+"""The printed summary of a benchmark and its JSON document."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from hybrid_cache.bench.metrics import RunResult
+from hybrid_cache.bench.settings import BenchSettings
+
+
+def ratios(results: Mapping[str, RunResult]) -> Optional[dict[str, Optional[float]]]:
+    """Hybrid over uniform, when both ran: throughput, mean concurrency and steps."""
+    hybrid, uniform = results.get("hybrid"), results.get("uniform")
+    if hybrid is None or uniform is None:
+        return None
+
+    def divide(a: float, b: float) -> float:
+        return a / b if b else float("nan")
+
+    by_cpu = None
+    if hybrid.total_tokens_per_cpu_s and uniform.total_tokens_per_cpu_s:
+        by_cpu = divide(hybrid.total_tokens_per_cpu_s, uniform.total_tokens_per_cpu_s)
+    return {
+        "total_tokens_per_s": divide(hybrid.total_tokens_per_s, uniform.total_tokens_per_s),
+        "total_tokens_per_cpu_s": by_cpu,
+        "output_tokens_per_s": divide(hybrid.output_tokens_per_s, uniform.output_tokens_per_s),
+        "mean_running": divide(hybrid.mean_running, uniform.mean_running),
+        "num_steps": divide(hybrid.num_steps, uniform.num_steps),
+    }
+
+
+def format_mode(result: RunResult) -> list[str]:
+    """The lines printed for one mode."""
+    peaks = ", ".join(
+        f"{name}: {peak}" if count == 1 else f"{count} groups {name}: {peak} each"
+        for name, peak, count in collapse_runs(
+            list(zip(result.group_kinds, result.peak_blocks_per_group))
+        )
+    )
+    kind = "simulated" if result.simulated else "measured"
+    lines = [
+        f"== {result.mode} ({kind}; {result.num_blocks - 1} usable blocks) ==",
+        result.throughput_line(),
+        f"Steps: {result.num_steps}, mean running requests: {result.mean_running:.2f}, "
+        f"preemptions: {result.num_preemptions}, "
+        f"prefix-cache hit rate: {result.prefix_cache_hit_rate:.1%}",
+        f"Peak blocks per group: {peaks}",
+    ]
+    if result.total_tokens_per_cpu_s is not None:
+        lines.append(
+            f"CPU-time throughput: {result.total_tokens_per_cpu_s:.2f} total tokens per CPU "
+            f"second ({result.cpu_time_s:.2f} s of process CPU time, {result.elapsed_s:.2f} s wall)"
+        )
+    share = result.overhead_share()
+    if share is not None and not result.simulated:
+        largest = max(result.running_per_step)
+        at_largest = result.overhead_share(largest)
+        lines.append(
+            f"Engine overhead (step time outside the model forward): {share:.1%} of all steps, "
+            f"{at_largest:.1%} of steps with {largest} requests"
+        )
+    fit = result.decode_step_cost()
+    if fit is not None:
+        lines.append(
+            f"Decode step time fit: {fit[0] * 1e3:.2f} ms + {fit[1] * 1e3:.3f} ms per request"
+        )
+    return lines
+
+
+def collapse_runs(pairs: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
+    """Consecutive equal (group name, peak) pairs as (name, peak, count): Gemma-3 has dozens
+    of identical sliding-window groups."""
+    runs: list[tuple[str, int, int]] = []
+    for name, peak in pairs:
+        if runs and runs[-1][:2] == (name, peak):
+            runs[-1] = (name, peak, runs[-1][2] + 1)
+        else:
+            runs.append((name, peak, 1))
+    return runs
+
+
+def format_report(results: Mapping[str, RunResult], repeat: int = 1) -> str:
+    lines: list[str] = []
+    if repeat > 1:
+        lines.append(f"(each mode: the fastest of {repeat} alternating runs)")
+    for result in results.values():
+        lines.extend(format_mode(result))
+    ratio = ratios(results)
+    if ratio is not None:
+        by_cpu = ratio["total_tokens_per_cpu_s"]
+        lines.append(
+            f"Hybrid/uniform: {ratio['total_tokens_per_s']:.2f}x total tokens/s"
+            + ("" if by_cpu is None else f" ({by_cpu:.2f}x per CPU second)")
+            + f", {ratio['mean_running']:.2f}x mean running requests, "
+            f"{ratio['num_steps']:.2f}x steps"
+        )
+    return "\n".join(lines)
+
+
+def format_hf_comparison(comparison: Mapping[str, Any]) -> str:
+    ours: RunResult = comparison["ours"]
+    ratio = comparison["ratio"]
+    return "\n".join(
+        [
+            "== ours vs transformers generate_batch (same weights, prompts, greedy) ==",
+            f"ours:         {ours.throughput_line()}",
+            f"transformers: {comparison['hf_total_tokens_per_s']:.2f} total tokens/s, "
+            f"{comparison['hf_output_tokens_per_s']:.2f} output tokens/s "
+            f"({comparison['hf_elapsed_s']:.2f} s)",
+            f"Ours/transformers: {ratio:.2f}x total tokens/s; identical outputs: "
+            f"{comparison['num_identical_outputs']}/{ours.num_requests}",
+        ]
+    )
+
+
+def json_document(
+    settings: BenchSettings,
+    results: Mapping[str, RunResult],
+    extra: Optional[Mapping[str, Any]] = None,
+) -> dict[str, Any]:
+    """Settings, per-mode figures (with per-step series) and the hybrid/uniform ratios."""
+    document: dict[str, Any] = {
+        "settings": dataclasses.asdict(settings),
+        "results": {mode: result.to_dict() for mode, result in results.items()},
+        "ratio": ratios(results),
+    }
+    if extra:
+        document.update(extra)
+    return document

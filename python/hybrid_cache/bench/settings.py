@@ -1,0 +1,62 @@
+"""`BenchSettings`: everything one benchmark run depends on, checked once, up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hybrid_cache.bench.errors import BenchConfigError
+
+KV_CACHE_MODES = ("hybrid", "uniform")
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """The workload (prompts and lengths) and the engine flags shared by every mode of a run.
+    `None` for `max_model_len` means `input_len + output_len`; for `kv_cache_memory` the
+    engine's default (CPU) or, with `--simulate`, the GPU budget of `cost_model`."""
+
+    model: str
+    input_len: int
+    output_len: int
+    num_prompts: int
+    prefix_len: int = 0
+    max_model_len: Optional[int] = None
+    kv_cache_memory: Optional[str] = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    load_format: str = "dummy"
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("input_len", "output_len", "num_prompts", "block_size", "max_num_seqs"):
+            check_positive(name, getattr(self, name))
+        check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            check_positive("max_model_len", self.max_model_len)
+            if self.max_model_len < self.input_len + self.output_len:
+                raise BenchConfigError(
+                    f"--max-model-len {self.max_model_len} is shorter than --input-len + "
+                    f"--output-len ({self.input_len + self.output_len}); raise it"
+                )
+        if not 0 <= self.prefix_len <= self.input_len:
+            raise BenchConfigError(
+                f"--prefix-len must be between 0 and --input-len ({self.input_len}), "
+                f"got {self.prefix_len}"
+            )
+        if self.load_format not in ("auto", "dummy"):
+            raise BenchConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
+
+    @property
+    def context_len(self) -> int:
+        return self.max_model_len or self.input_len + self.output_len
+
+
+def check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        flag = "--" + name.replace("_", "-")
+        raise BenchConfigError(f"{flag} must be a positive integer, got {value!r}")

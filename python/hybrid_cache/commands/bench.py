@@ -1,0 +1,218 @@
+"""`hybrid-cache bench`: throughput of the engine with a hybrid and/or a uniform KV cache.
+
+    hybrid-cache bench --model tiny-gemma3 --input-len 512 --output-len 128 --num-prompts 64 \
+        --kv-cache-memory 30.5MiB --num-threads 1 --plot bench.png --output-json bench.json
+    hybrid-cache bench --simulate --model gemma-2-27b --input-len 6144 --output-len 1024 \
+        --num-prompts 50 --kv-cache-mode both
+
+Flags follow vLLM's throughput benchmark where they overlap. The workload is `--num-prompts`
+seeded random token-id prompts of `--input-len` (the first `--prefix-len` shared), greedy,
+EOS ignored, exactly `--output-len` tokens each. See `hybrid_cache.bench` for the parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from hybrid_cache.bench.errors import BenchConfigError
+
+MODES = {"hybrid": ("hybrid",), "uniform": ("uniform",), "both": ("hybrid", "uniform")}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="throughput benchmark: hybrid vs uniform KV cache (real engine or --simulate)",
+        description="Runs a fixed random workload and prints requests/s and tokens/s per mode.",
+    )
+    parser.add_argument("--model", required=True, help="model folder with config.json, or preset")
+    parser.add_argument("--input-len", type=int, required=True, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, required=True, help="generated tokens each")
+    parser.add_argument("--num-prompts", type=int, required=True)
+    parser.add_argument("--prefix-len", type=int, default=0, help="shared prefix of every prompt")
+    parser.add_argument("--max-model-len", type=int, help="default: input + output length")
+    parser.add_argument("--kv-cache-memory", help="KV budget, e.g. 28MiB or 40GB")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default="dummy")
+    parser.add_argument("--hf-overrides", help="JSON object merged into config.json")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-mode", choices=tuple(MODES), default="both")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the modes alternately this many times and keep each mode's fastest run "
+        "(for noisy shared machines)",
+    )
+    parser.add_argument("--output-json", help="write settings, figures and per-step series here")
+    parser.add_argument("--plot", help="write a PNG of blocks in use and running requests")
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="no model: real scheduler + allocator, step times from the cost model",
+    )
+    parser.add_argument(
+        "--gpu-memory", default="80GB", help="--simulate: modelled GPU memory (default 80GB)"
+    )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also run transformers' generate_batch on the same weights and prompts",
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    check_flags(args)
+    if args.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    results, elapsed_all = run_modes(args, settings)
+
+    from hybrid_cache.bench.report import format_hf_comparison, format_report, json_document
+
+    print(format_report(results, args.repeat))
+    extra: dict[str, Any] = {"repeat": args.repeat, "elapsed_s_of_every_run": elapsed_all}
+    if args.simulate:
+        extra["cost_model"] = cost_model_description(args, settings)
+    if args.compare_hf:
+        from hybrid_cache.bench.hf_compare import compare_with_hf
+
+        comparison = compare_with_hf(settings, make_progress("ours vs hf", settings))
+        print(format_hf_comparison(comparison))
+        extra["compare_hf"] = {
+            **{k: v for k, v in comparison.items() if k != "ours"},
+            "ours": comparison["ours"].summary(),
+        }
+    if args.output_json:
+        document = json_document(settings, results, extra)
+        Path(args.output_json).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    if args.plot:
+        from hybrid_cache.bench.plot import plot_runs
+
+        kind = "simulated" if args.simulate else "measured"
+        title = (
+            f"{args.model}: {settings.num_prompts} prompts, {settings.input_len} in / "
+            f"{settings.output_len} out ({kind})"
+        )
+        plot_runs(results, args.plot, title)
+    return 0
+
+
+def run_modes(args: argparse.Namespace, settings: Any) -> tuple[dict[str, Any], dict[str, list]]:
+    """Each mode `--repeat` times, alternating (hybrid, uniform, hybrid, ...) so both see the
+    same background load; keeps each mode's fastest run, and every run's seconds."""
+    results: dict[str, Any] = {}
+    elapsed_all: dict[str, list] = {mode: [] for mode in MODES[args.kv_cache_mode]}
+    for _ in range(args.repeat):
+        for mode in MODES[args.kv_cache_mode]:
+            result = run_mode(args, settings, mode)
+            elapsed_all[mode].append(result.elapsed_s)
+            if mode not in results or result.elapsed_s < results[mode].elapsed_s:
+                results[mode] = result
+    return results, elapsed_all
+
+
+def run_mode(args: argparse.Namespace, settings: Any, mode: str) -> Any:
+    progress = make_progress(f"bench {mode}", settings)
+    try:
+        if args.simulate:
+            from hybrid_cache.bench.simulate import simulate_mode
+
+            return simulate_mode(settings, mode, hardware_from_args(args), progress)
+        from hybrid_cache.bench.engine_run import run_engine_mode
+
+        return run_engine_mode(settings, mode, progress)
+    finally:
+        progress.close()
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    from hybrid_cache.bench.settings import BenchSettings
+    from hybrid_cache.sizes import parse_memory_size
+
+    if args.kv_cache_memory is not None:
+        parse_memory_size(args.kv_cache_memory)  # a typed MemorySizeError before any work
+    return BenchSettings(
+        model=args.model,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        prefix_len=args.prefix_len,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        load_format=args.load_format,
+        hf_overrides=parse_overrides(args.hf_overrides),
+        seed=args.seed,
+        attention_backend=args.attention_backend,
+    )
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    if args.simulate and args.compare_hf:
+        raise BenchConfigError("--compare-hf runs real models; it cannot be used with --simulate")
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        raise BenchConfigError(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
+    if args.repeat <= 0:
+        raise BenchConfigError(f"--repeat must be positive, got {args.repeat}")
+    if args.num_threads is not None and args.num_threads <= 0:
+        raise BenchConfigError(f"--num-threads must be positive, got {args.num_threads}")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise BenchConfigError(
+            f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+        )
+    if args.simulate:
+        hardware_from_args(args)
+
+
+def hardware_from_args(args: argparse.Namespace) -> Any:
+    from hybrid_cache.bench.cost_model import Hardware
+    from hybrid_cache.sizes import parse_memory_size
+
+    return Hardware(
+        memory_bytes=parse_memory_size(args.gpu_memory),
+        memory_utilization=args.gpu_memory_utilization,
+    )
+
+
+def cost_model_description(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
+    from hybrid_cache.bench.cost_model import CostModel
+    from hybrid_cache.config import load_model_spec
+
+    spec = load_model_spec(settings.model, settings.hf_overrides)
+    return dict(CostModel(spec, hardware_from_args(args)).describe())
+
+
+def make_progress(description: str, settings: Any) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=settings.num_prompts, desc=description, unit="req")
+
+
+def parse_overrides(text: Optional[str]) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise BenchConfigError(f"--hf-overrides must be a JSON object: {error}") from error
+    if not isinstance(value, dict):
+        raise BenchConfigError(f"--hf-overrides must be a JSON object, got {type(value).__name__}")
+    return value

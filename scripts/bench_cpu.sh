@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# CPU benchmarks of BENCHMARKS.md (issue 6): hybrid vs uniform on the tiny presets, engine
+# overhead at 64 running requests, ours vs transformers' generate_batch. One run at a time.
+# Workload: 64 prompts of 512 tokens, 128 generated each (windows of the tiny presets: 16);
+# KV budget: the uniform allocator holds 16 = a quarter of the prompts at 512+128 tokens.
+# Timings on a shared machine are noisy: modes alternate, 3 times, and the fastest run counts.
+# Usage: scripts/bench_cpu.sh [OUT_DIR]   (figures: OUT_DIR/*.json, plots: OUT_DIR/*.png)
+set -euo pipefail
+out=${1:-bench-results}
+mkdir -p "$out"
+common=(--input-len 512 --output-len 128 --num-prompts 64 --kv-cache-mode both --num-threads 1 --repeat 3)
+for run in "tiny-gemma2 10.25MiB" "tiny-gemma3 30.5MiB" "tiny-llama 10.25MiB"; do
+    set -- $run
+    hybrid-cache bench --model "$1" --kv-cache-memory "$2" "${common[@]}" \
+        --output-json "$out/$1.json" --plot "$out/$1.png"
+done
+# Engine overhead: 64 requests running together (budget for all of them).
+hybrid-cache bench --model tiny-llama --input-len 512 --output-len 128 --num-prompts 64 \
+    --kv-cache-memory 64MiB --kv-cache-mode hybrid --num-threads 1 --output-json "$out/overhead.json"
+# Ours vs transformers' continuous batching (same weights, prompts, greedy).
+hybrid-cache bench --model tiny-gemma2 --input-len 512 --output-len 128 --num-prompts 64 \
+    --kv-cache-memory 64MiB --kv-cache-mode hybrid --num-threads 1 --compare-hf \
+    --output-json "$out/vs-hf.json"

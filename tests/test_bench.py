@@ -1,0 +1,175 @@
+"""`hybrid-cache bench` and the `hybrid_cache.bench` parts: small, fast workloads only.
+
+Figures are never asserted against timings (benchmarks are scripts); these tests check that the
+command runs and reports, that the simulation's concurrency follows the allocator, that the cost
+model moves the right way, and that bad flags give typed errors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hybrid_cache.bench.cost_model import CostModel, Hardware, count_parameters
+from hybrid_cache.bench.errors import BenchConfigError
+from hybrid_cache.bench.settings import BenchSettings
+from hybrid_cache.bench.simulate import simulate_mode
+from hybrid_cache.bench.workload import make_prompts
+from hybrid_cache.cli import main
+from hybrid_cache.config import load_model_spec
+
+THROUGHPUT_LINE = re.compile(
+    r"^Throughput: [0-9.]+ requests/s, [0-9.]+ total tokens/s, [0-9.]+ output tokens/s$", re.M
+)
+TINY_RUN = [
+    "bench",
+    "--model",
+    "tiny-gemma2",
+    "--input-len",
+    "40",
+    "--output-len",
+    "4",
+    "--num-prompts",
+    "4",
+    "--kv-cache-memory",
+    "1MiB",
+    "--max-num-batched-tokens",
+    "64",
+]
+
+
+def test_bench_runs_both_modes_and_prints_throughput(tmp_path, capsys) -> None:
+    json_path = tmp_path / "bench.json"
+    assert main([*TINY_RUN, "--kv-cache-mode", "both", "--output-json", str(json_path)]) == 0
+    printed = capsys.readouterr().out
+    assert len(THROUGHPUT_LINE.findall(printed)) == 2, printed
+    assert "== hybrid" in printed and "== uniform" in printed
+    assert "Hybrid/uniform:" in printed and "Peak blocks per group" in printed
+
+    document = json.loads(json_path.read_text())
+    assert document["settings"]["model"] == "tiny-gemma2"
+    assert set(document["results"]) == {"hybrid", "uniform"}
+    for mode, result in document["results"].items():
+        assert result["num_requests"] == 4
+        assert result["num_prompt_tokens"] == 4 * 40 and result["num_output_tokens"] == 4 * 4
+        assert result["total_tokens_per_s"] > 0 and result["output_tokens_per_s"] > 0
+        for key in ("num_preemptions", "mean_running", "prefix_cache_hit_rate"):
+            assert key in result, (mode, key)
+        assert len(result["steps"]["running"]) == result["num_steps"] > 0
+        assert len(result["peak_blocks_per_group"]) == len(result["group_kinds"])
+        assert 0.0 <= result["engine_overhead_share"] < 1.0
+    assert len(document["results"]["hybrid"]["group_kinds"]) == 2  # sliding + full
+    assert document["ratio"]["total_tokens_per_s"] > 0
+
+
+def test_repeat_alternates_modes_and_keeps_every_time(tmp_path, capsys) -> None:
+    json_path = tmp_path / "bench.json"
+    args = [*TINY_RUN, "--num-prompts", "2", "--repeat", "2", "--output-json", str(json_path)]
+    assert main(args) == 0
+    assert "fastest of 2 alternating runs" in capsys.readouterr().out
+    document = json.loads(json_path.read_text())
+    every = document["elapsed_s_of_every_run"]
+    assert len(every["hybrid"]) == len(every["uniform"]) == 2
+    assert document["results"]["hybrid"]["elapsed_s"] == min(every["hybrid"])
+
+
+def test_shared_prefix_is_hit_in_the_prefix_cache(capsys) -> None:
+    args = [*TINY_RUN, "--kv-cache-mode", "hybrid", "--prefix-len", "32"]
+    args[args.index("--max-num-batched-tokens") + 1] = "40"  # one prompt per step
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    rate = float(re.search(r"prefix-cache hit rate: ([0-9.]+)%", printed).group(1))
+    assert rate > 0.0, printed
+
+
+def test_plot_writes_a_png(tmp_path) -> None:
+    png = tmp_path / "plot.png"
+    args = ["bench", "--simulate", "--model", "gemma-2-27b", "--input-len", "512"]
+    args += ["--output-len", "8", "--num-prompts", "4", "--plot", str(png)]
+    assert main(args) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def simulated(model: str, mode: str) -> object:
+    settings = BenchSettings(model, 2048, 32, 16, kv_cache_memory="4GB")
+    return simulate_mode(settings, mode)
+
+
+def test_simulation_gives_gemma3_more_concurrency_with_hybrid() -> None:
+    hybrid, uniform = simulated("gemma-3-27b", "hybrid"), simulated("gemma-3-27b", "uniform")
+    assert hybrid.num_output_tokens == uniform.num_output_tokens == 16 * 32
+    assert hybrid.mean_running > uniform.mean_running
+    assert max(hybrid.running_per_step) > max(uniform.running_per_step)
+    assert hybrid.total_tokens_per_s > uniform.total_tokens_per_s
+
+
+def test_simulation_gives_llama_equal_concurrency() -> None:
+    hybrid, uniform = simulated("llama-3.1-8b", "hybrid"), simulated("llama-3.1-8b", "uniform")
+    assert hybrid.running_per_step == uniform.running_per_step
+    assert hybrid.elapsed_s == pytest.approx(uniform.elapsed_s)
+
+
+def test_simulate_prints_the_ratio(capsys) -> None:
+    args = ["bench", "--simulate", "--model", "gpt-oss-120b", "--input-len", "1024"]
+    assert main([*args, "--output-len", "16", "--num-prompts", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "(simulated;" in printed and len(THROUGHPUT_LINE.findall(printed)) == 2
+    assert re.search(r"Hybrid/uniform: [0-9.]+x total tokens/s", printed)
+
+
+def test_cost_model_is_monotonic() -> None:
+    cost = CostModel(load_model_spec("gemma-2-27b"), Hardware())
+    decode = cost.step_time([(4000, 1)] * 8)
+    assert cost.step_time([(4000, 1)] * 16) > decode  # more requests
+    assert cost.step_time([(8000, 1)] * 8) > decode  # longer contexts
+    assert cost.step_time([(0, 512)]) > cost.step_time([(0, 256)])  # more prefill tokens
+    assert cost.step_time([]) == 0.0
+    # Weights are read once a step: per-token cost falls as the batch grows.
+    assert cost.step_time([(4000, 1)] * 16) / 16 < decode / 8
+    # Sliding-window layers read at most the window; full-attention layers the whole context.
+    full_only = CostModel(load_model_spec("llama-3.1-8b"), Hardware())
+    growth_full = full_only.kv_bytes_attended(20000, 1) / full_only.kv_bytes_attended(10000, 1)
+    growth_hybrid = cost.kv_bytes_attended(20000, 1) / cost.kv_bytes_attended(10000, 1)
+    assert growth_full == pytest.approx(2.0) and growth_hybrid < 2.0
+
+
+def test_parameter_counts_and_gpu_budget() -> None:
+    assert 7.9e9 < count_parameters(load_model_spec("llama-3.1-8b")).total < 8.1e9
+    assert 26e9 < count_parameters(load_model_spec("gemma-2-27b")).total < 28e9
+    moe = count_parameters(load_model_spec("gpt-oss-120b"))
+    assert 110e9 < moe.total < 125e9 and moe.active < moe.total / 10
+    assert Hardware().kv_cache_budget(60 * 10**9) == 12 * 10**9
+    with pytest.raises(BenchConfigError, match="--kv-cache-memory"):
+        Hardware().kv_cache_budget(75 * 10**9)
+
+
+def test_prompts_share_the_prefix_and_are_seeded() -> None:
+    prompts = make_prompts(3, 10, 4, 100, seed=1)
+    assert all(len(p) == 10 and p[:4] == prompts[0][:4] for p in prompts)
+    assert prompts[1][4:] != prompts[2][4:]
+    assert prompts == make_prompts(3, 10, 4, 100, seed=1) != make_prompts(3, 10, 4, 100, seed=2)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--prefix-len", "41"], "BenchConfigError: --prefix-len"),
+        (["--max-model-len", "30"], "BenchConfigError: --max-model-len"),
+        (["--kv-cache-memory", "12XB"], "MemorySizeError"),
+        (["--hf-overrides", "[1]"], "BenchConfigError: --hf-overrides"),
+        (["--plot", "out.jpg"], "BenchConfigError: --plot"),
+        (["--simulate", "--compare-hf"], "BenchConfigError: --compare-hf"),
+        (["--block-size", "0"], "BenchConfigError: --block-size"),
+        (["--repeat", "0"], "BenchConfigError: --repeat"),
+        (["--model", "no-such-model"], "UnknownModelError"),
+    ],
+)
+def test_bad_flags_give_typed_errors(extra, message, capsys) -> None:
+    assert main([*TINY_RUN, *extra]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_settings_reject_non_positive_lengths() -> None:
+    with pytest.raises(BenchConfigError, match="--output-len must be a positive integer"):
+        BenchSettings("tiny-llama", 8, 0, 1)
