@@ -28,6 +28,7 @@ from hybrid_cache.attention import (
     flash_attn_backend,
     reference,
     selector,
+    torch_batched,
     triton_backend,
 )
 from hybrid_cache.attention.selector import (
@@ -341,7 +342,8 @@ def test_unknown_and_registered_names():
     with pytest.raises(UnknownAttentionBackendError, match="'auto'"):
         resolve_attention_backend("flash", CPU, features())
     # The existing registry API keeps working.
-    assert get_attention_backend("torch") is reference
+    assert get_attention_backend("reference") is reference
+    assert get_attention_backend("torch") is torch_batched
     assert get_attention_backend() is reference
     assert get_attention_backend("triton") is triton_backend
     register_attention_backend("test-custom", reference)

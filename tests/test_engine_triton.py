@@ -73,9 +73,9 @@ def test_triton_backend_generates_the_reference_tokens(preset, overrides, weight
         backend: greedy_generate(
             model, PROMPTS, NUM_NEW_TOKENS, block_size=BLOCK_SIZE, prefill_chunk=5, backend=backend
         )
-        for backend in ("torch", "triton")
+        for backend in ("reference", "triton")
     }
-    reference, triton = runs["torch"], runs["triton"]
+    reference, triton = runs["reference"], runs["triton"]
     assert all(layer.backend == "triton" for layer in attention_layers(model))
     assert triton.tokens == reference.tokens
     # The comparison means something: windows were crossed (pages released), prefill chunks
@@ -92,7 +92,7 @@ def test_triton_backend_generates_the_reference_tokens(preset, overrides, weight
     not hasattr(_core, "Coordinator"), reason="the Rust Coordinator binding is not built"
 )
 def test_llm_with_the_triton_backend_generates_the_reference_tokens():
-    """Through the engine: `LLM(..., attention_backend="triton")` against "torch" on a tiny
+    """Through the engine: `LLM(..., attention_backend="triton")` against "reference" on a tiny
     preset whose 6-token window is crossed by prompts and generation."""
     from hybrid_cache import LLM, SamplingParams
 
@@ -103,7 +103,7 @@ def test_llm_with_the_triton_backend_generates_the_reference_tokens():
     }
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     tokens = {}
-    for backend in ("torch", "triton"):
+    for backend in ("reference", "triton"):
         llm = LLM(
             "tiny-gpt-oss",
             load_format="dummy",
@@ -123,9 +123,9 @@ def test_llm_with_the_triton_backend_generates_the_reference_tokens():
                 parameter.mul_(12.0)  # sharper logits, as in the harness test above
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         tokens[backend] = [output.token_ids for output in outputs]
-    assert tokens["triton"] == tokens["torch"]
-    assert all(len(generated) == NUM_NEW_TOKENS for generated in tokens["torch"])
-    assert sum(len(set(generated)) > 1 for generated in tokens["torch"]) >= 2
+    assert tokens["triton"] == tokens["reference"]
+    assert all(len(generated) == NUM_NEW_TOKENS for generated in tokens["reference"])
+    assert sum(len(set(generated)) > 1 for generated in tokens["reference"]) >= 2
 
 
 def test_the_kernels_ran_under_the_interpreter():

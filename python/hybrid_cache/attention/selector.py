@@ -9,7 +9,10 @@ Backends are objects (a module works) with the two functions of
 Built in:
 
     name        runs on                          can do
-    torch       any device (the reference)       everything; slow, the test oracle
+    torch       any device                       everything; vectorised over the batch
+                                                 (`torch_batched`), the CPU engine's backend
+    reference   any device                       everything; one sequence at a time
+                                                 (`reference`), slow: the test oracle
     triton      CUDA, or the CPU under           windows, chunks, softcap, sinks, any block size
                 TRITON_INTERPRET=1
     flash_attn  CUDA with `flash-attn` installed windows, softcap; block sizes that are multiples
@@ -18,6 +21,7 @@ Built in:
 
 Selection (`resolve_attention_backend`): "auto" picks flash_attn on CUDA when it is importable
 and every layer of the group suits it, else triton on CUDA, else torch (always torch on the CPU).
+"reference" is never chosen by "auto": force it to check another backend against the oracle.
 A forced name that cannot run raises `AttentionBackendUnavailableError` listing every reason and
 what to choose instead; there is no silent fallback. `select_attention_backends` applies that per
 group to a model's layers; `attention_backends_by_group` / `describe_attention_backends` report
@@ -51,12 +55,13 @@ class AttentionBackendUnavailableError(HybridCacheError):
 
 
 AUTO = "auto"
-TORCH, TRITON, FLASH_ATTN = "torch", "triton", "flash_attn"
+TORCH, REFERENCE, TRITON, FLASH_ATTN = "torch", "reference", "triton", "flash_attn"
 
 _BACKENDS: dict[str, Any] = {}
 # name -> module path imported on first use; the module must provide write_kv and paged_attention
 _LAZY_BACKENDS: dict[str, str] = {
-    TORCH: "hybrid_cache.attention.reference",
+    TORCH: "hybrid_cache.attention.torch_batched",
+    REFERENCE: "hybrid_cache.attention.reference",
     TRITON: "hybrid_cache.attention.triton_backend",
     FLASH_ATTN: "hybrid_cache.attention.flash_attn_backend",
 }
@@ -91,8 +96,8 @@ def available_attention_backends() -> list[str]:
     return sorted(set(_BACKENDS) | set(_LAZY_BACKENDS))
 
 
-def get_attention_backend(name: str = TORCH) -> Any:
-    """The backend registered as `name`."""
+def get_attention_backend(name: str = REFERENCE) -> Any:
+    """The backend registered as `name` (default: the reference, the oracle)."""
     if name not in _BACKENDS and name in _LAZY_BACKENDS:
         try:
             register_attention_backend(name, importlib.import_module(_LAZY_BACKENDS[name]))
@@ -265,7 +270,7 @@ def attention_backend_unavailable_reasons(
 
 
 _INSTEAD = {
-    TRITON: "choose attention_backend='torch' (the reference, any device) or 'auto'",
+    TRITON: "choose attention_backend='torch' (vectorised torch, any device) or 'auto'",
     FLASH_ATTN: (
         "choose attention_backend='triton' (our kernels: any block size, sinks, chunks) or 'auto'"
     ),

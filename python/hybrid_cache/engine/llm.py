@@ -76,7 +76,8 @@ class LLM:
         the model's `max_position_embeddings`. Without `kv_cache_memory` the budget is profiled
         on CUDA (`gpu_memory_utilization` of the device) and 512 MiB on the CPU.
         `attention_backend`: "auto" (per KV-cache group, the fastest backend that can run it;
-        always the torch reference on the CPU), or "torch" / "triton" / "flash_attn" forced."""
+        always the vectorised torch backend on the CPU), or "torch" / "reference" / "triton" /
+        "flash_attn" forced."""
         check_choice("load_format", load_format, ("auto", "dummy"))
         check_choice("kv_cache_mode", kv_cache_mode, ("hybrid", "uniform"))
         for name, value in (

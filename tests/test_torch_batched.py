@@ -1,0 +1,263 @@
+"""The vectorised torch backend ("torch") against the per-sequence reference ("reference").
+
+Random paged steps (fresh seed each run, printed on failure): decode rows, prefill chunks on top
+of context, whole prompts and sequences with no query this step, mixed in one batch; windows
+that are not multiples of the block size and larger than the context; chunked-local attention;
+softcap; sinks; GQA ratios 1/2/4; caches that are strided views of a shared tensor. Every page
+that is not a visible token (block 0, released pages, the unwritten tail of last blocks) is NaN,
+so a backend that lets one reach the softmax or the values fails the comparison.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hybrid_cache import _core
+from hybrid_cache.attention import (
+    attention_layers,
+    build_attention_metadata,
+    compute_slot_mapping,
+    get_attention_backend,
+    reference,
+    torch_batched,
+)
+from hybrid_cache.attention.selector import (
+    AttentionFeatures,
+    attention_backends_by_group,
+    resolve_attention_backend,
+)
+
+HEAD_DIM = 8
+
+
+def fresh_seed() -> int:
+    return random.SystemRandom().randrange(2**31)
+
+
+def random_step(seed, num_heads, num_kv_heads, block_size, window, chunk, num_seqs=7):
+    """A paged step of `num_seqs` sequences (kinds drawn at random) in a shuffled cache that is a
+    strided view (the K and V halves of one tensor); non-visible pages are NaN."""
+    generator = torch.Generator().manual_seed(seed)
+    draw = random.Random(seed)
+    seq_lens, query_lens = [], []
+    for _ in range(num_seqs):
+        kind = draw.choice(["decode", "decode", "chunk", "prompt", "idle"])
+        seq_len = draw.randint(1, 45)
+        query_len = {
+            "decode": 1,
+            "chunk": draw.randint(1, seq_len),
+            "prompt": seq_len,
+            "idle": 0,
+        }[kind]
+        seq_lens.append(seq_len)
+        query_lens.append(query_len)
+    query_lens[0], seq_lens[0] = 1, max(seq_lens[0], 2)  # at least one decode row
+    query_lens[-1] = max(query_lens[-1], 2)  # and one prefill row
+    seq_lens[-1] = max(seq_lens[-1], query_lens[-1])
+    max_blocks = max(-(-n // block_size) for n in seq_lens) + 1  # a spare column, left 0
+    num_blocks = 1 + num_seqs * max_blocks
+    table = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    order = 1 + torch.randperm(num_blocks - 1, generator=generator)
+    table[:, :-1] = order[: num_seqs * (max_blocks - 1)].view(num_seqs, max_blocks - 1)
+    shared = torch.full((num_blocks, block_size, 2 * num_kv_heads, HEAD_DIM), float("nan"))
+    k_cache, v_cache = shared[:, :, :num_kv_heads], shared[:, :, num_kv_heads:]
+    computed = [n - q for n, q in zip(seq_lens, query_lens)]
+    for seq in range(num_seqs):
+        for position in range(computed[seq]):
+            block = table[seq, position // block_size]
+            k_cache[block, position % block_size] = torch.randn(
+                num_kv_heads, HEAD_DIM, generator=generator
+            )
+            v_cache[block, position % block_size] = torch.randn(
+                num_kv_heads, HEAD_DIM, generator=generator
+            )
+        skipped = 0
+        if window is not None:
+            skipped = max(skipped, computed[seq] - window + 1)
+        if chunk is not None:
+            skipped = max(skipped, computed[seq] // chunk * chunk)
+        released = table[seq, : skipped // block_size].long()
+        k_cache[released] = float("nan")
+        v_cache[released] = float("nan")
+        table[seq, : skipped // block_size] = 0
+    metadata, positions = build_attention_metadata(query_lens, computed, [table], [block_size])
+    metadata.groups[0].slot_mapping = compute_slot_mapping(
+        table, metadata.query_start_loc, positions, block_size
+    )
+    num_tokens = sum(query_lens)
+    new_k = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=generator)
+    new_v = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=generator)
+    torch_batched.write_kv(k_cache, v_cache, new_k, new_v, metadata.groups[0].slot_mapping)
+    q = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=generator) * 2.0
+    return q, k_cache, v_cache, metadata
+
+
+CASES = [
+    # (window, chunk, softcap, sinks)
+    (None, None, None, False),
+    (5, None, None, False),  # not a multiple of the block size
+    (7, None, 3.0, True),
+    (200, None, None, False),  # larger than every context
+    (None, 6, None, False),
+    (None, 8, 2.0, True),
+    (None, None, 1.5, True),
+]
+
+
+@pytest.mark.parametrize("banded", [True, False], ids=["band", "padded"])
+@pytest.mark.parametrize("group_ratio", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window,chunk,softcap,use_sinks", CASES)
+def test_matches_the_reference(
+    window, chunk, softcap, use_sinks, block_size, group_ratio, banded, monkeypatch
+):
+    """Small windows run per query token ("band"); larger ones pad prefill rows ("padded")."""
+    if not banded:
+        monkeypatch.setattr(torch_batched, "BAND_MAX_WINDOW", 0)
+    seed = fresh_seed()
+    num_kv_heads = 2
+    num_heads = num_kv_heads * group_ratio
+    q, k_cache, v_cache, metadata = random_step(
+        seed, num_heads, num_kv_heads, block_size, window, chunk
+    )
+    sinks = (
+        torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) if use_sinks else None
+    )
+    args = (q, k_cache, v_cache, metadata, metadata.groups[0], HEAD_DIM**-0.5)
+    options = dict(sliding_window=window, softcap=softcap, sinks=sinks, chunk=chunk)
+    expected = reference.paged_attention(*args, **options)
+    got = torch_batched.paged_attention(*args, **options)
+    assert torch.isfinite(got).all(), f"seed {seed}: a NaN page reached the output"
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+
+
+def test_decode_only_and_prefill_only_steps():
+    """Batches with one kind of row only (the decode fast path alone, the padded path alone)."""
+    seed = fresh_seed()
+    for query_lens, seq_lens in (([1, 1, 1], [9, 30, 2]), ([5, 12], [5, 40])):
+        generator = torch.Generator().manual_seed(seed)
+        block_size, num_kv_heads, num_heads = 4, 1, 4
+        max_blocks = max(-(-n // block_size) for n in seq_lens)
+        num_blocks = 1 + len(seq_lens) * max_blocks
+        table = (1 + torch.randperm(num_blocks - 1, generator=generator)).view(len(seq_lens), -1)
+        table = table.to(torch.int32)
+        k_cache = torch.randn(num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=generator)
+        v_cache = torch.randn(num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=generator)
+        k_cache[0] = v_cache[0] = float("nan")
+        computed = [n - q for n, q in zip(seq_lens, query_lens)]
+        metadata, _ = build_attention_metadata(query_lens, computed, [table], [block_size])
+        q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=generator)
+        args = (q, k_cache, v_cache, metadata, metadata.groups[0], 0.3)
+        plan = torch_batched.step_plan(metadata, metadata.groups[0], None, None, q.device)
+        assert (plan.decode is None) == (max(query_lens) > 1), f"seed {seed}"
+        assert (plan.prefill is None) == (max(query_lens) == 1), f"seed {seed}"
+        # A small window: one row per query token, whatever the kind of sequence.
+        plan = torch_batched.step_plan(metadata, metadata.groups[0], 6, None, q.device)
+        assert plan.prefill is None and plan.decode.query_rows.shape == (sum(query_lens), 1)
+        for window in (None, 6):
+            torch.testing.assert_close(
+                torch_batched.paged_attention(*args, sliding_window=window),
+                reference.paged_attention(*args, sliding_window=window),
+                rtol=1e-5,
+                atol=1e-5,
+                msg=f"seed {seed}",
+            )
+
+
+def test_step_plan_is_built_once_per_step_and_group():
+    seed = fresh_seed()
+    q, k_cache, v_cache, metadata = random_step(seed, 4, 2, 4, 5, None)
+    group = metadata.groups[0]
+    plan = torch_batched.step_plan(metadata, group, 5, None, q.device)
+    # Another layer of the same group and step reuses it; other visibility options do not.
+    assert torch_batched.step_plan(metadata, group, 5, None, q.device) is plan
+    assert torch_batched.step_plan(metadata, group, 3, None, q.device) is not plan
+    # A runner that replaces the block table (a new step's view) gets a fresh plan.
+    group.block_table = group.block_table.clone()
+    assert torch_batched.step_plan(metadata, group, 5, None, q.device) is not plan
+
+
+def test_windowed_groups_gather_only_the_window():
+    """Decode rows of a windowed group gather W keys, not the whole context."""
+    seed = fresh_seed()
+    q, k_cache, v_cache, metadata = random_step(seed, 2, 2, 4, 5, None, num_seqs=9)
+    plan = torch_batched.step_plan(metadata, metadata.groups[0], 5, None, q.device)
+    assert plan.decode is not None
+    assert plan.decode.key_blocks.shape[1] <= 5, f"seed {seed}"
+
+
+def test_registered_as_torch_and_chosen_by_auto_on_the_cpu():
+    assert get_attention_backend("torch") is torch_batched
+    assert get_attention_backend("reference") is reference
+    features = AttentionFeatures(block_size=16, head_dim=64, dtype=torch.float32, sinks=True)
+    assert resolve_attention_backend("auto", "cpu", features) == "torch"
+    assert resolve_attention_backend("reference", "cpu", features) == "reference"
+
+
+@pytest.mark.skipif(
+    not hasattr(_core, "Coordinator"), reason="the Rust Coordinator binding is not built"
+)
+# Weight scales that make the greedy tokens vary (Gemma-2's logit softcaps saturate sooner).
+@pytest.mark.parametrize("preset,weight_scale", [("tiny-gpt-oss", 12.0), ("tiny-gemma2", 1.0)])
+def test_llm_generates_the_reference_tokens(preset, weight_scale):
+    """Through the engine: `LLM(..., attention_backend="torch")` against "reference" with a
+    6-token window over blocks of 4, crossed by prompts and generation, chunked prefill mixed
+    with decode (sinks for gpt-oss, softcap for Gemma-2)."""
+    from hybrid_cache import LLM, SamplingParams
+
+    prompts = [[3, 17, 99, 4, 250, 31, 8, 77, 12, 5, 140, 66, 9], [42, 7, 300], [11, 2, 480, 95]]
+    overrides = {
+        "num_hidden_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 6,
+    }
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for backend in ("reference", "torch"):
+        llm = LLM(
+            preset,
+            load_format="dummy",
+            hf_overrides=overrides,
+            kv_cache_memory="1MiB",
+            max_model_len=64,
+            block_size=4,
+            max_num_batched_tokens=8,
+            max_num_seqs=4,
+            device="cpu",
+            seed=0,
+            attention_backend=backend,
+        )
+        assert attention_backends_by_group(llm.model) == {0: backend, 1: backend}
+        assert {layer.backend for layer in attention_layers(llm.model)} == {backend}
+        with torch.no_grad():
+            for parameter in llm.model.parameters():
+                parameter.mul_(weight_scale)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens[backend] = [output.token_ids for output in outputs]
+    assert tokens["torch"] == tokens["reference"]
+    assert all(len(generated) == 10 for generated in tokens["torch"])
+    assert sum(len(set(generated)) > 1 for generated in tokens["torch"]) >= 2
+
+
+def test_caches_whose_blocks_cannot_be_flattened():
+    """A view whose block stride is not block_size token strides (padding between blocks) is
+    gathered by (block, offset) indexing instead of one flat index_select: same result."""
+    seed = fresh_seed()
+    q, k_cache, v_cache, metadata = random_step(seed, 4, 2, 4, None, None)  # nothing released
+    padded_k = torch.full((k_cache.shape[0], 5, *k_cache.shape[2:]), float("nan"))
+    padded_v = torch.full_like(padded_k, float("nan"))
+    padded_k[:, :4], padded_v[:, :4] = k_cache, v_cache
+    strided_k, strided_v = padded_k[:, :4], padded_v[:, :4]
+    with pytest.raises(RuntimeError):
+        strided_k.view(-1, *strided_k.shape[2:])
+    args = (q, strided_k, strided_v, metadata, metadata.groups[0], 0.35)
+    for window in (None, 7):
+        torch.testing.assert_close(
+            torch_batched.paged_attention(*args, sliding_window=window),
+            reference.paged_attention(*args, sliding_window=window),
+            rtol=1e-5,
+            atol=1e-5,
+            msg=f"seed {seed}",
+        )
