@@ -360,3 +360,18 @@ def test_engine_logs_its_plan_and_backends(caplog):
     assert f"KV cache (hybrid): {llm.layout.num_blocks} blocks" in text
     assert "sliding_window(W=16)" in text and "tokens of capacity" in text
     assert "attention backends: group 0" in text and ": torch" in text
+
+
+def test_step_stats_are_bounded_for_callers_that_never_reset(monkeypatch):
+    """A server looping on `step()` must not grow without bound (the soak found ~270 B/step)."""
+    from hybrid_cache.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "MAX_STEP_STATS", 3)
+    llm = LLM(model="tiny-llama", kv_cache_memory="4MiB", max_model_len=256, seed=0)
+    llm.generate(
+        [{"prompt_token_ids": [1, 2, 3]}],
+        SamplingParams(max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert len(llm.step_stats) == 3
+    assert llm.stats.num_steps >= 8

@@ -149,8 +149,8 @@ class LLM:
     @property
     def step_stats(self) -> list[StepStats]:
         """Figures of every step of the last `generate` call: blocks used per group,
-        preemptions, prefix-cache hit rate, batch sizes."""
-        return self.engine.step_stats
+        preemptions, prefix-cache hit rate, batch sizes (the last `MAX_STEP_STATS` steps)."""
+        return list(self.engine.step_stats)
 
     @property
     def stats(self) -> EngineStats:

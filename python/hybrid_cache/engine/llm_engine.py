@@ -9,6 +9,7 @@ finishes, blocks returned). Finished requests (including failed and aborted ones
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,6 +31,10 @@ from hybrid_cache.engine.scheduler import Scheduler
 from hybrid_cache.planner import KVCacheLayout
 
 logger = logging.getLogger(__name__)
+
+# Per-step figures kept for callers (plots, benchmarks). Bounded so a server that loops on
+# `step()` without calling `reset_step_stats()` does not grow forever (about 270 B a step).
+MAX_STEP_STATS = 100_000
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,7 @@ class LLMEngine:
         self.stats: EngineStats = EngineStats(
             max_used_blocks_per_group=[0] * self.kv_cache.num_groups
         )
-        self.step_stats: list[StepStats] = []
+        self.step_stats: deque[StepStats] = deque(maxlen=MAX_STEP_STATS)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -131,7 +136,7 @@ class LLMEngine:
 
     def reset_step_stats(self) -> None:
         """Forgets the per-step figures (totals in `stats` are kept)."""
-        self.step_stats = []
+        self.step_stats.clear()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
