@@ -11,5 +11,9 @@ echo "== cargo clippy"; cargo clippy --workspace --all-targets -q -- -D warnings
 echo "== cargo test";   cargo nextest run --workspace --release --no-fail-fast 2>&1 | tail -n 25
 echo "== loom";         RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=${LOOM_MAX_PREEMPTIONS:-2} \
                           cargo test -q --release -p hybrid-cache-core --target-dir target/loom --test loom
+echo "== fuzz";         command -v cargo-fuzz >/dev/null || cargo install -q --locked cargo-fuzz
+                        cargo fmt --manifest-path fuzz/Cargo.toml -- --check
+                        (cd fuzz && cargo clippy -q --all-targets -- -D warnings && cargo test -q --release --lib)
+                        bash scripts/fuzz.sh "${FUZZ_SECONDS:-30}"
 echo "== ruff";         ruff check python tests kernels scripts && ruff format --check python tests kernels scripts
 echo "== pytest";       python -m pytest -q "$@"
