@@ -370,7 +370,7 @@ impl Harness {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: if cfg!(miri) { 4 } else { 256 }, ..ProptestConfig::default() })]
 
     #[test]
     fn random_operations_keep_every_block_accounted_for(

@@ -237,7 +237,7 @@ impl Harness {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: if cfg!(miri) { 4 } else { 256 }, ..ProptestConfig::default() })]
 
     #[test]
     fn lock_free_pool_matches_mutex_pool(
