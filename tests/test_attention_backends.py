@@ -77,7 +77,8 @@ def paged_step(
     draw = random.Random(seed)
     # decode with a long context, a first prefill chunk, decode with a short context, a later chunk
     query_lens = [1, draw.randint(2, 7), 1, draw.randint(2, 6)]
-    computed = [draw.randint(9, 20), 0, draw.randint(0, 3), draw.randint(4, 15)]
+    # The first context is >= 10 tokens so windows below 8 (block size 4) always release a block.
+    computed = [draw.randint(10, 20), 0, draw.randint(0, 3), draw.randint(4, 15)]
     seq_lens = [q + c for q, c in zip(query_lens, computed)]
     blocks_per_seq = [-(-length // block_size) for length in seq_lens]
     max_blocks = max(blocks_per_seq) + 1
