@@ -18,25 +18,13 @@ from torch import nn
 from hybrid_cache.attention.layer import Attention
 from hybrid_cache.models import hf_config
 from hybrid_cache.models.hf_config import Config
-from hybrid_cache.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from hybrid_cache.models.layers import GatedMLP, ProjectedSelfAttention, RMSNorm, RotaryEmbedding
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(ProjectedSelfAttention):
     def __init__(self, config: Config, layer_index: int, layer_type: str, qk_norm: bool) -> None:
-        super().__init__()
-        hidden = config["hidden_size"]
-        self.num_heads = config["num_attention_heads"]
-        self.num_kv_heads = hf_config.num_kv_heads(config)
-        self.head_dim = hf_config.head_dim(config)
         bias = bool(config.get("attention_bias", False))
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.qk_norm = qk_norm
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"], offset=1.0)
-            self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"], offset=1.0)
+        super().__init__(config, qkv_bias=bias, o_bias=bias, qk_norm=qk_norm, qk_norm_offset=1.0)
         # Gemma-3 gives local and global layers different rotary bases; Gemma-2 one for all.
         rope_layer_type = layer_type if qk_norm else None
         self.rotary = RotaryEmbedding(
@@ -52,17 +40,6 @@ class GemmaAttention(nn.Module):
             sliding_window=window,
             softcap=config.get("attn_logit_softcapping"),
         )
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class GemmaDecoderLayer(nn.Module):

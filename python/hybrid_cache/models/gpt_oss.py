@@ -19,21 +19,13 @@ from torch import nn
 from hybrid_cache.attention.layer import Attention
 from hybrid_cache.models import hf_config
 from hybrid_cache.models.hf_config import Config
-from hybrid_cache.models.layers import RMSNorm, RotaryEmbedding
+from hybrid_cache.models.layers import ProjectedSelfAttention, RMSNorm, RotaryEmbedding
 
 
-class GptOssAttention(nn.Module):
+class GptOssAttention(ProjectedSelfAttention):
     def __init__(self, config: Config, layer_index: int, layer_type: str) -> None:
-        super().__init__()
-        hidden = config["hidden_size"]
-        self.num_heads = config["num_attention_heads"]
-        self.num_kv_heads = hf_config.num_kv_heads(config)
-        self.head_dim = hf_config.head_dim(config)
         bias = bool(config.get("attention_bias", True))
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        super().__init__(config, qkv_bias=bias, o_bias=bias)
         self.sinks = nn.Parameter(torch.empty(self.num_heads))
         self.rotary = RotaryEmbedding(self.head_dim, hf_config.rope_parameters(config))
         window = hf_config.sliding_window(config) if layer_type == "sliding_attention" else None
@@ -46,14 +38,8 @@ class GptOssAttention(nn.Module):
             sliding_window=window,
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, sinks=self.sinks)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.attn(q, k, v, sinks=self.sinks)
 
 
 class GptOssRouter(nn.Module):

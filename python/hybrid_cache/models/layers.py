@@ -1,4 +1,5 @@
-"""Building blocks shared by the model files: RMSNorm, rotary embeddings, gated MLPs."""
+"""Building blocks shared by the model files: RMSNorm, rotary embeddings, gated MLPs, and the
+projections around paged attention."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybrid_cache.models import hf_config
+from hybrid_cache.models.hf_config import Config
 
 
 class RMSNorm(nn.Module):
@@ -170,3 +174,48 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ProjectedSelfAttention(nn.Module):
+    """The part of self-attention every model shares: q/k/v/o projections (transformers' names,
+    so checkpoints load as they are), optional per-head q/k RMSNorm, rotary embedding, then the
+    paged `Attention`. Subclasses set `self.rotary` and `self.attn` (rope, window, scale and
+    softcap differ per model) and override `attend` to pass extra inputs such as sinks."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool = False,
+        qk_norm_offset: float = 0.0,
+    ) -> None:
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.num_heads = config["num_attention_heads"]
+        self.num_kv_heads = hf_config.num_kv_heads(config)
+        self.head_dim = hf_config.head_dim(config)
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            eps = config["rms_norm_eps"]
+            self.q_norm = RMSNorm(self.head_dim, eps, offset=qk_norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, eps, offset=qk_norm_offset)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.attn(q, k, v)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attend(q, k, v)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

@@ -14,26 +14,14 @@ from torch import nn
 from hybrid_cache.attention.layer import Attention
 from hybrid_cache.models import hf_config
 from hybrid_cache.models.hf_config import Config
-from hybrid_cache.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from hybrid_cache.models.layers import GatedMLP, ProjectedSelfAttention, RMSNorm, RotaryEmbedding
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(ProjectedSelfAttention):
     def __init__(
         self, config: Config, layer_index: int, qkv_bias: bool, o_bias: bool, qk_norm: bool
     ) -> None:
-        super().__init__()
-        hidden = config["hidden_size"]
-        self.num_heads = config["num_attention_heads"]
-        self.num_kv_heads = hf_config.num_kv_heads(config)
-        self.head_dim = hf_config.head_dim(config)
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
-        self.qk_norm = qk_norm
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
-            self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
+        super().__init__(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
         layer_type = hf_config.layer_types(config, default=self.default_layer_type(config))[
             layer_index
         ]
@@ -52,17 +40,6 @@ class LlamaAttention(nn.Module):
     def default_layer_type(config: Config) -> str:
         """Without `layer_types`, a config with a sliding window (Mistral) slides on every layer."""
         return "sliding_attention" if hf_config.sliding_window(config) else "full_attention"
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class LlamaDecoderLayer(nn.Module):
