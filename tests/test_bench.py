@@ -14,10 +14,12 @@ import pytest
 from hybrid_cache.bench.cost_model import CostModel, Hardware, count_parameters
 from hybrid_cache.bench.errors import BenchConfigError
 from hybrid_cache.bench.settings import BenchSettings
-from hybrid_cache.bench.simulate import simulate_mode
+from hybrid_cache.bench.simulate import SimulatedRunner, simulate_mode
 from hybrid_cache.bench.workload import make_prompts
 from hybrid_cache.cli import main
 from hybrid_cache.config import load_model_spec
+from hybrid_cache.engine import llm_engine
+from hybrid_cache.engine.llm_engine import LLMEngine
 
 THROUGHPUT_LINE = re.compile(
     r"^Throughput: [0-9.]+ requests/s, [0-9.]+ total tokens/s, [0-9.]+ output tokens/s$", re.M
@@ -108,6 +110,43 @@ def test_simulation_gives_llama_equal_concurrency() -> None:
     hybrid, uniform = simulated("llama-3.1-8b", "hybrid"), simulated("llama-3.1-8b", "uniform")
     assert hybrid.running_per_step == uniform.running_per_step
     assert hybrid.elapsed_s == pytest.approx(uniform.elapsed_s)
+
+
+def test_simulation_steps_through_the_engine(monkeypatch) -> None:
+    """Each simulated step is one `LLMEngine.step()` and one `SimulatedRunner.execute`, no
+    `ModelRunner` is built (no weights, no KV tensors), and the figures are those the
+    simulation gave before it ran through the engine (its own scheduler loop)."""
+    calls = {"step": 0, "execute": 0}
+    step, execute = LLMEngine.step, SimulatedRunner.execute
+
+    def counted_step(engine):
+        calls["step"] += 1
+        return step(engine)
+
+    def counted_execute(runner, output):
+        calls["execute"] += 1
+        return execute(runner, output)
+
+    def no_model_runner(*args, **kwargs):
+        raise AssertionError("the simulation must not build a ModelRunner")
+
+    monkeypatch.setattr(LLMEngine, "step", counted_step)
+    monkeypatch.setattr(SimulatedRunner, "execute", counted_execute)
+    monkeypatch.setattr(llm_engine, "ModelRunner", no_model_runner)
+    settings = BenchSettings("gemma-3-27b", 2048, 32, 16, prefix_len=512, kv_cache_memory="4GB")
+    result = simulate_mode(settings, "uniform")
+    assert calls["step"] == calls["execute"] == result.num_steps == 131
+    assert sum(result.running_per_step) == 522 and sum(result.tokens_per_step) == 25607
+    assert result.num_preemptions == 2 and result.peak_blocks_per_group == [611]
+    assert result.prefix_cache_hit_rate == pytest.approx(0.4453125)
+    assert result.num_requests == 16 and result.num_output_tokens == 16 * 32
+    assert result.elapsed_s == pytest.approx(5.80473517269518, rel=1e-9)
+
+
+def test_simulation_rejects_a_request_larger_than_the_pool() -> None:
+    settings = BenchSettings("gemma-2-27b", 6144, 1024, 2, kv_cache_memory="100MB")
+    with pytest.raises(BenchConfigError, match=r"6144\+1024 tokens does not fit the hybrid"):
+        simulate_mode(settings, "hybrid")
 
 
 def test_simulate_prints_the_ratio(capsys) -> None:

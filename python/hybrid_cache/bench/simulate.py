@@ -1,10 +1,11 @@
-"""`--simulate`: the real scheduler and Rust allocator on a real-size model, without a model.
+"""`--simulate`: the real engine, scheduler and Rust allocator on a real-size model, no model.
 
-The engine's `Scheduler` and `KVCacheManager` run exactly as in `LLM.generate` (admission,
-chunked prefill, prefix caching, sliding-window release, preemption), over the planner's layout
-for the model and a GPU-sized KV budget. Where the engine would run the model, every request
-that samples gets `DUMMY_TOKEN_ID` (requests ignore EOS, so each generates `output_len`
-tokens), and the step's time comes from `CostModel.step_time`. No KV tensors are allocated.
+The workload goes through `LLMEngine.add_request` and `LLMEngine.step()` exactly as in
+`LLM.generate` (admission, chunked prefill, prefix caching, sliding-window release, preemption),
+over the planner's layout for the model and a GPU-sized KV budget. The engine's step runner is
+`SimulatedRunner`: every request that samples gets `DUMMY_TOKEN_ID` (requests ignore EOS, so
+each generates `output_len` tokens), and the step's time comes from `CostModel.step_time`. No
+model is loaded and no KV tensors are allocated.
 """
 
 from __future__ import annotations
@@ -17,13 +18,30 @@ from hybrid_cache.bench.metrics import RunResult
 from hybrid_cache.bench.settings import BenchSettings
 from hybrid_cache.bench.workload import FIRST_ORDINARY_ID, make_prompts
 from hybrid_cache.config import ModelSpec, load_model_spec
-from hybrid_cache.engine.kv_cache import KVCacheManager, num_kv_tokens
-from hybrid_cache.engine.request import Request
+from hybrid_cache.engine.errors import InsufficientKVCacheError
+from hybrid_cache.engine.llm_engine import LLMEngine, SchedulerLimits
 from hybrid_cache.engine.sampling_params import SamplingParams
-from hybrid_cache.engine.scheduler import Scheduler
+from hybrid_cache.engine.scheduler import SchedulerOutput
 from hybrid_cache.planner import KVCacheLayout, PlanOptions, plan_kv_cache
 
 DUMMY_TOKEN_ID = FIRST_ORDINARY_ID
+
+
+class SimulatedRunner:
+    """The engine's `StepRunner` in a simulation: no model, no KV tensors. Every request that
+    samples gets `DUMMY_TOKEN_ID`; `last_step_s` is the cost model's time of the last step."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost: CostModel = cost
+        self.last_step_s: float = 0.0
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        self.last_step_s = self.cost.step_time(
+            (item.num_computed_tokens, item.num_new_tokens) for item in output.scheduled
+        )
+        return {
+            item.request.request_id: DUMMY_TOKEN_ID for item in output.scheduled if item.samples
+        }
 
 
 def plan_for_simulation(
@@ -42,25 +60,38 @@ def plan_for_simulation(
     return plan_kv_cache(spec, options, mode=mode)
 
 
+def simulated_engine(
+    settings: BenchSettings, spec: ModelSpec, layout: KVCacheLayout, runner: SimulatedRunner
+) -> LLMEngine:
+    """An `LLMEngine` with the bench limits whose every step runs through `runner`."""
+    limits = SchedulerLimits(
+        max_model_len=settings.context_len,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        enable_prefix_caching=settings.enable_prefix_caching,
+    )
+    return LLMEngine(
+        layout,
+        limits,
+        vocab_size=spec.vocab_size,
+        eos_token_ids=(),
+        make_runner=lambda kv_cache, sampler: runner,
+        seed=settings.seed,
+    )
+
+
 def simulate_mode(
     settings: BenchSettings,
     mode: str,
     hardware: Optional[Hardware] = None,
     progress: Any = None,
 ) -> RunResult:
-    """Runs the workload through the scheduler and allocator in `mode`; times are modelled."""
+    """Runs the workload through the engine and allocator in `mode`; times are modelled."""
     spec = load_model_spec(settings.model, settings.hf_overrides)
     cost = CostModel(spec, hardware or Hardware())
     layout = plan_for_simulation(spec, settings, mode, cost)
-    kv_cache = KVCacheManager.from_layout(
-        layout,
-        max_num_seqs=settings.max_num_seqs,
-        max_model_len=settings.context_len,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        hash_seed=settings.seed,
-    )
-    scheduler = Scheduler(kv_cache, settings.max_num_seqs, settings.max_num_batched_tokens)
+    runner = SimulatedRunner(cost)
+    engine = simulated_engine(settings, spec, layout, runner)
     params = SamplingParams(max_tokens=settings.output_len, temperature=0.0, ignore_eos=True)
     prompts = make_prompts(
         settings.num_prompts,
@@ -70,19 +101,13 @@ def simulate_mode(
         settings.seed,
     )
     for index, prompt in enumerate(prompts):
-        request = Request(
-            str(index),
-            prompt,
-            params,
-            arrival_index=index,
-            max_total_tokens=min(len(prompt) + settings.output_len, settings.context_len),
-        )
-        if not kv_cache.can_ever_fit(num_kv_tokens(request)):
+        try:
+            engine.add_request(str(index), prompt, params)
+        except InsufficientKVCacheError as error:
             raise BenchConfigError(
                 f"one request of {settings.input_len}+{settings.output_len} tokens does not fit "
                 f"the {mode} KV cache ({layout.num_blocks - 1} blocks); raise --kv-cache-memory"
-            )
-        scheduler.add_request(request)
+            ) from error
 
     result = RunResult(
         mode=mode,
@@ -97,38 +122,26 @@ def simulate_mode(
         prefix_cache_hit_rate=0.0,
         peak_blocks_per_group=[0] * layout.num_groups,
     )
-    while scheduler.has_unfinished_requests():
-        output = scheduler.schedule()
-        if output.failed:
-            raise BenchConfigError(
-                f"{len(output.failed)} request(s) could not run: {output.failed[0].error}"
-            )
-        step_s = cost.step_time(
-            (item.num_computed_tokens, item.num_new_tokens) for item in output.scheduled
-        )
-        sampled = {
-            item.request.request_id: DUMMY_TOKEN_ID for item in output.scheduled if item.samples
-        }
-        finished = scheduler.update_from_output(output, sampled)
-        used = kv_cache.num_used_blocks_per_group()
-        result.elapsed_s += step_s
-        result.step_time_s.append(step_s)
-        result.running_per_step.append(len(output.scheduled))
-        result.tokens_per_step.append(output.num_scheduled_tokens)
-        result.blocks_per_group_per_step.append(used)
-        result.peak_blocks_per_group = [
-            max(a, b) for a, b in zip(result.peak_blocks_per_group, used)
-        ]
-        result.num_preemptions += output.num_preemptions
+    while engine.has_unfinished_requests():
+        finished = engine.step()
+        failed = [request for request in finished if request.error is not None]
+        if failed:
+            raise BenchConfigError(f"{len(failed)} request(s) could not run: {failed[0].error}")
+        step = engine.step_stats[-1]
+        result.elapsed_s += runner.last_step_s
+        result.step_time_s.append(runner.last_step_s)
+        result.running_per_step.append(step.num_scheduled_requests)
+        result.tokens_per_step.append(step.num_scheduled_tokens)
+        result.blocks_per_group_per_step.append(step.num_used_blocks_per_group)
         for request in finished:
             result.num_requests += 1
             result.num_prompt_tokens += request.num_prompt_tokens
             result.num_output_tokens += request.num_output_tokens
         if progress is not None and finished:
             progress.update(len(finished))
-    core = kv_cache.stats()
-    queries = core.get("prefix_queries", 0)
-    result.prefix_cache_hit_rate = core.get("prefix_hits", 0) / queries if queries else 0.0
+    result.num_preemptions = engine.stats.num_preemptions
+    result.peak_blocks_per_group = list(engine.stats.max_used_blocks_per_group)
+    result.prefix_cache_hit_rate = engine.stats.prefix_cache_hit_rate
     return result
 
 

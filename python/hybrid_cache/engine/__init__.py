@@ -5,6 +5,7 @@ One job per file:
     llm.py            LLM: arguments, model + tokenizer, KV budget, plan, generate()
     engine_args.py    argument checks, dtype, backend choice, plan logging
     llm_engine.py     LLMEngine: add_request / step / abort_request, per-step figures
+    step_runner.py    StepRunner: the execute(SchedulerOutput) contract a step runs through
     scheduler.py      continuous batching, chunked prefill, preemption by recompute
     kv_cache.py       the only user of hybrid_cache._core (Coordinator, zero-copy block table)
     model_runner.py   KV tensors per layout slot, batch + metadata, forward, sampling

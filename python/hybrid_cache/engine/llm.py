@@ -128,7 +128,7 @@ class LLM:
         )
         self.layout: KVCacheLayout = plan_kv_cache(self.spec, options, mode=kv_cache_mode)
         log_plan(self.layout, self.spec)
-        self.engine: LLMEngine = LLMEngine(
+        self.engine: LLMEngine = LLMEngine.from_model(
             self.model,
             self.layout,
             SchedulerLimits(

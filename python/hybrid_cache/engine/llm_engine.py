@@ -1,9 +1,12 @@
 """`LLMEngine`: the step loop behind `LLM` — validate and add requests, schedule, run, collect.
 
-One step = `Scheduler.schedule()` (which requests, how many tokens, preemptions), then
-`ModelRunner.execute()` (forward + sampling), then `Scheduler.update_from_output()` (tokens,
+One step = `Scheduler.schedule()` (which requests, how many tokens, preemptions), then the
+runner's `execute()` (forward + sampling), then `Scheduler.update_from_output()` (tokens,
 finishes, blocks returned). Finished requests (including failed and aborted ones) come back from
 `step()`.
+
+The runner is any `StepRunner` (step_runner.py). `LLMEngine.from_model` builds the real
+`ModelRunner` (what `LLM` uses); `bench/simulate.py` passes one that runs no model.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from hybrid_cache.engine.request import Request
 from hybrid_cache.engine.sampler import Sampler
 from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.engine.scheduler import Scheduler
+from hybrid_cache.engine.step_runner import StepRunner, StepRunnerFactory
 from hybrid_cache.planner import KVCacheLayout
 
 logger = logging.getLogger(__name__)
@@ -50,16 +54,15 @@ class LLMEngine:
 
     def __init__(
         self,
-        model: nn.Module,
         layout: KVCacheLayout,
         limits: SchedulerLimits,
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
-        dtype: torch.dtype,
-        device: torch.device,
+        make_runner: StepRunnerFactory,
         seed: int = 0,
-        attention_backend: str = "auto",
     ) -> None:
+        """`make_runner(kv_cache, sampler)` builds the runner of every step; `from_model` is
+        the usual way in."""
         self.limits: SchedulerLimits = limits
         self.vocab_size: int = vocab_size
         self.eos_token_ids: tuple[int, ...] = eos_token_ids
@@ -75,15 +78,33 @@ class LLMEngine:
             self.kv_cache, limits.max_num_seqs, limits.max_num_batched_tokens
         )
         self.sampler: Sampler = Sampler(seed)
-        self.model_runner: ModelRunner = ModelRunner(
-            model, self.kv_cache, layout, dtype, device, self.sampler, attention_backend
-        )
+        self.model_runner: StepRunner = make_runner(self.kv_cache, self.sampler)
         self.num_requests_added: int = 0
         self.unfinished_request_ids: set[str] = set()
         self.stats: EngineStats = EngineStats(
             max_used_blocks_per_group=[0] * self.kv_cache.num_groups
         )
         self.step_stats: deque[StepStats] = deque(maxlen=MAX_STEP_STATS)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: nn.Module,
+        layout: KVCacheLayout,
+        limits: SchedulerLimits,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int = 0,
+        attention_backend: str = "auto",
+    ) -> LLMEngine:
+        """An engine whose steps run `model` (a `ModelRunner`, with its KV tensors)."""
+
+        def make_runner(kv_cache: KVCacheManager, sampler: Sampler) -> ModelRunner:
+            return ModelRunner(model, kv_cache, layout, dtype, device, sampler, attention_backend)
+
+        return cls(layout, limits, vocab_size, eos_token_ids, make_runner, seed)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -1,0 +1,26 @@
+"""The contract between `LLMEngine` and what runs a scheduled step.
+
+`LLMEngine.step()` hands each `SchedulerOutput` to a `StepRunner` and feeds the sampled tokens
+back to the scheduler. `ModelRunner` (model_runner.py) is the real one: the model's forward over
+the paged KV cache, then sampling. `bench/simulate.py` has one without a model. The engine
+builds its runner through a `StepRunnerFactory`, given the engine's KV-cache manager and sampler.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:
+    from hybrid_cache.engine.kv_cache import KVCacheManager
+    from hybrid_cache.engine.sampler import Sampler
+    from hybrid_cache.engine.scheduler import SchedulerOutput
+
+
+class StepRunner(Protocol):
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        """Runs the scheduled tokens; returns, keyed by request id, the sampled token of every
+        scheduled request whose `samples` is set (and of no other)."""
+        ...
+
+
+StepRunnerFactory = Callable[["KVCacheManager", "Sampler"], StepRunner]
