@@ -40,3 +40,16 @@ def test_stub_class_matches_runtime(name):
         public -= set(dir(BaseException))
     assert stubbed <= public, f"in the stubs but not at runtime: {stubbed - public}"
     assert public <= stubbed, f"at runtime but not in the stubs: {public - stubbed}"
+
+
+def test_stub_functions_match_runtime():
+    tree = ast.parse(STUBS.read_text())
+    stubbed = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    public = {
+        name
+        for name in dir(_core)
+        if not name.startswith("_")
+        and callable(getattr(_core, name))
+        and not isinstance(getattr(_core, name), type)
+    }
+    assert stubbed == public, f"stubs {sorted(stubbed)} vs runtime {sorted(public)}"

@@ -19,6 +19,7 @@ from hybrid_cache.attention import (
     attention_layers,
     build_attention_metadata,
     compute_slot_mapping,
+    cpu_kernel,
     get_attention_backend,
     reference,
     torch_batched,
@@ -106,16 +107,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("banded", [True, False], ids=["band", "padded"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch-decode"])
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "padded"])
 @pytest.mark.parametrize("group_ratio", [1, 2, 4])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("window,chunk,softcap,use_sinks", CASES)
 def test_matches_the_reference(
-    window, chunk, softcap, use_sinks, block_size, group_ratio, banded, monkeypatch
+    window, chunk, softcap, use_sinks, block_size, group_ratio, tiled, kernel, monkeypatch
 ):
-    """Small windows run per query token ("band"); larger ones pad prefill rows ("padded")."""
-    if not banded:
-        monkeypatch.setattr(torch_batched, "BAND_MAX_WINDOW", 0)
+    """Small windows cut prefill rows into tiles of W queries ("tiled"); larger ones pad each
+    sequence's queries on one row ("padded"). One-query rows go to the Rust CPU kernel
+    ("cpu-kernel") or through the batched torch ops ("torch-decode")."""
+    monkeypatch.setattr(cpu_kernel, "ENABLED", kernel)
+    if not tiled:
+        monkeypatch.setattr(torch_batched, "TILED_MAX_WINDOW", 0)
     seed = fresh_seed()
     num_kv_heads = 2
     num_heads = num_kv_heads * group_ratio
@@ -153,9 +158,14 @@ def test_decode_only_and_prefill_only_steps():
         plan = torch_batched.step_plan(metadata, metadata.groups[0], None, None, q.device)
         assert (plan.decode is None) == (max(query_lens) > 1), f"seed {seed}"
         assert (plan.prefill is None) == (max(query_lens) == 1), f"seed {seed}"
-        # A small window: one row per query token, whatever the kind of sequence.
+        # A small window: prefill rows are tiles of at most W = 6 queries over at most 2W - 1
+        # keys; every query token is in exactly one of them.
         plan = torch_batched.step_plan(metadata, metadata.groups[0], 6, None, q.device)
-        assert plan.prefill is None and plan.decode.query_rows.shape == (sum(query_lens), 1)
+        rows = [batch for batch in (plan.decode, plan.prefill) if batch is not None]
+        assert all(batch.query_rows.shape[1] <= 6 for batch in rows), f"seed {seed}"
+        assert all(batch.key_blocks.shape[1] <= 11 for batch in rows), f"seed {seed}"
+        covered = torch.cat([batch.geometry.token_rows for batch in rows]).sort().values
+        assert covered.tolist() == list(range(sum(query_lens))), f"seed {seed}"
         for window in (None, 6):
             torch.testing.assert_close(
                 torch_batched.paged_attention(*args, sliding_window=window),

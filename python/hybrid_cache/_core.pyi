@@ -155,3 +155,24 @@ class Coordinator:
     def stats(self) -> dict[str, int]:
         """num_blocks, num_free_blocks, num_cached_blocks, num_evictions,
         prefix_queries (tokens looked up), prefix_hits (tokens hit)."""
+
+def paged_attention_cpu(
+    q: npt.NDArray[np.float32],
+    k_cache: npt.NDArray[np.float32],
+    v_cache: npt.NDArray[np.float32],
+    block_table: npt.NDArray[np.int32],
+    sequence: npt.NDArray[np.int64],
+    position: npt.NDArray[np.int64],
+    low: npt.NDArray[np.int64],
+    out: npt.NDArray[np.float32],
+    scale: float,
+    softcap: Optional[float] = None,
+    sinks: Optional[npt.NDArray[np.float32]] = None,
+) -> None:
+    """Decode attention on the CPU, reading K/V in place: row r of `q` [rows, Hq, D] attends to
+    positions `low[r]..=position[r]` of block-table row `sequence[r]` through `block_table`
+    [sequences, width] in the paged caches [num_blocks, block_size, Hkv, D] (any non-negative
+    strides, unit last stride); writes `out` (q's shape, C-contiguous, overlapping no input).
+    Everything is checked first: `InvalidArgumentError` for shapes, strides and ranges,
+    `InvalidBlockError` when a visible position is in the null block or out of range; `out` is
+    untouched then."""

@@ -6,24 +6,28 @@ no Python loop over sequences, so a step costs a fixed number of torch ops per l
 batch size. Registered as "torch" in `selector` (the CPU engine's backend); the per-sequence
 reference is registered as "reference" and stays the test oracle.
 
-Per step and per group (cached on the group's metadata, so the other layers of the step reuse it,
-as `triton_backend` does), a `StepPlan` lays every sequence's visible keys out on a padded row:
+Per step, a `StepGeometry` lays every sequence's visible keys out on a padded row, in token
+positions (built by the first layer and cached on the step's metadata, so every group with the
+same window reuses it, as `triton_backend` does with its step tensors):
 
     sequence s, visible positions low[s] .. seq_len[s]-1  (low: first position its first query
                                                            can see, as in the reference)
     row s:   [ low  low+1  ...  seq_len-1 | pad pad pad ]   max_visible columns
                                             pad = seq_len-1 again (a real, visible slot), masked
 
-so a windowed group gathers about W + query_len keys per sequence, never the whole context.
+so a windowed group gathers about W + query_len keys per sequence, never the whole context;
+per group, a `StepPlan` only looks the positions up in that group's block table.
 Padding repeats a visible slot instead of pointing at the null block: the padded keys are
 masked out of the softmax and their values are finite, so NaN in released or null pages can never
 reach the output (no NaN * 0). Sequences are split once per step into decode rows (one query:
 every gathered key is visible, the mask is just the padding) and prefill rows (several queries,
 padded to the longest, with a per-query causal / window / chunk mask). With a sliding window of
-at most `BAND_MAX_WINDOW` tokens, every query token (decode or prefill) is its own one-query row
-over its own W keys instead, so a prefill chunk costs num_tokens x W, not query_len x (W +
-query_len). Per layer that is one gather of K and V and one batched masked attention per kind
-present; the plan (indices, masks) is built once per step and group.
+at most `TILED_MAX_WINDOW` tokens, a sequence's queries are first cut into tiles of W tokens,
+each its own row over its 2W - 1 keys, so a prefill chunk costs about num_tokens x 2W, not
+query_len x (W + query_len). Per layer that is one gather of K and V and one batched attention
+per kind present: masked matmuls and softmax for decode rows (and whenever softcap or sinks
+apply), torch's fused `scaled_dot_product_attention` for prefill rows of `FUSED_MIN_KEYS` keys
+or more.
 """
 
 from __future__ import annotations
@@ -33,27 +37,35 @@ from typing import Optional
 
 import torch
 
+from hybrid_cache.attention import cpu_kernel
 from hybrid_cache.attention.metadata import NULL_BLOCK, AttentionMetadata, GroupMetadata
 from hybrid_cache.attention.reference import write_kv
 from hybrid_cache.attention.triton_backend import cached_on
 
 __all__ = ["StepPlan", "paged_attention", "step_plan", "write_kv"]
 
-# Attribute name of the per-step plan cache stored on each GroupMetadata.
+# Attribute names of the per-step caches: the geometry on the step's AttentionMetadata (shared
+# by every group with the same visibility options), the plan on each GroupMetadata.
+_GEOMETRY_CACHE = "_torch_batched_geometry"
 _PLAN_CACHE = "_torch_batched_plans"
-# Sliding windows up to this size run every query token as its own row over its W keys (the
-# gather copies num_tokens x W keys: cheap for small windows, too much memory for W = 4096, where
-# prefill rows are padded instead).
-BAND_MAX_WINDOW = 128
+# Sliding windows up to this size cut prefill rows into tiles of W queries over their 2W - 1
+# keys (cheap for small windows; for W = 4096 the tiles would be as long as the prompts, so
+# larger windows pad each sequence's queries on one row instead).
+TILED_MAX_WINDOW = 128
+# Prefill rows with at least this many keys use torch's fused attention; below it (a small
+# window's tiles) the plain masked matmuls are faster on the CPU.
+FUSED_MIN_KEYS = 64
 
 
 @dataclass(frozen=True)
-class RowBatch:
-    """Sequences of one kind (decode or prefill) laid out on padded rows."""
+class RowGeometry:
+    """Sequences of one kind (decode or prefill) laid out on padded rows, in token positions:
+    everything about a row batch that does not depend on a group's block table."""
 
-    key_blocks: torch.Tensor  # [num_rows, max_visible] int64: block id of each gathered key
-    key_offsets: torch.Tensor  # [num_rows, max_visible] int64: offset in that block
-    key_slots: torch.Tensor  # [num_rows * max_visible] int64: block * block_size + offset
+    sequences: torch.Tensor  # [num_rows] int64: the sequence (block-table row) of each row
+    # [num_rows, max_visible] int64: the token position each gathered key is read from (padding
+    # repeats the row's last visible position)
+    gather_positions: torch.Tensor
     # [num_rows, 1, max_queries, 1, max_visible] bool: key visible to query (padded keys: False)
     mask: torch.Tensor
     # [num_rows, max_queries] int64: flattened query row of each padded query (padding repeats
@@ -66,30 +78,100 @@ class RowBatch:
 
 
 @dataclass(frozen=True)
+class KernelRows:
+    """One-query rows for the CPU kernel (`cpu_kernel`), which reads each row's visible keys in
+    place: no gather positions or masks, only the visible range of each row."""
+
+    sequences: torch.Tensor  # [num_rows] int64: block-table row of each row
+    positions: torch.Tensor  # [num_rows] int64: position of the query token
+    low: torch.Tensor  # [num_rows] int64: first visible position
+    token_rows: torch.Tensor  # [num_rows] int64: the rows in q / the output
+
+
+@dataclass(frozen=True)
+class StepGeometry:
+    """One step's row layout for one set of visibility options; `decode`/`prefill` None when
+    absent. Built once per step and reused by every group with these options."""
+
+    # one query per row (with a small window: every one-token tile)
+    decode: Optional[RowGeometry | KernelRows]
+    prefill: Optional[RowGeometry]
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    """A row geometry placed in one group's pages."""
+
+    geometry: RowGeometry
+    key_blocks: torch.Tensor  # [num_rows, max_visible] int64: block id of each gathered key
+    key_offsets: torch.Tensor  # [num_rows, max_visible] int64: offset in that block
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.geometry.mask
+
+    @property
+    def query_rows(self) -> torch.Tensor:
+        return self.geometry.query_rows
+
+
+@dataclass(frozen=True)
+class KernelBatch:
+    """Kernel rows with the group's block table (the kernel looks the blocks up itself)."""
+
+    rows: KernelRows
+    block_table: torch.Tensor  # [num_seqs, width] int32, contiguous, on the CPU
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """One group's gather indices and masks for one step; `decode`/`prefill` None when absent."""
 
-    decode: Optional[RowBatch]  # one query per row (with a small window: every query token)
+    decode: Optional[RowBatch | KernelBatch]
     prefill: Optional[RowBatch]
 
 
-def _row_batch(
-    block_table: torch.Tensor,
-    block_size: int,
+def _first_visible(
+    first_query: torch.Tensor, sliding_window: Optional[int], chunk: Optional[int]
+) -> torch.Tensor:
+    """The first position the query at `first_query` can see (the reference's rule)."""
+    low = torch.zeros_like(first_query)
+    if sliding_window is not None:
+        low = torch.maximum(low, first_query - sliding_window + 1)
+    if chunk is not None:
+        low = torch.maximum(low, (first_query // chunk) * chunk)
+    return low
+
+
+def _kernel_rows(
+    sequences: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: Optional[int],
+    chunk: Optional[int],
+) -> KernelRows:
+    """One-query rows as visible ranges, for the CPU kernel."""
+    positions = seq_lens - 1
+    return KernelRows(
+        sequences=sequences,
+        positions=positions,
+        low=_first_visible(positions, sliding_window, chunk),
+        token_rows=query_start,
+    )
+
+
+def _row_geometry(
+    sequences: torch.Tensor,
     query_start: torch.Tensor,
     query_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     sliding_window: Optional[int],
     chunk: Optional[int],
     device: torch.device,
-) -> RowBatch:
-    """Padded gather indices and masks for the sequences given (all with query_len >= 1)."""
+) -> RowGeometry:
+    """Padded key positions and masks for the sequences given (all with query_len >= 1)."""
     first_query = seq_lens - query_lens
-    low = torch.zeros_like(first_query)
-    if sliding_window is not None:
-        low = torch.maximum(low, first_query - sliding_window + 1)
-    if chunk is not None:
-        low = torch.maximum(low, (first_query // chunk) * chunk)
+    low = _first_visible(first_query, sliding_window, chunk)
     num_visible = seq_lens - low
     max_visible = int(num_visible.max())
     columns = torch.arange(max_visible)
@@ -97,11 +179,6 @@ def _row_batch(
     key_valid = columns[None, :] < num_visible[:, None]
     # Padding repeats the last visible slot: real, written, finite.
     gather_positions = torch.minimum(key_positions, (seq_lens - 1)[:, None])
-    key_blocks = torch.gather(block_table.long(), 1, gather_positions // block_size)
-    assert bool((key_blocks != NULL_BLOCK).all()), (
-        "a sequence needs the null block for one of its visible positions"
-    )
-    key_offsets = gather_positions % block_size
 
     max_queries = int(query_lens.max())
     query_columns = torch.arange(max_queries)
@@ -123,14 +200,88 @@ def _row_batch(
         query_valid
     ]
     token_rows = query_rows[query_valid]
-    return RowBatch(
-        key_blocks=key_blocks.to(device),
-        key_offsets=key_offsets.to(device),
-        key_slots=(key_blocks * block_size + key_offsets).flatten().to(device),
+    return RowGeometry(
+        sequences=sequences,
+        gather_positions=gather_positions,
         mask=mask[:, None, :, None, :].to(device),
         query_rows=query_rows.to(device),
         output_index=output_index.to(device),
         token_rows=token_rows.to(device),
+    )
+
+
+def _tiles(
+    query_start: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor, tile: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every sequence's query tokens cut into tiles of at most `tile` consecutive tokens, each
+    tile a sequence of its own that ends at its last query: (sequence of each tile, first query
+    row, query count, seq_len)."""
+    tiles_per_seq = -(-query_lens // tile)  # 0 for a sequence with no query
+    tile_seq = torch.repeat_interleave(torch.arange(len(query_lens)), tiles_per_seq)
+    first_tile = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
+    offset = (torch.arange(len(tile_seq)) - first_tile[tile_seq]) * tile
+    tile_lens = torch.minimum(query_lens[tile_seq] - offset, torch.tensor(tile))
+    tile_seq_lens = (seq_lens - query_lens)[tile_seq] + offset + tile_lens
+    return tile_seq, query_start[tile_seq] + offset, tile_lens, tile_seq_lens
+
+
+def _build_geometry(
+    metadata: AttentionMetadata,
+    sliding_window: Optional[int],
+    chunk: Optional[int],
+    device: torch.device,
+    kernel: bool,
+) -> StepGeometry:
+    query_start_loc = metadata.query_start_loc.cpu().long()
+    seq_lens = metadata.seq_lens.cpu().long()
+    query_start = query_start_loc[:-1]
+    query_lens = query_start_loc[1:] - query_start
+    sequences = torch.arange(len(query_lens))
+    if sliding_window is not None and sliding_window <= TILED_MAX_WINDOW:
+        # Tiles of W queries over their 2W - 1 keys: a prefill chunk costs about 2 W scores and
+        # 2 gathered keys per token, instead of (W + query_len) each on one padded row.
+        sequences, query_start, query_lens, seq_lens = _tiles(
+            query_start, query_lens, seq_lens, sliding_window
+        )
+    kinds: list = []
+    one_query = query_lens == 1
+    for selected in (one_query, query_lens > 1):  # sequences with no query are skipped
+        rows = selected.nonzero().flatten()
+        if len(rows) == 0:
+            kinds.append(None)
+            continue
+        if kernel and selected is one_query:  # the CPU kernel can read the caches in place
+            kinds.append(
+                _kernel_rows(
+                    sequences[rows], query_start[rows], seq_lens[rows], sliding_window, chunk
+                )
+            )
+            continue
+        kinds.append(
+            _row_geometry(
+                sequences[rows],
+                query_start[rows],
+                query_lens[rows],
+                seq_lens[rows],
+                sliding_window,
+                chunk,
+                device,
+            )
+        )
+    return StepGeometry(decode=kinds[0], prefill=kinds[1])
+
+
+def _place(geometry: RowGeometry, block_table: torch.Tensor, block_size: int, device) -> RowBatch:
+    """The geometry's keys in the group's pages: block ids and offsets."""
+    positions = geometry.gather_positions
+    key_blocks = torch.gather(block_table[geometry.sequences].long(), 1, positions // block_size)
+    assert bool((key_blocks != NULL_BLOCK).all()), (
+        "a sequence needs the null block for one of its visible positions"
+    )
+    return RowBatch(
+        geometry=geometry,
+        key_blocks=key_blocks.to(device),
+        key_offsets=(positions % block_size).to(device),
     )
 
 
@@ -140,50 +291,27 @@ def _build_plan(
     sliding_window: Optional[int],
     chunk: Optional[int],
     device: torch.device,
+    kernel: bool,
 ) -> StepPlan:
-    query_start_loc = metadata.query_start_loc.cpu().long()
-    seq_lens = metadata.seq_lens.cpu().long()
+    geometry = cached_on(
+        metadata,
+        _GEOMETRY_CACHE,
+        (sliding_window, chunk, device, kernel),
+        (metadata.query_start_loc, metadata.seq_lens),
+        lambda: _build_geometry(metadata, sliding_window, chunk, device, kernel),
+    )
     block_table = group.block_table.cpu()
-    query_start = query_start_loc[:-1]
-    query_lens = query_start_loc[1:] - query_start
-    if sliding_window is not None and sliding_window <= BAND_MAX_WINDOW:
-        # Every query token becomes a one-query row over its own window: prefill chunks cost
-        # num_tokens x W scores instead of query_len x (W + query_len) per sequence.
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)
-        num_tokens = len(seq_of_token)
-        positions = (seq_lens - query_lens)[seq_of_token] + (
-            torch.arange(num_tokens) - query_start[seq_of_token]
-        )
-        tokens = _row_batch(
-            block_table[seq_of_token],
-            group.block_size,
-            torch.arange(num_tokens),
-            torch.ones(num_tokens, dtype=torch.long),
-            positions + 1,
-            sliding_window,
-            chunk,
-            device,
-        )
-        return StepPlan(decode=tokens, prefill=None)
-    batches = []
-    for selected in (query_lens == 1, query_lens > 1):  # sequences with no query are skipped
-        rows = selected.nonzero().flatten()
-        if len(rows) == 0:
-            batches.append(None)
-            continue
-        batches.append(
-            _row_batch(
-                block_table[rows],
-                group.block_size,
-                query_start[rows],
-                query_lens[rows],
-                seq_lens[rows],
-                sliding_window,
-                chunk,
-                device,
-            )
-        )
-    return StepPlan(decode=batches[0], prefill=batches[1])
+    decode: Optional[RowBatch | KernelBatch] = None
+    if isinstance(geometry.decode, KernelRows):
+        decode = KernelBatch(geometry.decode, block_table.to(torch.int32).contiguous())
+    elif geometry.decode is not None:
+        decode = _place(geometry.decode, block_table, group.block_size, device)
+    return StepPlan(
+        decode=decode,
+        prefill=None
+        if geometry.prefill is None
+        else _place(geometry.prefill, block_table, group.block_size, device),
+    )
 
 
 def step_plan(
@@ -192,31 +320,75 @@ def step_plan(
     sliding_window: Optional[int],
     chunk: Optional[int],
     device: torch.device,
+    kernel: bool = False,
 ) -> StepPlan:
     """The group's plan for this step: built by the step's first layer with these visibility
-    options, reused by the others (cached on `group`, keyed by the source tensors' identity)."""
+    options, reused by the others (cached on `group`, keyed by the source tensors' identity).
+    The row geometry under it is shared by every group of the step with the same options
+    (cached on `metadata`): only the block ids differ between groups. With `kernel`, one-query
+    rows are left to the CPU kernel (`KernelBatch`: visible ranges, no gather indices)."""
     device = torch.device(device)
     return cached_on(
         group,
         _PLAN_CACHE,
-        (sliding_window, chunk, device),
+        (sliding_window, chunk, device, kernel),
         (metadata.query_start_loc, metadata.seq_lens, group.block_table),
-        lambda: _build_plan(metadata, group, sliding_window, chunk, device),
+        lambda: _build_plan(metadata, group, sliding_window, chunk, device, kernel),
     )
+
+
+def _token_rows(cache: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
+    """cache [num_blocks, block_size, Hkv, D] as one dimension of token rows, and the number of
+    rows from one block to the next; None when the layout does not allow it.
+
+    A layer's K (or V) is a view of its slot tensor [num_blocks, 2, block_size, Hkv, D], so
+    consecutive blocks are 2 x block_size token rows apart (the other half being V or K) and the
+    token at (block, offset) is row block * block_stride + offset of a strided view that starts
+    at the cache's first element."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    token_stride = cache.stride(1)
+    dense_rows = cache.stride(3) == 1 and cache.stride(2) == head_dim
+    if not dense_rows or token_stride != num_kv_heads * head_dim:
+        return None
+    if cache.stride(0) % token_stride != 0:
+        return None
+    block_stride = cache.stride(0) // token_stride
+    num_rows = (num_blocks - 1) * block_stride + block_size
+    rows = cache.as_strided((num_rows, num_kv_heads, head_dim), (token_stride, head_dim, 1))
+    return rows, block_stride
 
 
 def _gather_keys(cache: torch.Tensor, batch: RowBatch) -> torch.Tensor:
     """cache [num_blocks, block_size, Hkv, D] at the batch's keys: [rows, max_visible, Hkv, D].
 
-    One `index_select` over the (block, offset) dimensions viewed as one, which a shared-slot view
-    allows (its block stride is block_size times its token stride); several times faster on the
-    CPU than indexing with two tensors, which remains the fallback for other strides."""
-    num_blocks, block_size = cache.shape[0], cache.shape[1]
-    try:
-        slots = cache.view(num_blocks * block_size, *cache.shape[2:])
-    except RuntimeError:  # (block, offset) not mergeable into one dimension without a copy
+    One `index_select` over the cache's token rows (`_token_rows`): several times faster on the
+    CPU than indexing with two index tensors, which remains the fallback for layouts where a
+    block is not a whole number of dense token rows."""
+    flat = _token_rows(cache)
+    if flat is None:
         return cache[batch.key_blocks, batch.key_offsets]
-    return slots.index_select(0, batch.key_slots).view(*batch.key_blocks.shape, *cache.shape[2:])
+    rows, block_stride = flat
+    slots = (batch.key_blocks * block_stride + batch.key_offsets).flatten()
+    return rows.index_select(0, slots).view(*batch.key_blocks.shape, *cache.shape[2:])
+
+
+def _attend_prefill_rows(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale
+) -> torch.Tensor:
+    """Rows of several queries without softcap or sinks: torch's fused attention (on the CPU a
+    tiled kernel that never holds the whole [queries x keys] score matrix).
+    queries [rows, Q, Hq, D], keys/values [rows, Hkv, K, D], mask [rows, 1, Q, 1, K]
+    -> [rows * Q, Hq, D]."""
+    num_rows, max_queries, num_heads, head_dim = queries.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        queries.transpose(1, 2),
+        keys,
+        values,
+        attn_mask=mask.squeeze(3),
+        scale=scale,
+        enable_gqa=keys.shape[1] != num_heads,
+    )  # [rows, Hq, Q, D]
+    return out.transpose(1, 2).reshape(num_rows * max_queries, num_heads, head_dim)
 
 
 def _attend_rows(
@@ -229,16 +401,21 @@ def _attend_rows(
     sinks: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """Masked attention of one row batch; returns [num_tokens_of_these_rows, Hq, D] float32."""
+    geometry = batch.geometry
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
     group_size = num_heads // num_kv_heads
-    num_rows, max_queries = batch.query_rows.shape
+    num_rows, max_queries = geometry.query_rows.shape
     # [rows, max_visible, Hkv, D] -> [rows, Hkv, max_visible, D]
     keys = _gather_keys(k_cache, batch).float().transpose(1, 2)
     values = _gather_keys(v_cache, batch).float().transpose(1, 2)
+    queries = q[geometry.query_rows].float()  # [rows, max_queries, Hq, D]
+    fused = max_queries > 1 and keys.shape[2] >= FUSED_MIN_KEYS
+    if fused and softcap is None and sinks is None:
+        out = _attend_prefill_rows(queries, keys, values, geometry.mask, scale)
+        return out[geometry.output_index]
     # Query head h reads kv head h // group_size (the reference's repeat_interleave).
-    queries = q[batch.query_rows].float()  # [rows, max_queries, Hq, D]
     queries = queries.view(num_rows, max_queries, num_kv_heads, group_size, head_dim)
     queries = queries.permute(0, 2, 1, 3, 4).reshape(
         num_rows, num_kv_heads, max_queries * group_size, head_dim
@@ -247,7 +424,7 @@ def _attend_rows(
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.view(num_rows, num_kv_heads, max_queries, group_size, -1)
-    scores = scores.masked_fill(~batch.mask, float("-inf"))
+    scores = scores.masked_fill(~geometry.mask, float("-inf"))
     if sinks is not None:
         sink_logits = sinks.float().to(scores.device).view(1, num_kv_heads, 1, group_size, 1)
         sink_logits = sink_logits.expand(num_rows, num_kv_heads, max_queries, group_size, 1)
@@ -258,7 +435,7 @@ def _attend_rows(
     out = torch.matmul(probs, values)  # [rows, Hkv, max_queries * G, D]
     out = out.view(num_rows, num_kv_heads, max_queries, group_size, head_dim)
     out = out.permute(0, 2, 1, 3, 4).reshape(num_rows * max_queries, num_heads, head_dim)
-    return out[batch.output_index]
+    return out[geometry.output_index]
 
 
 def paged_attention(
@@ -277,10 +454,27 @@ def paged_attention(
     (already holding this step's keys); returns [num_tokens, Hq, D]. Same contract and results
     as `reference.paged_attention`."""
     assert k_cache.shape[1] == group.block_size, "cache block size differs from the group's"
-    plan = step_plan(metadata, group, sliding_window, chunk, q.device)
+    kernel = cpu_kernel.usable(q, k_cache, v_cache)
+    plan = step_plan(metadata, group, sliding_window, chunk, q.device, kernel)
     output = torch.empty_like(q)
-    for batch in (plan.decode, plan.prefill):
-        if batch is not None:
-            rows = _attend_rows(q, k_cache, v_cache, batch, scale, softcap, sinks)
-            output[batch.token_rows] = rows.to(q.dtype)
+    if isinstance(plan.decode, KernelBatch):
+        rows = plan.decode.rows
+        output[rows.token_rows] = cpu_kernel.decode_attention(
+            q[rows.token_rows],
+            k_cache,
+            v_cache,
+            plan.decode.block_table,
+            rows.sequences,
+            rows.positions,
+            rows.low,
+            scale,
+            softcap,
+            sinks,
+        )
+    elif plan.decode is not None:
+        rows = _attend_rows(q, k_cache, v_cache, plan.decode, scale, softcap, sinks)
+        output[plan.decode.geometry.token_rows] = rows.to(q.dtype)
+    if plan.prefill is not None:
+        rows = _attend_rows(q, k_cache, v_cache, plan.prefill, scale, softcap, sinks)
+        output[plan.prefill.geometry.token_rows] = rows.to(q.dtype)
     return output

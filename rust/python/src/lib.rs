@@ -2,6 +2,7 @@
 
 use pyo3::prelude::*;
 
+mod attention;
 mod convert;
 mod coordinator;
 mod errors;
@@ -16,5 +17,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<coordinator::PyCoordinator>()?;
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<table_view::TableView>()?;
+    m.add_function(wrap_pyfunction!(attention::paged_attention_cpu, m)?)?;
     Ok(())
 }

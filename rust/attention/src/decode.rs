@@ -1,0 +1,147 @@
+//! The kernel: per row and kv head, one pass over the visible keys for the scores of the
+//! group's query heads, a softmax per head, one pass over the values.
+
+use crate::error::{ensure, AttentionError};
+use crate::layout::{AttentionParams, HeadShape, PagedCache, QueryRows};
+use crate::simd;
+
+/// Everything one call reads and writes, checked.
+struct Job<'a, 'o> {
+    q: &'a [f32],
+    keys: PagedCache<'a>,
+    values: PagedCache<'a>,
+    rows: QueryRows<'a>,
+    shape: HeadShape,
+    params: AttentionParams<'a>,
+    out: &'o mut [f32],
+}
+
+/// Attention of `q` (`[rows, num_heads, head_dim]`, row-major) over the paged `keys`/`values`,
+/// written to `out` (same shape). Checks every length, stride and visible block first and
+/// changes nothing when one is wrong.
+pub fn paged_attention(
+    q: &[f32],
+    keys: PagedCache<'_>,
+    values: PagedCache<'_>,
+    rows: QueryRows<'_>,
+    shape: HeadShape,
+    params: AttentionParams<'_>,
+    out: &mut [f32],
+) -> Result<(), AttentionError> {
+    shape.check()?;
+    params.check(&shape)?;
+    keys.check("keys", &shape)?;
+    values.check("values", &shape)?;
+    ensure(keys.block_size == values.block_size, || {
+        format!(
+            "keys and values have block sizes {} and {}",
+            keys.block_size, values.block_size
+        )
+    })?;
+    let expected = rows.len() * shape.row_len();
+    ensure(q.len() == expected && out.len() == expected, || {
+        format!(
+            "q and out must hold rows x num_heads x head_dim = {expected} values, got {} and {}",
+            q.len(),
+            out.len()
+        )
+    })?;
+    rows.check(keys.block_size, keys.num_blocks.min(values.num_blocks))?;
+    let job = Job {
+        q,
+        keys,
+        values,
+        rows,
+        shape,
+        params,
+        out,
+    };
+    #[cfg(target_arch = "x86_64")]
+    if simd::has_avx2() {
+        // SAFETY: the CPU supports AVX2 (checked at run time just above).
+        unsafe { run_avx2(job) };
+        return Ok(());
+    }
+    run(job);
+    Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn run_avx2(job: Job<'_, '_>) {
+    run(job)
+}
+
+#[inline(always)]
+fn run(job: Job<'_, '_>) {
+    let Job {
+        q,
+        keys,
+        values,
+        rows,
+        shape,
+        params,
+        out,
+    } = job;
+    let (head_dim, group) = (shape.head_dim, shape.group_size());
+    let block_size = keys.block_size;
+    let mut scores: Vec<f32> = Vec::new();
+    let mut inverse = vec![0.0f32; group];
+    for r in 0..rows.len() {
+        let (sequence, low, position) = rows.span(r);
+        let visible = position - low + 1;
+        let q_row = &q[r * shape.row_len()..(r + 1) * shape.row_len()];
+        let out_row = &mut out[r * shape.row_len()..(r + 1) * shape.row_len()];
+        out_row.fill(0.0);
+        scores.clear();
+        scores.resize(group * visible, 0.0);
+        for kv_head in 0..shape.num_kv_heads {
+            let heads = kv_head * group..(kv_head + 1) * group;
+            // Pass 1: scores[g * visible + i] for key i of query head g of this kv head.
+            for (i, p) in (low..=position).enumerate() {
+                let block = rows.block(sequence, p, block_size);
+                let key = keys.row(block, p % block_size, kv_head, head_dim);
+                for (g, head) in heads.clone().enumerate() {
+                    let query = &q_row[head * head_dim..(head + 1) * head_dim];
+                    let mut score = simd::dot(query, key) * params.scale;
+                    if let Some(cap) = params.softcap {
+                        score = cap * (score / cap).tanh();
+                    }
+                    scores[g * visible + i] = score;
+                }
+            }
+            // Softmax per query head (the sink, if any, joins the denominator).
+            for (g, head) in heads.clone().enumerate() {
+                let head_scores = &mut scores[g * visible..(g + 1) * visible];
+                let sink = params.sinks.map(|sinks| sinks[head]);
+                let mut max = head_scores
+                    .iter()
+                    .copied()
+                    .fold(f32::NEG_INFINITY, f32::max);
+                if let Some(sink) = sink {
+                    max = max.max(sink);
+                }
+                let mut sum = sink.map_or(0.0, |sink| (sink - max).exp());
+                for score in head_scores.iter_mut() {
+                    *score = (*score - max).exp();
+                    sum += *score;
+                }
+                inverse[g] = 1.0 / sum;
+            }
+            // Pass 2: weighted values.
+            for (i, p) in (low..=position).enumerate() {
+                let block = rows.block(sequence, p, block_size);
+                let value = values.row(block, p % block_size, kv_head, head_dim);
+                for (g, head) in heads.clone().enumerate() {
+                    let acc = &mut out_row[head * head_dim..(head + 1) * head_dim];
+                    simd::axpy(acc, scores[g * visible + i], value);
+                }
+            }
+            for (g, head) in heads.clone().enumerate() {
+                for value in &mut out_row[head * head_dim..(head + 1) * head_dim] {
+                    *value *= inverse[g];
+                }
+            }
+        }
+    }
+}

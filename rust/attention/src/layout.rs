@@ -1,0 +1,215 @@
+//! What the kernel reads: the paged cache, the rows' visible ranges, the head shape and the
+//! score options. Everything is checked once, before any arithmetic.
+
+use crate::error::{ensure, AttentionError};
+
+/// Query, kv and head-dimension sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl HeadShape {
+    /// Query heads per kv head.
+    pub fn group_size(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+
+    /// Elements of one row of `q` or of the output.
+    pub fn row_len(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    pub(crate) fn check(&self) -> Result<(), AttentionError> {
+        ensure(self.num_kv_heads >= 1 && self.head_dim >= 1, || {
+            format!("heads and head_dim must be at least 1, got {self:?}")
+        })?;
+        ensure(
+            self.num_heads.is_multiple_of(self.num_kv_heads) && self.num_heads >= 1,
+            || {
+                format!(
+                    "num_heads ({}) must be a positive multiple of num_kv_heads ({})",
+                    self.num_heads, self.num_kv_heads
+                )
+            },
+        )
+    }
+}
+
+/// One layer's keys (or values) inside a flat f32 buffer: element (block, token, head, d) is at
+/// `offset + block * block_stride + token * token_stride + head * head_stride + d`.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedCache<'a> {
+    pub data: &'a [f32],
+    pub offset: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub block_stride: usize,
+    pub token_stride: usize,
+    pub head_stride: usize,
+}
+
+impl PagedCache<'_> {
+    /// The `head_dim` values of (block, token, head); in bounds once `check` passed.
+    #[inline(always)]
+    pub(crate) fn row(&self, block: usize, token: usize, head: usize, head_dim: usize) -> &[f32] {
+        let start = self.offset
+            + block * self.block_stride
+            + token * self.token_stride
+            + head * self.head_stride;
+        &self.data[start..start + head_dim]
+    }
+
+    pub(crate) fn check(&self, name: &str, shape: &HeadShape) -> Result<(), AttentionError> {
+        ensure(self.num_blocks >= 1 && self.block_size >= 1, || {
+            format!("{name}: num_blocks and block_size must be at least 1")
+        })?;
+        let last = self.offset
+            + (self.num_blocks - 1) * self.block_stride
+            + (self.block_size - 1) * self.token_stride
+            + (shape.num_kv_heads - 1) * self.head_stride
+            + shape.head_dim;
+        ensure(last <= self.data.len(), || {
+            format!(
+                "{name}: the strides reach element {last} but the buffer holds {}; pass the \
+                 cache's real offset and strides",
+                self.data.len()
+            )
+        })
+    }
+}
+
+/// The rows to compute, one query token each: its sequence's block-table row and its visible
+/// positions `low ..= position`.
+#[derive(Clone, Copy, Debug)]
+pub struct QueryRows<'a> {
+    /// `[num_sequences, table_width]` block ids, row-major.
+    pub block_table: &'a [i32],
+    pub table_width: usize,
+    pub sequence: &'a [i64],
+    pub position: &'a [i64],
+    pub low: &'a [i64],
+}
+
+impl QueryRows<'_> {
+    pub fn len(&self) -> usize {
+        self.sequence.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sequence.is_empty()
+    }
+
+    /// (table row, first visible position, last visible position) of row `r`; valid after
+    /// `check`.
+    #[inline(always)]
+    pub(crate) fn span(&self, r: usize) -> (usize, usize, usize) {
+        (
+            self.sequence[r] as usize,
+            self.low[r] as usize,
+            self.position[r] as usize,
+        )
+    }
+
+    /// Block id of position `p` of table row `s`; valid after `check`.
+    #[inline(always)]
+    pub(crate) fn block(&self, s: usize, p: usize, block_size: usize) -> usize {
+        self.block_table[s * self.table_width + p / block_size] as usize
+    }
+
+    /// Every row's range is inside its table row, and every block it reads is a real block of
+    /// both caches (never the null block 0).
+    pub(crate) fn check(&self, block_size: usize, num_blocks: usize) -> Result<(), AttentionError> {
+        let rows = self.len();
+        ensure(
+            self.position.len() == rows && self.low.len() == rows,
+            || {
+                format!(
+                    "sequence, position and low must have one entry per row, got {}, {} and {}",
+                    rows,
+                    self.position.len(),
+                    self.low.len()
+                )
+            },
+        )?;
+        ensure(
+            self.table_width >= 1 && self.block_table.len().is_multiple_of(self.table_width),
+            || {
+                format!(
+                    "block_table holds {} ids, not a whole number of rows of width {}",
+                    self.block_table.len(),
+                    self.table_width
+                )
+            },
+        )?;
+        let num_sequences = self.block_table.len() / self.table_width;
+        for r in 0..rows {
+            let (sequence, low, position) = (self.sequence[r], self.low[r], self.position[r]);
+            ensure(sequence >= 0 && (sequence as usize) < num_sequences, || {
+                format!(
+                    "row {r}: sequence {sequence} is not a block-table row (0..{num_sequences})"
+                )
+            })?;
+            ensure(0 <= low && low <= position, || {
+                format!("row {r}: visible range {low}..={position} is empty or negative")
+            })?;
+            let last_block = position as usize / block_size;
+            ensure(last_block < self.table_width, || {
+                format!(
+                    "row {r}: position {position} needs table column {last_block}, the table \
+                     has {} columns",
+                    self.table_width
+                )
+            })?;
+            for column in low as usize / block_size..=last_block {
+                let id = self.block_table[sequence as usize * self.table_width + column];
+                if id <= 0 || id as usize >= num_blocks {
+                    return Err(AttentionError::InvalidBlock(format!(
+                        "row {r}: visible position block {column} maps to block id {id}, which \
+                         is {}; every visible position must be in a real block (1..{num_blocks})",
+                        if id == 0 {
+                            "the null block"
+                        } else {
+                            "out of range"
+                        }
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Score options: `scale * q.k`, soft-capped when `softcap` is set; `sinks` holds one logit per
+/// query head that joins each softmax denominator.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionParams<'a> {
+    pub scale: f32,
+    pub softcap: Option<f32>,
+    pub sinks: Option<&'a [f32]>,
+}
+
+impl AttentionParams<'_> {
+    pub(crate) fn check(&self, shape: &HeadShape) -> Result<(), AttentionError> {
+        ensure(self.scale.is_finite(), || {
+            format!("scale must be finite, got {}", self.scale)
+        })?;
+        if let Some(cap) = self.softcap {
+            ensure(cap.is_finite() && cap > 0.0, || {
+                format!("softcap must be a positive number, got {cap}")
+            })?;
+        }
+        if let Some(sinks) = self.sinks {
+            ensure(sinks.len() == shape.num_heads, || {
+                format!(
+                    "sinks must hold one logit per query head ({}), got {}",
+                    shape.num_heads,
+                    sinks.len()
+                )
+            })?;
+        }
+        Ok(())
+    }
+}

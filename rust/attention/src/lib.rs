@@ -1,0 +1,21 @@
+//! CPU paged attention for one query token per row, reading keys and values in place from a
+//! paged KV cache through a block table (no gather copy). Pure Rust: no Python, no torch.
+//!
+//! The Python engine's CPU backend uses it for decode rows, where a batched torch version has
+//! to copy every visible key and value of every request before two small matmuls; here each
+//! row streams its keys once, in block order, with a two-pass softmax per query head.
+//!
+//! Semantics (same as the engine's reference backend): query token `t` of head `j` attends to
+//! the positions `low[t] ..= position[t]` of its sequence, with kv head `j / (Hq / Hkv)`
+//! (grouped-query attention); scores are `scale * q.k`, optionally soft-capped
+//! (`cap * tanh(s / cap)`), and an optional per-head sink logit joins the softmax denominator
+//! without a value.
+
+mod decode;
+mod error;
+mod layout;
+mod simd;
+
+pub use decode::paged_attention;
+pub use error::AttentionError;
+pub use layout::{AttentionParams, HeadShape, PagedCache, QueryRows};
