@@ -17,7 +17,11 @@ import torch
 from hybrid_cache.attention import build_attention_metadata, cpu_kernel, torch_batched
 
 
-def case(batch, context, num_kv_heads, group, head_dim=32, block_size=16, seed=0):
+# (kv heads, query heads per kv head, head_dim, softcap): tiny-gemma3, tiny-gemma2, a 7B-like GQA
+SHAPES = [(1, 4, 32, None), (2, 2, 16, 50.0), (8, 4, 32, None)]
+
+
+def case(batch, context, num_kv_heads, group, head_dim, block_size=16, seed=0):
     generator = torch.Generator().manual_seed(seed)
     width = -(-context // block_size)
     num_blocks = 1 + batch * width
@@ -48,17 +52,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| rows | context | Hkv x G | torch ops | Rust kernel | kernel / torch |")
-    print("|---|---|---|---|---|---|")
+    print("| rows | context | Hkv x G x D | softcap | torch ops | Rust kernel | kernel / torch |")
+    print("|---|---|---|---|---|---|---|")
     for context in args.contexts:
         for batch in args.batches:
-            for num_kv_heads, group in ((1, 4), (2, 2), (8, 4)):
-                q, k_cache, v_cache, metadata = case(batch, context, num_kv_heads, group)
+            for num_kv_heads, group, head_dim, softcap in SHAPES:
+                q, k_cache, v_cache, metadata = case(batch, context, num_kv_heads, group, head_dim)
                 group_meta = metadata.groups[0]
 
-                def run(kernel, q=q, k=k_cache, v=v_cache, m=metadata, g=group_meta):
+                def run(kernel, q=q, k=k_cache, v=v_cache, m=metadata, g=group_meta, c=softcap):
                     cpu_kernel.ENABLED = kernel
-                    return torch_batched.paged_attention(q, k, v, m, g, 0.17)
+                    return torch_batched.paged_attention(q, k, v, m, g, 0.17, softcap=c)
 
                 assert torch.allclose(run(True), run(False), rtol=1e-4, atol=1e-5)
                 times = {True: [], False: []}
@@ -67,7 +71,8 @@ def main() -> None:
                         times[kernel].append(timed(lambda k=kernel: run(k), args.repeats))
                 torch_s, kernel_s = min(times[False]), min(times[True])
                 print(
-                    f"| {batch} | {context} | {num_kv_heads} x {group} | {torch_s * 1e3:.2f} ms "
+                    f"| {batch} | {context} | {num_kv_heads} x {group} x {head_dim} | {softcap} "
+                    f"| {torch_s * 1e3:.2f} ms "
                     f"| {kernel_s * 1e3:.2f} ms | {kernel_s / torch_s:.2f} |"
                 )
     cpu_kernel.ENABLED = True

@@ -3,7 +3,7 @@
 
 use crate::error::{ensure, AttentionError};
 use crate::layout::{AttentionParams, HeadShape, PagedCache, QueryRows};
-use crate::simd;
+use crate::{math, simd};
 
 /// Everything one call reads and writes, checked.
 struct Job<'a, 'o> {
@@ -88,7 +88,8 @@ fn run(job: Job<'_, '_>) {
     let mut scores: Vec<f32> = Vec::new();
     let mut inverse = vec![0.0f32; group];
     for r in 0..rows.len() {
-        let (sequence, low, position) = rows.span(r);
+        let span = rows.span(r);
+        let (_, low, position) = span;
         let visible = position - low + 1;
         let q_row = &q[r * shape.row_len()..(r + 1) * shape.row_len()];
         let out_row = &mut out[r * shape.row_len()..(r + 1) * shape.row_len()];
@@ -98,21 +99,23 @@ fn run(job: Job<'_, '_>) {
         for kv_head in 0..shape.num_kv_heads {
             let heads = kv_head * group..(kv_head + 1) * group;
             // Pass 1: scores[g * visible + i] for key i of query head g of this kv head.
-            for (i, p) in (low..=position).enumerate() {
-                let block = rows.block(sequence, p, block_size);
-                let key = keys.row(block, p % block_size, kv_head, head_dim);
-                for (g, head) in heads.clone().enumerate() {
-                    let query = &q_row[head * head_dim..(head + 1) * head_dim];
-                    let mut score = simd::dot(query, key) * params.scale;
-                    if let Some(cap) = params.softcap {
-                        score = cap * (score / cap).tanh();
+            for (block, offsets, first) in rows.blocks(span, block_size) {
+                let base = keys.head_start(block, kv_head);
+                for (i, token) in (first..).zip(offsets) {
+                    let start = base + token * keys.token_stride;
+                    let key = &keys.data[start..start + head_dim];
+                    for (g, head) in heads.clone().enumerate() {
+                        let query = &q_row[head * head_dim..(head + 1) * head_dim];
+                        scores[g * visible + i] = simd::dot(query, key) * params.scale;
                     }
-                    scores[g * visible + i] = score;
                 }
             }
             // Softmax per query head (the sink, if any, joins the denominator).
             for (g, head) in heads.clone().enumerate() {
                 let head_scores = &mut scores[g * visible..(g + 1) * visible];
+                if let Some(cap) = params.softcap {
+                    math::softcap(head_scores, cap);
+                }
                 let sink = params.sinks.map(|sinks| sinks[head]);
                 let mut max = head_scores
                     .iter()
@@ -121,20 +124,22 @@ fn run(job: Job<'_, '_>) {
                 if let Some(sink) = sink {
                     max = max.max(sink);
                 }
-                let mut sum = sink.map_or(0.0, |sink| (sink - max).exp());
-                for score in head_scores.iter_mut() {
-                    *score = (*score - max).exp();
-                    sum += *score;
+                let mut sum = math::exp_shifted_sum(head_scores, max);
+                if let Some(sink) = sink {
+                    sum += (sink - max).exp();
                 }
                 inverse[g] = 1.0 / sum;
             }
             // Pass 2: weighted values.
-            for (i, p) in (low..=position).enumerate() {
-                let block = rows.block(sequence, p, block_size);
-                let value = values.row(block, p % block_size, kv_head, head_dim);
-                for (g, head) in heads.clone().enumerate() {
-                    let acc = &mut out_row[head * head_dim..(head + 1) * head_dim];
-                    simd::axpy(acc, scores[g * visible + i], value);
+            for (block, offsets, first) in rows.blocks(span, block_size) {
+                let base = values.head_start(block, kv_head);
+                for (i, token) in (first..).zip(offsets) {
+                    let start = base + token * values.token_stride;
+                    let value = &values.data[start..start + head_dim];
+                    for (g, head) in heads.clone().enumerate() {
+                        let acc = &mut out_row[head * head_dim..(head + 1) * head_dim];
+                        simd::axpy(acc, scores[g * visible + i], value);
+                    }
                 }
             }
             for (g, head) in heads.clone().enumerate() {

@@ -52,14 +52,11 @@ pub struct PagedCache<'a> {
 }
 
 impl PagedCache<'_> {
-    /// The `head_dim` values of (block, token, head); in bounds once `check` passed.
+    /// Element index of (block, token 0, head, 0); with `token * token_stride` added and
+    /// `head_dim` elements on, in bounds once `check` passed.
     #[inline(always)]
-    pub(crate) fn row(&self, block: usize, token: usize, head: usize, head_dim: usize) -> &[f32] {
-        let start = self.offset
-            + block * self.block_stride
-            + token * self.token_stride
-            + head * self.head_stride;
-        &self.data[start..start + head_dim]
+    pub(crate) fn head_start(&self, block: usize, head: usize) -> usize {
+        self.offset + block * self.block_stride + head * self.head_stride
     }
 
     pub(crate) fn check(&self, name: &str, shape: &HeadShape) -> Result<(), AttentionError> {
@@ -113,10 +110,23 @@ impl QueryRows<'_> {
         )
     }
 
-    /// Block id of position `p` of table row `s`; valid after `check`.
+    /// The blocks that positions `low ..= position` of table row `s` touch, in order: (block
+    /// id, offsets in the block, index of the first of them in the visible range); valid after
+    /// `check`. An iterator, not a callback, so the loop body stays in the caller (and in its
+    /// target features).
     #[inline(always)]
-    pub(crate) fn block(&self, s: usize, p: usize, block_size: usize) -> usize {
-        self.block_table[s * self.table_width + p / block_size] as usize
+    pub(crate) fn blocks(
+        &self,
+        (s, low, position): (usize, usize, usize),
+        block_size: usize,
+    ) -> BlockRuns<'_> {
+        BlockRuns {
+            table_row: &self.block_table[s * self.table_width..(s + 1) * self.table_width],
+            block_size,
+            low,
+            next: low,
+            end: position + 1,
+        }
     }
 
     /// Every row's range is inside its table row, and every block it reads is a real block of
@@ -179,6 +189,36 @@ impl QueryRows<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// Iterator of `QueryRows::blocks`.
+pub(crate) struct BlockRuns<'a> {
+    table_row: &'a [i32],
+    block_size: usize,
+    low: usize,
+    next: usize,
+    end: usize,
+}
+
+impl Iterator for BlockRuns<'_> {
+    type Item = (usize, std::ops::Range<usize>, usize);
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.next >= self.end {
+            return None;
+        }
+        let p = self.next;
+        let column = p / self.block_size;
+        let stop = ((column + 1) * self.block_size).min(self.end);
+        let first_offset = p - column * self.block_size;
+        self.next = stop;
+        Some((
+            self.table_row[column] as usize,
+            first_offset..first_offset + (stop - p),
+            p - self.low,
+        ))
     }
 }
 

@@ -14,6 +14,7 @@
 mod decode;
 mod error;
 mod layout;
+mod math;
 mod simd;
 
 pub use decode::paged_attention;
