@@ -17,7 +17,9 @@ def kernel_inputs(seed):
     """A random step's one-query rows, as the torch backend hands them to the kernel."""
     q, k_cache, v_cache, metadata = random_step(seed, 4, 2, 4, None, None)
     group = metadata.groups[0]
-    plan = torch_batched.step_plan(metadata, group, None, None, q.device, kernel=True)
+    plan = torch_batched.step_plan(
+        metadata, group, None, None, q.device, kernel=torch_batched.KERNEL_DECODE
+    )
     assert isinstance(plan.decode, torch_batched.KernelBatch)
     rows = plan.decode.rows
     return q, k_cache, v_cache, plan.decode.block_table, rows
@@ -43,10 +45,16 @@ def test_the_torch_backend_sends_decode_rows_to_the_kernel_on_float32_caches():
     assert cpu_kernel.usable(q, k_cache, v_cache)
     assert not cpu_kernel.usable(q, k_cache.bfloat16(), v_cache.bfloat16())
     group = metadata.groups[0]
-    plan = torch_batched.step_plan(metadata, group, 5, None, q.device, kernel=True)
+    plan = torch_batched.step_plan(metadata, group, 5, None, q.device, torch_batched.KERNEL_DECODE)
     assert isinstance(plan.decode, torch_batched.KernelBatch), f"seed {seed}"
-    plan = torch_batched.step_plan(metadata, group, 5, None, q.device, kernel=False)
+    assert isinstance(plan.prefill, torch_batched.RowBatch), f"seed {seed}"
+    plan = torch_batched.step_plan(metadata, group, 5, None, q.device, torch_batched.KERNEL_NONE)
     assert isinstance(plan.decode, torch_batched.RowBatch), f"seed {seed}"
+    # With softcap or sinks every query token is a kernel row (no torch prefill rows).
+    plan = torch_batched.step_plan(metadata, group, 5, None, q.device, torch_batched.KERNEL_ALL)
+    assert isinstance(plan.decode, torch_batched.KernelBatch) and plan.prefill is None
+    num_tokens = int(metadata.query_start_loc[-1])
+    assert sorted(plan.decode.rows.token_rows.tolist()) == list(range(num_tokens))
 
 
 def test_bfloat16_caches_stay_on_the_torch_path_and_match_the_reference():

@@ -52,6 +52,9 @@ _PLAN_CACHE = "_torch_batched_plans"
 # keys (cheap for small windows; for W = 4096 the tiles would be as long as the prompts, so
 # larger windows pad each sequence's queries on one row instead).
 TILED_MAX_WINDOW = 128
+# Which rows `step_plan` leaves to the CPU kernel (`cpu_kernel`): none, one-query rows, or every
+# query token as its own row.
+KERNEL_NONE, KERNEL_DECODE, KERNEL_ALL = "none", "decode", "all"
 # Prefill rows with at least this many keys use torch's fused attention; below it (a small
 # window's tiles) the plain masked matmuls are faster on the CPU.
 FUSED_MIN_KEYS = 64
@@ -230,18 +233,23 @@ def _build_geometry(
     sliding_window: Optional[int],
     chunk: Optional[int],
     device: torch.device,
-    kernel: bool,
+    kernel: str,
 ) -> StepGeometry:
     query_start_loc = metadata.query_start_loc.cpu().long()
     seq_lens = metadata.seq_lens.cpu().long()
     query_start = query_start_loc[:-1]
     query_lens = query_start_loc[1:] - query_start
     sequences = torch.arange(len(query_lens))
-    if sliding_window is not None and sliding_window <= TILED_MAX_WINDOW:
+    tile = None
+    if kernel == KERNEL_ALL:
+        tile = 1  # every query token is a one-query row of the kernel
+    elif sliding_window is not None and sliding_window <= TILED_MAX_WINDOW:
         # Tiles of W queries over their 2W - 1 keys: a prefill chunk costs about 2 W scores and
         # 2 gathered keys per token, instead of (W + query_len) each on one padded row.
+        tile = sliding_window
+    if tile is not None:
         sequences, query_start, query_lens, seq_lens = _tiles(
-            query_start, query_lens, seq_lens, sliding_window
+            query_start, query_lens, seq_lens, tile
         )
     kinds: list = []
     one_query = query_lens == 1
@@ -250,7 +258,7 @@ def _build_geometry(
         if len(rows) == 0:
             kinds.append(None)
             continue
-        if kernel and selected is one_query:  # the CPU kernel can read the caches in place
+        if kernel != KERNEL_NONE and selected is one_query:  # the kernel reads K/V in place
             kinds.append(
                 _kernel_rows(
                     sequences[rows], query_start[rows], seq_lens[rows], sliding_window, chunk
@@ -291,7 +299,7 @@ def _build_plan(
     sliding_window: Optional[int],
     chunk: Optional[int],
     device: torch.device,
-    kernel: bool,
+    kernel: str,
 ) -> StepPlan:
     geometry = cached_on(
         metadata,
@@ -320,13 +328,14 @@ def step_plan(
     sliding_window: Optional[int],
     chunk: Optional[int],
     device: torch.device,
-    kernel: bool = False,
+    kernel: str = "none",
 ) -> StepPlan:
     """The group's plan for this step: built by the step's first layer with these visibility
     options, reused by the others (cached on `group`, keyed by the source tensors' identity).
     The row geometry under it is shared by every group of the step with the same options
-    (cached on `metadata`): only the block ids differ between groups. With `kernel`, one-query
-    rows are left to the CPU kernel (`KernelBatch`: visible ranges, no gather indices)."""
+    (cached on `metadata`): only the block ids differ between groups. `kernel` says which rows
+    the CPU kernel takes (`KernelBatch`: visible ranges, no gather indices): `KERNEL_NONE`,
+    `KERNEL_DECODE` (one-query rows) or `KERNEL_ALL` (every query token as its own row)."""
     device = torch.device(device)
     return cached_on(
         group,
@@ -454,7 +463,11 @@ def paged_attention(
     (already holding this step's keys); returns [num_tokens, Hq, D]. Same contract and results
     as `reference.paged_attention`."""
     assert k_cache.shape[1] == group.block_size, "cache block size differs from the group's"
-    kernel = cpu_kernel.usable(q, k_cache, v_cache)
+    kernel = KERNEL_NONE
+    if cpu_kernel.usable(q, k_cache, v_cache):
+        # Softcap and sinks keep prefill rows off the fused torch attention; the kernel is
+        # several times faster than the unfused torch ops for them.
+        kernel = KERNEL_DECODE if softcap is None and sinks is None else KERNEL_ALL
     plan = step_plan(metadata, group, sliding_window, chunk, q.device, kernel)
     output = torch.empty_like(q)
     if isinstance(plan.decode, KernelBatch):
