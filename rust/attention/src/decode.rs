@@ -86,7 +86,7 @@ fn run(job: Job<'_, '_>) {
     let (head_dim, group) = (shape.head_dim, shape.group_size());
     let block_size = keys.block_size;
     let mut scores: Vec<f32> = Vec::new();
-    let mut inverse = vec![0.0f32; group];
+    let mut inverse = vec![0.0f32; shape.num_heads];
     for r in 0..rows.len() {
         let span = rows.span(r);
         let (_, low, position) = span;
@@ -95,57 +95,59 @@ fn run(job: Job<'_, '_>) {
         let out_row = &mut out[r * shape.row_len()..(r + 1) * shape.row_len()];
         out_row.fill(0.0);
         scores.clear();
-        scores.resize(group * visible, 0.0);
-        for kv_head in 0..shape.num_kv_heads {
-            let heads = kv_head * group..(kv_head + 1) * group;
-            // Pass 1: scores[g * visible + i] for key i of query head g of this kv head.
-            for (block, offsets, first) in rows.blocks(span, block_size) {
-                let base = keys.head_start(block, kv_head);
-                for (i, token) in (first..).zip(offsets) {
-                    let start = base + token * keys.token_stride;
+        scores.resize(shape.num_heads * visible, 0.0);
+        // Pass 1: scores[head * visible + i] for key i, every head, each block read once.
+        for (block, offsets, first) in rows.blocks(span, block_size) {
+            let base = keys.head_start(block, 0);
+            for (i, token) in (first..).zip(offsets) {
+                let token_start = base + token * keys.token_stride;
+                for kv_head in 0..shape.num_kv_heads {
+                    let start = token_start + kv_head * keys.head_stride;
                     let key = &keys.data[start..start + head_dim];
-                    for (g, head) in heads.clone().enumerate() {
+                    for head in kv_head * group..(kv_head + 1) * group {
                         let query = &q_row[head * head_dim..(head + 1) * head_dim];
-                        scores[g * visible + i] = simd::dot(query, key) * params.scale;
+                        scores[head * visible + i] = simd::dot(query, key) * params.scale;
                     }
                 }
             }
-            // Softmax per query head (the sink, if any, joins the denominator).
-            for (g, head) in heads.clone().enumerate() {
-                let head_scores = &mut scores[g * visible..(g + 1) * visible];
-                if let Some(cap) = params.softcap {
-                    math::softcap(head_scores, cap);
-                }
-                let sink = params.sinks.map(|sinks| sinks[head]);
-                let mut max = head_scores
-                    .iter()
-                    .copied()
-                    .fold(f32::NEG_INFINITY, f32::max);
-                if let Some(sink) = sink {
-                    max = max.max(sink);
-                }
-                let mut sum = math::exp_shifted_sum(head_scores, max);
-                if let Some(sink) = sink {
-                    sum += (sink - max).exp();
-                }
-                inverse[g] = 1.0 / sum;
+        }
+        // Softmax per query head (the sink, if any, joins the denominator).
+        for (head, head_scores) in scores.chunks_exact_mut(visible).enumerate() {
+            if let Some(cap) = params.softcap {
+                math::softcap(head_scores, cap);
             }
-            // Pass 2: weighted values.
-            for (block, offsets, first) in rows.blocks(span, block_size) {
-                let base = values.head_start(block, kv_head);
-                for (i, token) in (first..).zip(offsets) {
-                    let start = base + token * values.token_stride;
+            let sink = params.sinks.map(|sinks| sinks[head]);
+            let mut max = head_scores
+                .iter()
+                .copied()
+                .fold(f32::NEG_INFINITY, f32::max);
+            if let Some(sink) = sink {
+                max = max.max(sink);
+            }
+            let mut sum = math::exp_shifted_sum(head_scores, max);
+            if let Some(sink) = sink {
+                sum += (sink - max).exp();
+            }
+            inverse[head] = 1.0 / sum;
+        }
+        // Pass 2: weighted values, each block read once.
+        for (block, offsets, first) in rows.blocks(span, block_size) {
+            let base = values.head_start(block, 0);
+            for (i, token) in (first..).zip(offsets) {
+                let token_start = base + token * values.token_stride;
+                for kv_head in 0..shape.num_kv_heads {
+                    let start = token_start + kv_head * values.head_stride;
                     let value = &values.data[start..start + head_dim];
-                    for (g, head) in heads.clone().enumerate() {
+                    for head in kv_head * group..(kv_head + 1) * group {
                         let acc = &mut out_row[head * head_dim..(head + 1) * head_dim];
-                        simd::axpy(acc, scores[g * visible + i], value);
+                        simd::axpy(acc, scores[head * visible + i], value);
                     }
                 }
             }
-            for (g, head) in heads.clone().enumerate() {
-                for value in &mut out_row[head * head_dim..(head + 1) * head_dim] {
-                    *value *= inverse[g];
-                }
+        }
+        for (acc, scale) in out_row.chunks_exact_mut(head_dim).zip(&inverse) {
+            for value in acc {
+                *value *= scale;
             }
         }
     }
