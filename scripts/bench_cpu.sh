@@ -9,7 +9,7 @@ set -euo pipefail
 out=${1:-bench-results}
 mkdir -p "$out"
 common=(--input-len 512 --output-len 128 --num-prompts 64 --kv-cache-mode both --num-threads 1 --repeat 3)
-for run in "tiny-gemma2 10.25MiB" "tiny-gemma3 30.5MiB" "tiny-llama 10.25MiB"; do
+for run in "tiny-gemma2 10.25MiB" "tiny-gemma3 15.25MiB" "tiny-llama 10.25MiB"; do
     set -- $run
     hybrid-cache bench --model "$1" --kv-cache-memory "$2" "${common[@]}" \
         --output-json "$out/$1.json" --plot "$out/$1.png"
