@@ -1,5 +1,7 @@
-//! The kernel: per row and kv head, one pass over the visible keys for the scores of the
-//! group's query heads, a softmax per head, one pass over the values.
+//! The kernel: per row, one pass over the visible blocks. For each block, the scores of every
+//! query head against its keys, then an online softmax (a running max and sum per head; the
+//! accumulated output is rescaled when the max grows), then the block's values weighted into the
+//! output. A block's K and V pages are read together, once.
 
 use crate::error::{ensure, AttentionError};
 use crate::layout::{AttentionParams, HeadShape, PagedCache, QueryRows};
@@ -83,71 +85,87 @@ fn run(job: Job<'_, '_>) {
         params,
         out,
     } = job;
-    let (head_dim, group) = (shape.head_dim, shape.group_size());
+    let (head_dim, group, num_heads) = (shape.head_dim, shape.group_size(), shape.num_heads);
     let block_size = keys.block_size;
-    let mut scores: Vec<f32> = Vec::new();
-    let mut inverse = vec![0.0f32; shape.num_heads];
+    // Per head: the block's scores, then its softmax weights (stride block_size).
+    let mut weights = vec![0.0f32; num_heads * block_size];
+    // Per head: running max and running sum of exp(score - max) (the online softmax).
+    let mut running_max = vec![f32::NEG_INFINITY; num_heads];
+    let mut running_sum = vec![0.0f32; num_heads];
     for r in 0..rows.len() {
         let span = rows.span(r);
-        let (_, low, position) = span;
-        let visible = position - low + 1;
         let q_row = &q[r * shape.row_len()..(r + 1) * shape.row_len()];
         let out_row = &mut out[r * shape.row_len()..(r + 1) * shape.row_len()];
         out_row.fill(0.0);
-        scores.clear();
-        scores.resize(shape.num_heads * visible, 0.0);
-        // Pass 1: scores[head * visible + i] for key i, every head, each block read once.
-        for (block, offsets, first) in rows.blocks(span, block_size) {
-            let base = keys.head_start(block, 0);
-            for (i, token) in (first..).zip(offsets) {
-                let token_start = base + token * keys.token_stride;
+        running_max.fill(f32::NEG_INFINITY);
+        running_sum.fill(0.0);
+        // One pass over the visible blocks; a block's K and V are read together.
+        for (block, offsets, _) in rows.blocks(span, block_size) {
+            let count = offsets.len();
+            let key_base = keys.head_start(block, 0);
+            for (j, token) in offsets.clone().enumerate() {
+                let token_start = key_base + token * keys.token_stride;
                 for kv_head in 0..shape.num_kv_heads {
                     let start = token_start + kv_head * keys.head_stride;
                     let key = &keys.data[start..start + head_dim];
                     for head in kv_head * group..(kv_head + 1) * group {
                         let query = &q_row[head * head_dim..(head + 1) * head_dim];
-                        scores[head * visible + i] = simd::dot(query, key) * params.scale;
+                        weights[head * block_size + j] = simd::dot(query, key) * params.scale;
                     }
                 }
             }
-        }
-        // Softmax per query head (the sink, if any, joins the denominator).
-        for (head, head_scores) in scores.chunks_exact_mut(visible).enumerate() {
-            if let Some(cap) = params.softcap {
-                math::softcap(head_scores, cap);
+            for head in 0..num_heads {
+                let block_scores = &mut weights[head * block_size..head * block_size + count];
+                if let Some(cap) = params.softcap {
+                    math::softcap(block_scores, cap);
+                }
+                let block_max = block_scores
+                    .iter()
+                    .copied()
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let max = running_max[head].max(block_max);
+                if max > running_max[head] && running_sum[head] > 0.0 {
+                    // A larger score arrived: rescale what was accumulated so far.
+                    let factor = (running_max[head] - max).exp();
+                    running_sum[head] *= factor;
+                    for value in &mut out_row[head * head_dim..(head + 1) * head_dim] {
+                        *value *= factor;
+                    }
+                }
+                running_max[head] = max;
+                running_sum[head] += math::exp_shifted_sum(block_scores, max);
             }
-            let sink = params.sinks.map(|sinks| sinks[head]);
-            let mut max = head_scores
-                .iter()
-                .copied()
-                .fold(f32::NEG_INFINITY, f32::max);
-            if let Some(sink) = sink {
-                max = max.max(sink);
-            }
-            let mut sum = math::exp_shifted_sum(head_scores, max);
-            if let Some(sink) = sink {
-                sum += (sink - max).exp();
-            }
-            inverse[head] = 1.0 / sum;
-        }
-        // Pass 2: weighted values, each block read once.
-        for (block, offsets, first) in rows.blocks(span, block_size) {
-            let base = values.head_start(block, 0);
-            for (i, token) in (first..).zip(offsets) {
-                let token_start = base + token * values.token_stride;
+            let value_base = values.head_start(block, 0);
+            for (j, token) in offsets.enumerate() {
+                let token_start = value_base + token * values.token_stride;
                 for kv_head in 0..shape.num_kv_heads {
                     let start = token_start + kv_head * values.head_stride;
                     let value = &values.data[start..start + head_dim];
                     for head in kv_head * group..(kv_head + 1) * group {
                         let acc = &mut out_row[head * head_dim..(head + 1) * head_dim];
-                        simd::axpy(acc, scores[head * visible + i], value);
+                        simd::axpy(acc, weights[head * block_size + j], value);
                     }
                 }
             }
         }
-        for (acc, scale) in out_row.chunks_exact_mut(head_dim).zip(&inverse) {
+        // The sink (if any) joins each head's denominator, then normalise.
+        for (head, acc) in out_row.chunks_exact_mut(head_dim).enumerate() {
+            let (mut max, mut sum) = (running_max[head], running_sum[head]);
+            if let Some(sinks) = params.sinks {
+                let sink = sinks[head];
+                if sink > max {
+                    let factor = (max - sink).exp();
+                    sum *= factor;
+                    for value in acc.iter_mut() {
+                        *value *= factor;
+                    }
+                    max = sink;
+                }
+                sum += (sink - max).exp();
+            }
+            let inverse = 1.0 / sum;
             for value in acc {
-                *value *= scale;
+                *value *= inverse;
             }
         }
     }
