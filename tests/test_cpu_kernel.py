@@ -20,9 +20,9 @@ def kernel_inputs(seed):
     plan = torch_batched.step_plan(
         metadata, group, None, None, q.device, kernel=torch_batched.KERNEL_DECODE
     )
-    assert isinstance(plan.decode, torch_batched.KernelBatch)
-    rows = plan.decode.rows
-    return q, k_cache, v_cache, plan.decode.block_table, rows
+    assert isinstance(plan.decode, cpu_kernel.KernelRows)
+    rows = plan.decode
+    return q, k_cache, v_cache, torch.from_numpy(rows.block_table), rows
 
 
 def call(q, k_cache, v_cache, table, rows, out):
@@ -31,9 +31,9 @@ def call(q, k_cache, v_cache, table, rows, out):
         k_cache.numpy(),
         v_cache.numpy(),
         table.numpy(),
-        rows.sequences.numpy(),
-        rows.positions.numpy(),
-        rows.low.numpy(),
+        rows.sequences,
+        rows.positions,
+        rows.low,
         out,
         0.35,
     )
@@ -54,7 +54,8 @@ def test_the_torch_backend_sends_decode_rows_to_the_kernel_on_float32_caches():
     plan = torch_batched.step_plan(metadata, group, 5, None, q.device, torch_batched.KERNEL_ALL)
     assert isinstance(plan.decode, torch_batched.KernelBatch) and plan.prefill is None
     num_tokens = int(metadata.query_start_loc[-1])
-    assert sorted(plan.decode.rows.token_rows.tolist()) == list(range(num_tokens))
+    assert plan.decode.token_rows.tolist() == list(range(num_tokens))
+    assert plan.decode.every_token
 
 
 def test_bfloat16_caches_stay_on_the_torch_path_and_match_the_reference():

@@ -10,8 +10,10 @@ fit (CPU, float32, unit last stride); everything else stays on its torch path. S
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from hybrid_cache import _core
@@ -31,30 +33,67 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> boo
     )
 
 
-def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+@dataclass(frozen=True)
+class KernelRows:
+    """A step's rows in the kernel's form, converted once and reused by every layer: row r is
+    query token `token_rows[r]`, block-table row `sequences[r]`, visible positions
+    `low[r] ..= positions[r]`."""
+
+    token_rows: torch.Tensor  # [rows] int64
+    every_token: bool  # token_rows is 0..num_tokens-1 in order: q and out need no gather
+    block_table: np.ndarray  # [sequences, width] int32, C-contiguous
+    sequences: np.ndarray  # [rows] int64
+    positions: np.ndarray  # [rows] int64
+    low: np.ndarray  # [rows] int64
+
+
+def kernel_rows(
+    token_rows: torch.Tensor,
+    num_tokens: int,
     block_table: torch.Tensor,
     sequences: torch.Tensor,
     positions: torch.Tensor,
     low: torch.Tensor,
+) -> KernelRows:
+    def as_int64(tensor: torch.Tensor) -> np.ndarray:
+        return tensor.to(torch.int64).contiguous().numpy()
+
+    every_token = len(token_rows) == num_tokens and bool(
+        (token_rows == torch.arange(num_tokens)).all()
+    )
+    return KernelRows(
+        token_rows=token_rows,
+        every_token=every_token,
+        block_table=block_table.to(torch.int32).contiguous().numpy(),
+        sequences=as_int64(sequences),
+        positions=as_int64(positions),
+        low=as_int64(low),
+    )
+
+
+def attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: KernelRows,
     scale: float,
     softcap: Optional[float],
     sinks: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    """Row r of q [rows, Hq, D] over positions low[r]..positions[r] of block-table row
-    sequences[r]; returns [rows, Hq, D] float32. Raises `InvalidArgumentError` /
+    """Attention of the rows' query tokens of q [num_tokens, Hq, D]; returns [rows, Hq, D]
+    float32 (in token order when `rows.every_token`). Raises `InvalidArgumentError` /
     `InvalidBlockError` (a visible position in the null block) and writes nothing then."""
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    queries = q if rows.every_token else q[rows.token_rows]
+    queries = queries.contiguous()
+    out = torch.empty_like(queries)
     _core.paged_attention_cpu(
-        q.contiguous().numpy(),
+        queries.numpy(),
         k_cache.numpy(),
         v_cache.numpy(),
-        block_table.to(torch.int32).contiguous().numpy(),
-        sequences.contiguous().numpy(),
-        positions.contiguous().numpy(),
-        low.contiguous().numpy(),
+        rows.block_table,
+        rows.sequences,
+        rows.positions,
+        rows.low,
         out.numpy(),
         float(scale),
         None if softcap is None else float(softcap),

@@ -81,7 +81,7 @@ class RowGeometry:
 
 
 @dataclass(frozen=True)
-class KernelRows:
+class KernelSpans:
     """One-query rows for the CPU kernel (`cpu_kernel`), which reads each row's visible keys in
     place: no gather positions or masks, only the visible range of each row."""
 
@@ -97,7 +97,7 @@ class StepGeometry:
     absent. Built once per step and reused by every group with these options."""
 
     # one query per row (with a small window: every one-token tile)
-    decode: Optional[RowGeometry | KernelRows]
+    decode: Optional[RowGeometry | KernelSpans]
     prefill: Optional[RowGeometry]
 
 
@@ -118,12 +118,7 @@ class RowBatch:
         return self.geometry.query_rows
 
 
-@dataclass(frozen=True)
-class KernelBatch:
-    """Kernel rows with the group's block table (the kernel looks the blocks up itself)."""
-
-    rows: KernelRows
-    block_table: torch.Tensor  # [num_seqs, width] int32, contiguous, on the CPU
+KernelBatch = cpu_kernel.KernelRows  # kernel rows with the group's block table
 
 
 @dataclass(frozen=True)
@@ -152,10 +147,10 @@ def _kernel_rows(
     seq_lens: torch.Tensor,
     sliding_window: Optional[int],
     chunk: Optional[int],
-) -> KernelRows:
+) -> KernelSpans:
     """One-query rows as visible ranges, for the CPU kernel."""
     positions = seq_lens - 1
-    return KernelRows(
+    return KernelSpans(
         sequences=sequences,
         positions=positions,
         low=_first_visible(positions, sliding_window, chunk),
@@ -310,8 +305,16 @@ def _build_plan(
     )
     block_table = group.block_table.cpu()
     decode: Optional[RowBatch | KernelBatch] = None
-    if isinstance(geometry.decode, KernelRows):
-        decode = KernelBatch(geometry.decode, block_table.to(torch.int32).contiguous())
+    if isinstance(geometry.decode, KernelSpans):
+        spans = geometry.decode
+        decode = cpu_kernel.kernel_rows(
+            spans.token_rows,
+            int(metadata.query_start_loc[-1]),
+            block_table,
+            spans.sequences,
+            spans.positions,
+            spans.low,
+        )
     elif geometry.decode is not None:
         decode = _place(geometry.decode, block_table, group.block_size, device)
     return StepPlan(
@@ -469,22 +472,15 @@ def paged_attention(
         # several times faster than the unfused torch ops for them.
         kernel = KERNEL_DECODE if softcap is None and sinks is None else KERNEL_ALL
     plan = step_plan(metadata, group, sliding_window, chunk, q.device, kernel)
-    output = torch.empty_like(q)
     if isinstance(plan.decode, KernelBatch):
-        rows = plan.decode.rows
-        output[rows.token_rows] = cpu_kernel.decode_attention(
-            q[rows.token_rows],
-            k_cache,
-            v_cache,
-            plan.decode.block_table,
-            rows.sequences,
-            rows.positions,
-            rows.low,
-            scale,
-            softcap,
-            sinks,
-        )
-    elif plan.decode is not None:
+        rows = cpu_kernel.attend(q, k_cache, v_cache, plan.decode, scale, softcap, sinks)
+        if plan.decode.every_token:  # every query token is a kernel row (no prefill rows)
+            return rows.to(q.dtype)
+        output = torch.empty_like(q)
+        output[plan.decode.token_rows] = rows.to(q.dtype)
+    else:
+        output = torch.empty_like(q)
+    if isinstance(plan.decode, RowBatch):
         rows = _attend_rows(q, k_cache, v_cache, plan.decode, scale, softcap, sinks)
         output[plan.decode.geometry.token_rows] = rows.to(q.dtype)
     if plan.prefill is not None:
