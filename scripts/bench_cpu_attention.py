@@ -15,7 +15,7 @@ import time
 
 import torch
 from hybrid_cache.attention import build_attention_metadata, cpu_kernel, torch_batched
-
+from hybrid_cache.attention.params import AttentionParams
 
 # (kv heads, query heads per kv head, head_dim, softcap): tiny-gemma3, tiny-gemma2, a 7B-like GQA
 SHAPES = [(1, 4, 32, None), (2, 2, 16, 50.0), (8, 4, 32, None)]
@@ -60,9 +60,11 @@ def main() -> None:
                 q, k_cache, v_cache, metadata = case(batch, context, num_kv_heads, group, head_dim)
                 group_meta = metadata.groups[0]
 
-                def run(kernel, q=q, k=k_cache, v=v_cache, m=metadata, g=group_meta, c=softcap):
+                params = AttentionParams(0.17, softcap=softcap)
+
+                def run(kernel, q=q, k=k_cache, v=v_cache, m=metadata, g=group_meta, p=params):
                     cpu_kernel.ENABLED = kernel
-                    return torch_batched.paged_attention(q, k, v, m, g, 0.17, softcap=c)
+                    return torch_batched.paged_attention(q, k, v, m, g, p)
 
                 assert torch.allclose(run(True), run(False), rtol=1e-4, atol=1e-5)
                 times = {True: [], False: []}

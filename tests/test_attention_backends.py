@@ -31,6 +31,7 @@ from hybrid_cache.attention import (
     torch_batched,
     triton_backend,
 )
+from hybrid_cache.attention.params import AttentionParams
 from hybrid_cache.attention.selector import (
     AttentionBackendUnavailableError,
     AttentionFeatures,
@@ -113,12 +114,12 @@ def paged_step(
     return metadata, layout, q, k, v, num_null_entries
 
 
-def run_backend(backend, metadata, layout, q, k, v, **options):
+def run_backend(backend, metadata, layout, q, k, v, params):
     layout = layout.clone()
     k_cache, v_cache = layout[:, 0], layout[:, 1]
     group = metadata.groups[0]
     backend.write_kv(k_cache, v_cache, k, v, group.slot_mapping)
-    out = backend.paged_attention(q, k_cache, v_cache, metadata, group, **options)
+    out = backend.paged_attention(q, k_cache, v_cache, metadata, group, params)
     return out, layout
 
 
@@ -150,7 +151,7 @@ def test_triton_backend_matches_reference_backend(
         sliding_window=window,
         chunk=chunk,
     )
-    options = dict(
+    params = AttentionParams(
         scale=head_dim**-0.5,
         sliding_window=window,
         softcap=softcap,
@@ -160,8 +161,8 @@ def test_triton_backend_matches_reference_backend(
         else None,
     )
     message = f"seed={seed} seq_lens={metadata.seq_lens.tolist()} null entries={num_null}"
-    expected, expected_layout = run_backend(reference, metadata, layout, q, k, v, **options)
-    got, got_layout = run_backend(triton_backend, metadata, layout, q, k, v, **options)
+    expected, expected_layout = run_backend(reference, metadata, layout, q, k, v, params)
+    got, got_layout = run_backend(triton_backend, metadata, layout, q, k, v, params)
     # The same bytes written at the same slots (NaN elsewhere on both sides).
     torch.testing.assert_close(got_layout, expected_layout, equal_nan=True, rtol=0, atol=0)
     assert torch.isfinite(got).all(), f"NaN/inf in the Triton output ({message})"
@@ -195,7 +196,8 @@ def test_metadata_is_converted_once_per_step_not_per_layer(monkeypatch):
 
     monkeypatch.setattr(triton_backend, "as_kernel_int32", counting)
     outputs = [
-        run_backend(triton_backend, metadata, layout, q, k, v, scale=0.25)[0] for _ in range(3)
+        run_backend(triton_backend, metadata, layout, q, k, v, AttentionParams(0.25))[0]
+        for _ in range(3)
     ]
     # Three "layers": query_start_loc, seq_lens and the table are converted once each.
     assert len(conversions) == 3, f"{len(conversions)} conversions for 3 layers of one step"
@@ -369,22 +371,19 @@ def test_flash_attn_backend_refuses_layers_it_cannot_run():
     k_cache, v_cache = layout[:, 0], layout[:, 1]
     group = metadata.groups[0]
     cases = [
-        (dict(sinks=torch.zeros(2)), "sinks"),
-        (dict(chunk=8), "chunked-local"),
-        (dict(), "multiple of 256"),
+        (AttentionParams(0.25, sinks=torch.zeros(2)), "sinks"),
+        (AttentionParams(0.25, chunk=8), "chunked-local"),
+        (AttentionParams(0.25), "multiple of 256"),
     ]
-    for options, fragment in cases:
+    for params, fragment in cases:
         with pytest.raises(AttentionBackendUnavailableError, match=fragment):
-            flash_attn_backend.paged_attention(
-                q, k_cache, v_cache, metadata, group, scale=0.25, **options
-            )
+            flash_attn_backend.paged_attention(q, k_cache, v_cache, metadata, group, params)
     group.block_size = 256  # past the block-size check: then the dtype and the device
+    params = AttentionParams(0.25)
     with pytest.raises(AttentionBackendUnavailableError, match="float16/bfloat16"):
-        flash_attn_backend.paged_attention(q, k_cache, v_cache, metadata, group, scale=0.25)
+        flash_attn_backend.paged_attention(q, k_cache, v_cache, metadata, group, params)
     with pytest.raises(AttentionBackendUnavailableError, match="CUDA only"):
-        flash_attn_backend.paged_attention(
-            q.bfloat16(), k_cache, v_cache, metadata, group, scale=0.25
-        )
+        flash_attn_backend.paged_attention(q.bfloat16(), k_cache, v_cache, metadata, group, params)
 
 
 # ---------------------------------------------------------------- per-group selection and report

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hybrid_cache import _core
 from hybrid_cache.attention import cpu_kernel, reference, torch_batched
+from hybrid_cache.attention.params import AttentionParams
 from test_torch_batched import fresh_seed, random_step
 
 
@@ -62,7 +63,7 @@ def test_bfloat16_caches_stay_on_the_torch_path_and_match_the_reference():
     seed = fresh_seed()
     q, k_cache, v_cache, metadata = random_step(seed, 4, 2, 4, None, None)
     k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
-    args = (q.bfloat16(), k16, v16, metadata, metadata.groups[0], 0.35)
+    args = (q.bfloat16(), k16, v16, metadata, metadata.groups[0], AttentionParams(0.35))
     torch.testing.assert_close(
         torch_batched.paged_attention(*args).float(),
         reference.paged_attention(*args).float(),

@@ -7,11 +7,15 @@ import math
 import pytest
 import torch
 from hybrid_cache.attention import (
+    Attention,
     build_attention_metadata,
     compute_positions,
     compute_slot_mapping,
     get_attention_backend,
+    register_attention_backend,
+    set_forward_context,
 )
+from hybrid_cache.attention.params import AttentionParams
 from hybrid_cache.attention.reference import paged_attention, visibility_mask, write_kv
 from hybrid_cache.attention.selector import UnknownAttentionBackendError
 from hybrid_cache.errors import HybridCacheError
@@ -107,9 +111,8 @@ def test_paged_matches_naive(window, chunk, softcap, use_sinks) -> None:
     )
     sinks = torch.randn(NUM_HEADS) if use_sinks else None
     scale = HEAD_DIM**-0.5
-    out = paged_attention(
-        q, k_cache, v_cache, metadata, metadata.groups[0], scale, window, softcap, sinks, chunk
-    )
+    params = AttentionParams(scale, window, softcap, sinks, chunk)
+    out = paged_attention(q, k_cache, v_cache, metadata, metadata.groups[0], params)
     assert torch.isfinite(out).all(), "a null or released page was read"
     starts = metadata.query_start_loc.tolist()
     for seq in range(len(seq_lens)):
@@ -138,7 +141,7 @@ def test_null_block_in_visible_range_is_refused() -> None:
     q, k_cache, v_cache, metadata, *_ = paged_setup([9], [1], 4, window=None, chunk=None)
     metadata.groups[0].block_table[0, 0] = 0
     with pytest.raises(AssertionError, match="null block"):
-        paged_attention(q, k_cache, v_cache, metadata, metadata.groups[0], 1.0)
+        paged_attention(q, k_cache, v_cache, metadata, metadata.groups[0], AttentionParams(1.0))
 
 
 @pytest.mark.parametrize("window", [1, 3, 8])
@@ -199,3 +202,49 @@ def test_unknown_backend_is_a_typed_error() -> None:
     with pytest.raises(UnknownAttentionBackendError, match="reference") as error:
         get_attention_backend("no-such-backend")
     assert isinstance(error.value, HybridCacheError)
+
+
+def test_the_layer_builds_its_params_once_and_hands_them_to_the_backend() -> None:
+    """`Attention` builds its `AttentionParams` at construction and when an option is set, not
+    per step; the model's sinks join them once; the backend gets them as its last argument."""
+    seen = []
+
+    class Recording:
+        write_kv = staticmethod(write_kv)
+
+        @staticmethod
+        def paged_attention(q, k_cache, v_cache, metadata, group, params):
+            seen.append(params)
+            return paged_attention(q, k_cache, v_cache, metadata, group, params)
+
+    register_attention_backend("test-recording", Recording)
+    options = dict(sliding_window=5, softcap=2.0, backend="test-recording")
+    layer = Attention(0, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 0.5, **options)
+    built = layer.params
+    assert isinstance(built, AttentionParams)
+    assert (built.scale, built.sliding_window, built.softcap) == (0.5, 5, 2.0)
+    assert built.sinks is None and built.chunk is None
+    q, k_cache, v_cache, metadata, keys, values, _ = paged_setup([19, 6], [1, 6], 4, 5, None)
+    computed = [18, 0]
+    new_k = torch.cat([keys[0][computed[0] :], keys[1]])
+    new_v = torch.cat([values[0][computed[0] :], values[1]])
+    sinks = torch.randn(NUM_HEADS)
+    with set_forward_context(metadata, [(k_cache, v_cache)]):
+        plain = [layer(q, new_k, new_v) for _ in range(2)]
+        with_sinks = [layer(q, new_k, new_v, sinks) for _ in range(2)]
+    assert seen[0] is built and seen[1] is built
+    assert seen[2] is seen[3] is layer.params and seen[2].sinks is sinks
+    assert (seen[2].scale, seen[2].sliding_window, seen[2].softcap) == (0.5, 5, 2.0)
+    expected = paged_attention(q, k_cache, v_cache, metadata, metadata.groups[0], built)
+    torch.testing.assert_close(plain[0], expected)
+    torch.testing.assert_close(
+        with_sinks[0],
+        paged_attention(q, k_cache, v_cache, metadata, metadata.groups[0], seen[2]),
+    )
+    assert not torch.allclose(with_sinks[0], plain[0])
+    # Setting an option rebuilds the (frozen) params; the others, sinks included, stay.
+    layer.sliding_window = None
+    layer.chunk = 6
+    assert (layer.sliding_window, layer.chunk, layer.params.sliding_window) == (None, 6, None)
+    assert layer.params.chunk == 6 and layer.params.sinks is sinks and layer.softcap == 2.0
+    assert layer.spec.kind == "chunked_local" and layer.spec.window == 6

@@ -24,6 +24,7 @@ from hybrid_cache.attention import (
     reference,
     torch_batched,
 )
+from hybrid_cache.attention.params import AttentionParams
 from hybrid_cache.attention.selector import (
     AttentionFeatures,
     attention_backends_by_group,
@@ -130,10 +131,12 @@ def test_matches_the_reference(
     sinks = (
         torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) if use_sinks else None
     )
-    args = (q, k_cache, v_cache, metadata, metadata.groups[0], HEAD_DIM**-0.5)
-    options = dict(sliding_window=window, softcap=softcap, sinks=sinks, chunk=chunk)
-    expected = reference.paged_attention(*args, **options)
-    got = torch_batched.paged_attention(*args, **options)
+    args = (q, k_cache, v_cache, metadata, metadata.groups[0])
+    params = AttentionParams(
+        HEAD_DIM**-0.5, sliding_window=window, softcap=softcap, sinks=sinks, chunk=chunk
+    )
+    expected = reference.paged_attention(*args, params)
+    got = torch_batched.paged_attention(*args, params)
     assert torch.isfinite(got).all(), f"seed {seed}: a NaN page reached the output"
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
 
@@ -154,7 +157,7 @@ def test_decode_only_and_prefill_only_steps():
         computed = [n - q for n, q in zip(seq_lens, query_lens)]
         metadata, _ = build_attention_metadata(query_lens, computed, [table], [block_size])
         q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=generator)
-        args = (q, k_cache, v_cache, metadata, metadata.groups[0], 0.3)
+        args = (q, k_cache, v_cache, metadata, metadata.groups[0])
         plan = torch_batched.step_plan(metadata, metadata.groups[0], None, None, q.device)
         assert (plan.decode is None) == (max(query_lens) > 1), f"seed {seed}"
         assert (plan.prefill is None) == (max(query_lens) == 1), f"seed {seed}"
@@ -167,9 +170,10 @@ def test_decode_only_and_prefill_only_steps():
         covered = torch.cat([batch.geometry.token_rows for batch in rows]).sort().values
         assert covered.tolist() == list(range(sum(query_lens))), f"seed {seed}"
         for window in (None, 6):
+            params = AttentionParams(0.3, sliding_window=window)
             torch.testing.assert_close(
-                torch_batched.paged_attention(*args, sliding_window=window),
-                reference.paged_attention(*args, sliding_window=window),
+                torch_batched.paged_attention(*args, params),
+                reference.paged_attention(*args, params),
                 rtol=1e-5,
                 atol=1e-5,
                 msg=f"seed {seed}",
@@ -262,11 +266,12 @@ def test_caches_whose_blocks_cannot_be_flattened():
     strided_k, strided_v = padded_k[:, :4], padded_v[:, :4]
     with pytest.raises(RuntimeError):
         strided_k.view(-1, *strided_k.shape[2:])
-    args = (q, strided_k, strided_v, metadata, metadata.groups[0], 0.35)
+    args = (q, strided_k, strided_v, metadata, metadata.groups[0])
     for window in (None, 7):
+        params = AttentionParams(0.35, sliding_window=window)
         torch.testing.assert_close(
-            torch_batched.paged_attention(*args, sliding_window=window),
-            reference.paged_attention(*args, sliding_window=window),
+            torch_batched.paged_attention(*args, params),
+            reference.paged_attention(*args, params),
             rtol=1e-5,
             atol=1e-5,
             msg=f"seed {seed}",

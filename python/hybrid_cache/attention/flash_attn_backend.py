@@ -40,6 +40,7 @@ import torch
 
 from hybrid_cache.attention import reference
 from hybrid_cache.attention.metadata import AttentionMetadata, GroupMetadata
+from hybrid_cache.attention.params import AttentionParams
 from hybrid_cache.attention.selector import (
     FLASH_ATTN_BLOCK_MULTIPLE,
     FLASH_ATTN_DTYPES,
@@ -131,18 +132,15 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     group: GroupMetadata,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-    chunk: Optional[int] = None,
+    params: AttentionParams,
 ) -> torch.Tensor:
     """Same contract as `reference.paged_attention`, through `flash_attn_varlen_func` with a
     block table. Refuses (typed error) what FA2 cannot do; see the module docstring."""
-    check_supported(q, group, sinks, chunk)
+    check_supported(q, group, params.sinks, params.chunk)
     assert k_cache.shape[1] == group.block_size, "cache block size differs from the group's"
     varlen = _varlen_function()
     device = q.device
+    sliding_window = params.sliding_window
     return varlen(
         q,
         k_cache,
@@ -151,9 +149,9 @@ def paged_attention(
         cu_seqlens_k=key_start_loc(metadata, device),
         max_seqlen_q=metadata.max_query_len,
         max_seqlen_k=metadata.max_seq_len,
-        softmax_scale=scale,
+        softmax_scale=params.scale,
         causal=True,
         window_size=(sliding_window - 1, 0) if sliding_window is not None else (-1, -1),
-        softcap=softcap if softcap is not None else 0.0,
+        softcap=params.softcap if params.softcap is not None else 0.0,
         block_table=group_block_table(group, device),
     )

@@ -11,13 +11,15 @@ context (`set_forward_context`), bound by the model runner:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from hybrid_cache.attention.forward_context import get_forward_context
+from hybrid_cache.attention.params import AttentionParams
 from hybrid_cache.attention.selector import get_attention_backend
 
 
@@ -32,8 +34,30 @@ class AttentionSpec:
     head_dim: int
 
 
+def _score_option(name: str) -> Any:
+    """A layer attribute kept in the layer's `params`; setting it rebuilds them (they are frozen)."""
+
+    def get(layer: Attention) -> Any:
+        return getattr(layer.params, name)
+
+    def set_(layer: Attention, value: Any) -> None:
+        layer.params = dataclasses.replace(layer.params, **{name: value})
+
+    return property(get, set_, doc=f"`params.{name}`; settable.")
+
+
 class Attention(nn.Module):
-    """Paged attention for one layer (no parameters)."""
+    """Paged attention for one layer (no parameters).
+
+    Its score options (`scale`, `sliding_window`, `chunk`, `softcap`) live in `params`, the
+    `AttentionParams` handed to the backend; they are built here, and again only when one of
+    them is set, not per step. The sinks the model passes to `forward` join them on the first
+    call (and whenever a different tensor comes)."""
+
+    scale = _score_option("scale")
+    sliding_window = _score_option("sliding_window")
+    chunk = _score_option("chunk")
+    softcap = _score_option("softcap")
 
     def __init__(
         self,
@@ -53,10 +77,9 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = scale
-        self.sliding_window = sliding_window
-        self.chunk = chunk
-        self.softcap = softcap
+        self.params = AttentionParams(
+            scale=scale, sliding_window=sliding_window, softcap=softcap, chunk=chunk
+        )
         self.backend = backend
         # The KV-cache group whose block table this layer reads; set by the runner from its plan.
         self.group_id = 0
@@ -85,18 +108,10 @@ class Attention(nn.Module):
         group = context.metadata.groups[self.group_id]
         backend = get_attention_backend(self.backend)
         backend.write_kv(k_cache, v_cache, k, v, group.slot_mapping)
-        return backend.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            context.metadata,
-            group,
-            scale=self.scale,
-            sliding_window=self.sliding_window,
-            softcap=self.softcap,
-            sinks=sinks,
-            chunk=self.chunk,
-        )
+        params = self.params.with_sinks(sinks)
+        if params is not self.params:  # the model's sinks tensor: once, on the first call
+            self.params = params
+        return backend.paged_attention(q, k_cache, v_cache, context.metadata, group, params)
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

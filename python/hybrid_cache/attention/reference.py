@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_cache.attention.metadata import NULL_BLOCK, AttentionMetadata, GroupMetadata
+from hybrid_cache.attention.params import AttentionParams
 
 
 def write_kv(
@@ -105,17 +106,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     group: GroupMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk: int | None = None,
+    params: AttentionParams,
 ) -> torch.Tensor:
     """Attention of the flattened queries q [num_tokens, Hq, D] over the paged cache.
 
     `k_cache`/`v_cache` are [num_blocks, block_size, Hkv, D] and already hold this step's keys
-    (`write_kv` runs first). Returns [num_tokens, Hq, D].
+    (`write_kv` runs first); `params` are the layer's score options. Returns [num_tokens, Hq, D].
     """
+    sliding_window, chunk = params.sliding_window, params.chunk
     block_size = group.block_size
     assert k_cache.shape[1] == block_size, "cache block size differs from the group's"
     output = torch.empty_like(q)
@@ -138,5 +136,7 @@ def paged_attention(
         query_positions = torch.arange(first_query, seq_len, device=q.device)
         key_positions = torch.arange(low, seq_len, device=q.device)
         mask = visibility_mask(query_positions, key_positions, sliding_window, chunk)
-        output[start:end] = attend(q[start:end], keys, values, mask, scale, softcap, sinks)
+        output[start:end] = attend(
+            q[start:end], keys, values, mask, params.scale, params.softcap, params.sinks
+        )
     return output

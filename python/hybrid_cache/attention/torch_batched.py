@@ -39,6 +39,7 @@ import torch
 
 from hybrid_cache.attention import cpu_kernel
 from hybrid_cache.attention.metadata import NULL_BLOCK, AttentionMetadata, GroupMetadata
+from hybrid_cache.attention.params import AttentionParams
 from hybrid_cache.attention.reference import write_kv
 from hybrid_cache.attention.triton_backend import cached_on
 
@@ -408,11 +409,10 @@ def _attend_rows(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: RowBatch,
-    scale: float,
-    softcap: Optional[float],
-    sinks: Optional[torch.Tensor],
+    params: AttentionParams,
 ) -> torch.Tensor:
     """Masked attention of one row batch; returns [num_tokens_of_these_rows, Hq, D] float32."""
+    scale, softcap, sinks = params.scale, params.softcap, params.sinks
     geometry = batch.geometry
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -456,11 +456,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     group: GroupMetadata,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-    chunk: Optional[int] = None,
+    params: AttentionParams,
 ) -> torch.Tensor:
     """Attention of the flattened queries q [num_tokens, Hq, D] over the group's paged cache
     (already holding this step's keys); returns [num_tokens, Hq, D]. Same contract and results
@@ -470,10 +466,12 @@ def paged_attention(
     if cpu_kernel.usable(q, k_cache, v_cache):
         # Softcap and sinks keep prefill rows off the fused torch attention; the kernel is
         # several times faster than the unfused torch ops for them.
-        kernel = KERNEL_DECODE if softcap is None and sinks is None else KERNEL_ALL
-    plan = step_plan(metadata, group, sliding_window, chunk, q.device, kernel)
+        kernel = KERNEL_DECODE if params.softcap is None and params.sinks is None else KERNEL_ALL
+    plan = step_plan(metadata, group, params.sliding_window, params.chunk, q.device, kernel)
     if isinstance(plan.decode, KernelBatch):
-        rows = cpu_kernel.attend(q, k_cache, v_cache, plan.decode, scale, softcap, sinks)
+        rows = cpu_kernel.attend(
+            q, k_cache, v_cache, plan.decode, params.scale, params.softcap, params.sinks
+        )
         if plan.decode.every_token:  # every query token is a kernel row (no prefill rows)
             return rows.to(q.dtype)
         output = torch.empty_like(q)
@@ -481,9 +479,9 @@ def paged_attention(
     else:
         output = torch.empty_like(q)
     if isinstance(plan.decode, RowBatch):
-        rows = _attend_rows(q, k_cache, v_cache, plan.decode, scale, softcap, sinks)
+        rows = _attend_rows(q, k_cache, v_cache, plan.decode, params)
         output[plan.decode.geometry.token_rows] = rows.to(q.dtype)
     if plan.prefill is not None:
-        rows = _attend_rows(q, k_cache, v_cache, plan.prefill, scale, softcap, sinks)
+        rows = _attend_rows(q, k_cache, v_cache, plan.prefill, params)
         output[plan.prefill.geometry.token_rows] = rows.to(q.dtype)
     return output

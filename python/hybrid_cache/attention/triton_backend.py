@@ -2,8 +2,8 @@
 
     write_kv(k_cache, v_cache, k, v, slot_mapping)         -> kernels.write_kv_cache
     paged_attention(q, k_cache, v_cache, metadata, group,  -> kernels.unified_attention over the
-                    scale, sliding_window, softcap,           group's block table, one launch for
-                    sinks, chunk)                             the prefill chunks and decode tokens
+                    params)                                   group's block table, one launch for
+                                                              the prefill chunks and decode tokens
 
 Runs on CUDA, or on the CPU when TRITON_INTERPRET=1 was set before Triton was imported (slow;
 for tests). `selector.resolve_attention_backend` checks that before selecting it; the launchers
@@ -19,12 +19,13 @@ copy and no host sync. Importing this module imports neither Triton nor the kern
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
 from hybrid_cache import kernels
 from hybrid_cache.attention.metadata import AttentionMetadata, GroupMetadata
+from hybrid_cache.attention.params import AttentionParams
 
 # Attribute names of the per-step caches stored on the metadata objects.
 _STEP_CACHE = "_backend_step_tensors"
@@ -109,11 +110,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     group: GroupMetadata,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-    chunk: Optional[int] = None,
+    params: AttentionParams,
 ) -> torch.Tensor:
     """Attention of the flattened queries q [num_tokens, Hq, D] over the group's paged cache
     (already holding this step's keys); returns [num_tokens, Hq, D]. Same contract as
@@ -123,6 +120,7 @@ def paged_attention(
     tensors = step_tensors(metadata, device)
     if q.stride(-1) != 1:
         q = q.contiguous()
+    sinks = params.sinks
     if sinks is not None and (sinks.device != device or not sinks.is_contiguous()):
         sinks = sinks.to(device).contiguous()
     return kernels.unified_attention(
@@ -132,9 +130,9 @@ def paged_attention(
         group_block_table(group, device),
         tensors.query_start_loc,
         tensors.seq_lens,
-        scale=scale,
-        sliding_window=sliding_window,
-        chunk_size=chunk,
-        softcap=softcap,
+        scale=params.scale,
+        sliding_window=params.sliding_window,
+        chunk_size=params.chunk,
+        softcap=params.softcap,
         sinks=sinks,
     )
