@@ -5,7 +5,8 @@
 //! doubly-linked list over block ids as the LRU free queue (O(1) append, pop-front and removal
 //! from the middle) and a `HashMap` for the prefix cache.
 //!
-//! Invariants (checked by `debug_assert!`s and by the tests):
+//! Invariants (checked by `debug_assert!`s and by the tests in `tests/pool_contract.rs` and
+//! `tests/pool_model.rs`):
 //! - a block is in the free list iff its ref count is 0 and it is not the null block;
 //! - `cache[key] == b` iff `key_of[b] == Some(key)`.
 
@@ -248,68 +249,5 @@ impl BlockAllocator for MutexPool {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::types::BlockHash;
-
-    fn key(group: u32, hash: u128) -> CacheKey {
-        CacheKey {
-            group,
-            hash: BlockHash(hash),
-        }
-    }
-
-    #[test]
-    fn allocates_in_lru_order_and_frees_to_the_tail() {
-        let pool = MutexPool::new(5).unwrap();
-        let mut out = Vec::new();
-        pool.get_new_blocks(3, &mut out).unwrap();
-        assert_eq!(out, vec![1, 2, 3]);
-        pool.free_blocks(&[3, 2, 1]).unwrap();
-        assert_eq!(pool.free_queue_order(), vec![4, 3, 2, 1]);
-    }
-
-    #[test]
-    fn rejects_without_changing_state() {
-        let pool = MutexPool::new(3).unwrap();
-        let mut out = Vec::new();
-        assert!(matches!(
-            pool.get_new_blocks(3, &mut out),
-            Err(CoreError::NoFreeBlocks {
-                requested: 3,
-                free: 2
-            })
-        ));
-        assert!(out.is_empty());
-        pool.get_new_blocks(1, &mut out).unwrap();
-        assert_eq!(
-            pool.free_blocks(&[1, 1]),
-            Err(CoreError::DoubleFree { block: 1 })
-        );
-        assert_eq!(pool.ref_count(1), 1);
-        assert!(pool.free_blocks(&[0]).is_err());
-        assert!(pool.free_blocks(&[9]).is_err());
-        assert_eq!(pool.num_free_blocks(), 1);
-    }
-
-    #[test]
-    fn cached_block_is_hittable_after_free_and_evicted_on_reuse() {
-        let pool = MutexPool::new(3).unwrap();
-        let mut out = Vec::new();
-        pool.get_new_blocks(1, &mut out).unwrap();
-        assert!(pool.cache_block(1, key(0, 7)).unwrap());
-        assert!(!pool.cache_block(1, key(1, 7)).unwrap());
-        pool.free_blocks(&[1]).unwrap();
-        assert_eq!(pool.cached_block(key(0, 7)), Some(1));
-        assert_eq!(pool.cached_block(key(1, 7)), None);
-        assert!(pool.touch_cached(1, key(0, 7)));
-        assert_eq!(pool.free_queue_order(), vec![2]);
-        pool.free_blocks(&[1]).unwrap();
-        out.clear();
-        pool.get_new_blocks(2, &mut out).unwrap();
-        assert_eq!(out, vec![2, 1]);
-        assert_eq!(pool.cached_block(key(0, 7)), None);
-        assert_eq!(pool.stats().num_evictions, 1);
-    }
-}
+// No unit tests here: everything `MutexPool` guarantees is the `BlockAllocator` contract, which
+// `tests/pool_contract.rs` checks on both pools (and `tests/pool_model.rs` against `BlockPool`).

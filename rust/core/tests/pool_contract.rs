@@ -1,0 +1,183 @@
+//! The `BlockAllocator` contract, checked once per pool: every behaviour below is a generic
+//! function that `contract_tests!` runs on the lock-free `BlockPool` and on the `MutexPool`
+//! reference. Single-threaded, the two must behave identically (same results, LRU order,
+//! evictions and stats), so nothing here is pool-specific.
+//!
+//! Tests of one pool's internals stay in its module: `block_pool.rs` checks that the lock-free
+//! free queue stays bounded under a hit-only workload (its stale entries and compaction are
+//! private). `tests/pool_model.rs` compares the two pools on random operation sequences.
+
+use hybrid_cache_core::{
+    BlockAllocator, BlockHash, BlockPool, CacheKey, CoreError, MutexPool, NULL_BLOCK,
+};
+
+/// A pool the contract tests can build; `contract_tests!` implements it for each pool type.
+trait Pool: BlockAllocator + Sized {
+    /// A pool of `num_blocks` blocks, block 0 being the null block.
+    fn with_blocks(num_blocks: usize) -> Self;
+}
+
+fn key(group: u32, hash: u128) -> CacheKey {
+    CacheKey {
+        group,
+        hash: BlockHash(hash),
+    }
+}
+
+/// Blocks come from the front of the free queue in id order at first; freed blocks go to the
+/// tail in the order given.
+fn allocates_in_lru_order_and_frees_to_the_tail<P: Pool>() {
+    let pool = P::with_blocks(5);
+    let mut out = Vec::new();
+    pool.get_new_blocks(3, &mut out).unwrap();
+    assert_eq!(out, vec![1, 2, 3]);
+    pool.free_blocks(&[3, 2, 1]).unwrap();
+    assert_eq!(pool.free_queue_order(), vec![4, 3, 2, 1]);
+}
+
+/// An allocation larger than the free count, a double free, the null block and an id out of
+/// range are refused and change nothing. The frees here are short (see
+/// `rejected_long_free_changes_nothing` for long ones).
+fn rejects_without_changing_state<P: Pool>() {
+    let pool = P::with_blocks(3);
+    let mut out = Vec::new();
+    assert!(matches!(
+        pool.get_new_blocks(3, &mut out),
+        Err(CoreError::NoFreeBlocks {
+            requested: 3,
+            free: 2
+        })
+    ));
+    assert!(out.is_empty());
+    pool.get_new_blocks(1, &mut out).unwrap();
+    assert_eq!(
+        pool.free_blocks(&[1, 1]),
+        Err(CoreError::DoubleFree { block: 1 })
+    );
+    assert_eq!(pool.ref_count(1), 1);
+    assert!(pool.free_blocks(&[NULL_BLOCK]).is_err());
+    assert!(pool.free_blocks(&[9]).is_err());
+    assert_eq!(pool.num_free_blocks(), 1);
+}
+
+/// A free call with many ids (30: more than `BlockPool` validates by a quadratic scan, so its
+/// hash-map path) that repeats one id, names the null block or an id out of range is refused
+/// as a whole.
+fn rejected_long_free_changes_nothing<P: Pool>() {
+    let pool = P::with_blocks(40);
+    let mut out = Vec::new();
+    pool.get_new_blocks(30, &mut out).unwrap();
+    let mut twice = out.clone();
+    twice.push(out[5]);
+    assert_eq!(
+        pool.free_blocks(&twice),
+        Err(CoreError::DoubleFree { block: out[5] })
+    );
+    assert!(pool.free_blocks(&[1, NULL_BLOCK]).is_err());
+    assert!(pool.free_blocks(&[1, 40]).is_err());
+    assert!(out.iter().all(|&block| pool.ref_count(block) == 1));
+    assert_eq!(pool.num_free_blocks(), 9);
+}
+
+/// A block carries one key: a second key for it is refused. Freed, it stays hittable under its
+/// key; a touch takes it back off the free queue; reused after a second free, it loses the key
+/// and the eviction is counted.
+fn cached_block_is_hittable_after_free_and_evicted_on_reuse<P: Pool>() {
+    let pool = P::with_blocks(3);
+    let mut out = Vec::new();
+    pool.get_new_blocks(1, &mut out).unwrap();
+    assert!(pool.cache_block(1, key(0, 7)).unwrap());
+    assert!(!pool.cache_block(1, key(1, 7)).unwrap());
+    pool.free_blocks(&[1]).unwrap();
+    assert_eq!(pool.cached_block(key(0, 7)), Some(1));
+    assert_eq!(pool.cached_block(key(1, 7)), None);
+    assert!(pool.touch_cached(1, key(0, 7)));
+    assert_eq!(pool.free_queue_order(), vec![2]);
+    pool.free_blocks(&[1]).unwrap();
+    out.clear();
+    pool.get_new_blocks(2, &mut out).unwrap();
+    assert_eq!(out, vec![2, 1]);
+    assert_eq!(pool.cached_block(key(0, 7)), None);
+    assert_eq!(pool.stats().num_evictions, 1);
+}
+
+/// A key maps to one block: a second block under it is refused. Touching a free cached block
+/// in the middle of the queue removes it from there (a touch under another key misses); when
+/// it is reused, its key goes and the eviction is counted.
+fn touch_removes_from_the_middle_and_eviction_drops_the_key<P: Pool>() {
+    let pool = P::with_blocks(4);
+    let mut out = Vec::new();
+    pool.get_new_blocks(3, &mut out).unwrap();
+    assert!(pool.cache_block(2, key(0, 9)).unwrap());
+    assert!(!pool.cache_block(3, key(0, 9)).unwrap());
+    pool.free_blocks(&[3, 2, 1]).unwrap();
+    assert_eq!(pool.free_queue_order(), vec![3, 2, 1]);
+    assert_eq!(pool.cached_block(key(0, 9)), Some(2));
+    assert!(pool.touch_cached(2, key(0, 9)));
+    assert!(!pool.touch_cached(2, key(1, 9)));
+    assert_eq!(pool.free_queue_order(), vec![3, 1]);
+    assert_eq!(pool.num_free_blocks(), 2);
+    pool.free_blocks(&[2]).unwrap();
+    out.clear();
+    pool.get_new_blocks(3, &mut out).unwrap();
+    assert_eq!(out, vec![3, 1, 2]);
+    assert_eq!(pool.cached_block(key(0, 9)), None);
+    assert_eq!(pool.stats().num_evictions, 1);
+    assert_eq!(pool.stats().num_cached_blocks, 0);
+}
+
+/// The same free cached block touched and freed again many times (enough rounds to cross
+/// `BlockPool`'s queue compaction many times; fewer under Miri): every touch hits, and the
+/// block ends up at the tail, after the blocks never used and the other one freed with it.
+fn hit_only_workload_keeps_lru_order<P: Pool>() {
+    let pool = P::with_blocks(8);
+    let mut out = Vec::new();
+    pool.get_new_blocks(2, &mut out).unwrap();
+    assert!(pool.cache_block(out[0], key(0, 1)).unwrap());
+    pool.free_blocks(&out).unwrap();
+    let rounds = if cfg!(miri) { 100 } else { 10_000 };
+    for _ in 0..rounds {
+        assert!(pool.touch_cached(out[0], key(0, 1)));
+        pool.free_blocks(&out[..1]).unwrap();
+    }
+    assert_eq!(pool.free_queue_order(), vec![3, 4, 5, 6, 7, 2, 1]);
+}
+
+/// `contract_tests!([behaviour, ...] for module => Pool, ...)`: a module per pool with one
+/// `#[test]` per behaviour, each running the generic function of that name on that pool.
+macro_rules! contract_tests {
+    ($behaviours:tt for $($module:ident => $pool:ty),* $(,)?) => {$(
+        contract_tests!(@pool $module, $pool, $behaviours);
+    )*};
+    (@pool $module:ident, $pool:ty, [$($behaviour:ident),* $(,)?]) => {
+        mod $module {
+            use super::*;
+
+            impl Pool for $pool {
+                fn with_blocks(num_blocks: usize) -> Self {
+                    <$pool>::new(num_blocks).unwrap()
+                }
+            }
+
+            $(
+                #[test]
+                fn $behaviour() {
+                    super::$behaviour::<$pool>();
+                }
+            )*
+        }
+    };
+}
+
+contract_tests!(
+    [
+        allocates_in_lru_order_and_frees_to_the_tail,
+        rejects_without_changing_state,
+        rejected_long_free_changes_nothing,
+        cached_block_is_hittable_after_free_and_evicted_on_reuse,
+        touch_removes_from_the_middle_and_eviction_drops_the_key,
+        hit_only_workload_keeps_lru_order,
+    ] for
+    block_pool => BlockPool,
+    mutex_pool => MutexPool,
+);
