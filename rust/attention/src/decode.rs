@@ -59,23 +59,23 @@ pub fn paged_attention(
         out,
     };
     #[cfg(target_arch = "x86_64")]
-    if simd::has_avx2() {
-        // SAFETY: the CPU supports AVX2 (checked at run time just above).
+    if simd::use_avx2_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked at run time just above).
         unsafe { run_avx2(job) };
         return Ok(());
     }
-    run(job);
+    run::<false>(job);
     Ok(())
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn run_avx2(job: Job<'_, '_>) {
-    run(job)
+    run::<true>(job)
 }
 
 #[inline(always)]
-fn run(job: Job<'_, '_>) {
+fn run<const FMA: bool>(job: Job<'_, '_>) {
     let Job {
         q,
         keys,
@@ -110,7 +110,8 @@ fn run(job: Job<'_, '_>) {
                     let key = &keys.data[start..start + head_dim];
                     for head in kv_head * group..(kv_head + 1) * group {
                         let query = &q_row[head * head_dim..(head + 1) * head_dim];
-                        weights[head * block_size + j] = simd::dot(query, key) * params.scale;
+                        weights[head * block_size + j] =
+                            simd::dot::<FMA>(query, key) * params.scale;
                     }
                 }
             }
@@ -143,7 +144,7 @@ fn run(job: Job<'_, '_>) {
                     let value = &values.data[start..start + head_dim];
                     for head in kv_head * group..(kv_head + 1) * group {
                         let acc = &mut out_row[head * head_dim..(head + 1) * head_dim];
-                        simd::axpy(acc, weights[head * block_size + j], value);
+                        simd::axpy::<FMA>(acc, weights[head * block_size + j], value);
                     }
                 }
             }

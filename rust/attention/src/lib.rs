@@ -20,3 +20,4 @@ mod simd;
 pub use decode::paged_attention;
 pub use error::AttentionError;
 pub use layout::{AttentionParams, HeadShape, PagedCache, QueryRows};
+pub use simd::{force_portable, use_avx2_fma};

@@ -1,0 +1,238 @@
+//! Shared by the test files: random paged cases and a naive f64 implementation to compare
+//! the kernel with.
+
+#![allow(dead_code)] // each test file uses part of it
+
+use hybrid_cache_attention::{
+    paged_attention, AttentionError, AttentionParams, HeadShape, PagedCache, QueryRows,
+};
+
+pub struct Case {
+    pub shape: HeadShape,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// [num_blocks, 2, block_size, Hkv, D]: K then V of each block (the engine's slot layout).
+    pub data: Vec<f32>,
+    pub table: Vec<i32>,
+    pub width: usize,
+    pub sequence: Vec<i64>,
+    pub position: Vec<i64>,
+    pub low: Vec<i64>,
+    pub q: Vec<f32>,
+    pub sinks: Option<Vec<f32>>,
+    pub softcap: Option<f32>,
+}
+
+impl Case {
+    pub fn cache(&self, half: usize) -> PagedCache<'_> {
+        let token_stride = self.shape.num_kv_heads * self.shape.head_dim;
+        PagedCache {
+            data: &self.data,
+            offset: half * self.block_size * token_stride,
+            num_blocks: self.num_blocks,
+            block_size: self.block_size,
+            block_stride: 2 * self.block_size * token_stride,
+            token_stride,
+            head_stride: self.shape.head_dim,
+        }
+    }
+
+    pub fn rows(&self) -> QueryRows<'_> {
+        QueryRows {
+            block_table: &self.table,
+            table_width: self.width,
+            sequence: &self.sequence,
+            position: &self.position,
+            low: &self.low,
+        }
+    }
+
+    pub fn params(&self) -> AttentionParams<'_> {
+        AttentionParams {
+            scale: 0.3,
+            softcap: self.softcap,
+            sinks: self.sinks.as_deref(),
+        }
+    }
+
+    pub fn run(&self) -> Result<Vec<f32>, AttentionError> {
+        let mut out = vec![f32::NAN; self.q.len()];
+        paged_attention(
+            &self.q,
+            self.cache(0),
+            self.cache(1),
+            self.rows(),
+            self.shape,
+            self.params(),
+            &mut out,
+        )?;
+        Ok(out)
+    }
+
+    pub fn naive(&self) -> Vec<f32> {
+        let HeadShape {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        } = self.shape;
+        let group = num_heads / num_kv_heads;
+        let (k, v) = (self.cache(0), self.cache(1));
+        let mut out = Vec::new();
+        for r in 0..self.sequence.len() {
+            let s = self.sequence[r] as usize;
+            for head in 0..num_heads {
+                let kv = head / group;
+                let query = &self.q[(r * num_heads + head) * head_dim..][..head_dim];
+                let mut logits = Vec::new();
+                let mut vals = Vec::new();
+                for p in self.low[r] as usize..=self.position[r] as usize {
+                    let block = self.table[s * self.width + p / self.block_size] as usize;
+                    let start = |c: &PagedCache| {
+                        c.offset
+                            + block * c.block_stride
+                            + (p % self.block_size) * c.token_stride
+                            + kv * c.head_stride
+                    };
+                    let key = &self.data[start(&k)..][..head_dim];
+                    let mut score: f64 = query
+                        .iter()
+                        .zip(key)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum();
+                    score *= 0.3;
+                    if let Some(cap) = self.softcap {
+                        score = cap as f64 * (score / cap as f64).tanh();
+                    }
+                    logits.push(score);
+                    vals.push(&self.data[start(&v)..][..head_dim]);
+                }
+                let sink = self.sinks.as_ref().map(|s| s[head] as f64);
+                let max = logits
+                    .iter()
+                    .copied()
+                    .chain(sink)
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+                let total: f64 =
+                    weights.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
+                for d in 0..head_dim {
+                    let acc: f64 = weights
+                        .iter()
+                        .zip(&vals)
+                        .map(|(w, v)| w * v[d] as f64)
+                        .sum();
+                    out.push((acc / total) as f32);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A deterministic pseudo-random stream (no extra dependency).
+struct Stream(u64);
+
+impl Stream {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn float(&mut self) -> f32 {
+        (self.next() % 20001) as f32 / 10000.0 - 1.0
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn build(
+    seed: u64,
+    num_kv_heads: usize,
+    group: usize,
+    head_dim: usize,
+    block_size: usize,
+    window: Option<usize>,
+    softcap: bool,
+    sinks: bool,
+) -> Case {
+    let mut rng = Stream(seed | 1);
+    let shape = HeadShape {
+        num_heads: num_kv_heads * group,
+        num_kv_heads,
+        head_dim,
+    };
+    let num_seqs = 1 + rng.below(5);
+    let lens: Vec<usize> = (0..num_seqs).map(|_| 1 + rng.below(70)).collect();
+    let width = lens.iter().map(|n| n.div_ceil(block_size)).max().unwrap() + 1;
+    let num_blocks = 1 + num_seqs * width;
+    let mut ids: Vec<i32> = (1..num_blocks as i32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, rng.below(i + 1));
+    }
+    let mut table = vec![0i32; num_seqs * width];
+    let token_stride = num_kv_heads * head_dim;
+    let mut data = vec![f32::NAN; num_blocks * 2 * block_size * token_stride];
+    let (mut sequence, mut position, mut low) = (Vec::new(), Vec::new(), Vec::new());
+    for (s, &len) in lens.iter().enumerate() {
+        let lowest = window.map_or(0, |w| len.saturating_sub(w));
+        for column in 0..len.div_ceil(block_size) {
+            // Blocks wholly before the window are released: the null block, as in the engine.
+            if (column + 1) * block_size <= lowest {
+                continue;
+            }
+            let block = ids.pop().unwrap() as usize;
+            table[s * width + column] = block as i32;
+            for t in 0..block_size {
+                if column * block_size + t >= len {
+                    break; // the unwritten tail stays NaN
+                }
+                for half in 0..2 {
+                    let start = ((block * 2 + half) * block_size + t) * token_stride;
+                    for x in &mut data[start..start + token_stride] {
+                        *x = rng.float();
+                    }
+                }
+            }
+        }
+        // A decode row for the last token, and (when the window allows) an earlier one.
+        for p in [len - 1, (len - 1) / 2] {
+            let first = window.map_or(0, |w| (p + 1).saturating_sub(w));
+            if first < lowest {
+                continue;
+            }
+            sequence.push(s as i64);
+            position.push(p as i64);
+            low.push(first as i64);
+        }
+    }
+    let q = (0..sequence.len() * shape.row_len())
+        .map(|_| rng.float())
+        .collect();
+    Case {
+        shape,
+        block_size,
+        num_blocks,
+        data,
+        table,
+        width,
+        sequence,
+        position,
+        low,
+        q,
+        sinks: sinks.then(|| (0..shape.num_heads).map(|_| rng.float() * 3.0).collect()),
+        softcap: softcap.then_some(0.8),
+    }
+}
+
+pub fn assert_close(got: &[f32], want: &[f32], seed: u64) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-5 + 1e-4 * w.abs(),
+            "seed {seed}: element {i}: kernel {g}, naive {w}"
+        );
+    }
+}
