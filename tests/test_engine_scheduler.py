@@ -48,6 +48,17 @@ class FakeKVCacheManager:
         self.held[request.request_id] = max(needed, self.held[request.request_id])
         return True
 
+    def allocate_batch(
+        self, requests: list[Request], num_computed_tokens: list[int], num_new_tokens: list[int]
+    ) -> int:
+        """`allocate` in order, stopping at the first that does not fit (as the core does)."""
+        assert len(requests) == len(num_computed_tokens) == len(num_new_tokens)
+        assert len({request.request_id for request in requests}) == len(requests)
+        for done, args in enumerate(zip(requests, num_computed_tokens, num_new_tokens)):
+            if not self.allocate(*args):
+                return done
+        return len(requests)
+
     def append_token_ids(self, requests: list[Request], token_ids: list[int]) -> None:
         assert len(requests) == len(token_ids), "one token per request"
         for request, token_id in zip(requests, token_ids):
@@ -60,6 +71,9 @@ class FakeKVCacheManager:
 
     def row_of(self, request: Request) -> int:
         return self.rows[request.request_id]
+
+    def rows_of(self, requests: list[Request]) -> list[int]:
+        return [self.rows[request.request_id] for request in requests]
 
 
 def make_request(index: int, num_prompt_tokens: int, max_tokens: int = 4) -> Request:

@@ -147,12 +147,29 @@ class KVCacheManager:
         core_id = self.core_ids[request.request_id]
         return self.coordinator.allocate(core_id, num_computed_tokens, num_new_tokens)
 
+    def allocate_batch(
+        self,
+        requests: Sequence[Request],
+        num_computed_tokens: Sequence[int],
+        num_new_tokens: Sequence[int],
+    ) -> int:
+        """`allocate` for each request in order, in one call to the core: all or nothing per
+        request; stops at the first that does not fit and returns how many were allocated."""
+        core_ids = self.core_ids
+        # Lists of ints: the core reads them directly (building numpy arrays costs more).
+        return self.coordinator.allocate_batch(
+            [core_ids[request.request_id] for request in requests],
+            num_computed_tokens,
+            num_new_tokens,
+        )
+
     def append_token_ids(self, requests: Sequence[Request], token_ids: Sequence[int]) -> None:
         """Records one sampled token per request (a decode step), in one call to the core."""
-        core_ids = np.fromiter(
-            (self.core_ids[request.request_id] for request in requests), np.int64, len(requests)
+        core_ids = self.core_ids
+        self.coordinator.append_token_ids_batch(
+            [core_ids[request.request_id] for request in requests],
+            np.asarray(token_ids, dtype=np.int64) if not isinstance(token_ids, list) else token_ids,
         )
-        self.coordinator.append_token_ids_batch(core_ids, np.asarray(token_ids, dtype=np.int64))
 
     def free(self, request: Request) -> None:
         """Returns every block of the request and its row (finish, abort or preemption)."""
@@ -162,6 +179,11 @@ class KVCacheManager:
 
     def row_of(self, request: Request) -> int:
         return self.rows[request.request_id]
+
+    def rows_of(self, requests: Sequence[Request]) -> list[int]:
+        """`row_of` for each request."""
+        rows = self.rows
+        return [rows[request.request_id] for request in requests]
 
     def num_used_blocks_per_group(self) -> list[int]:
         return list(self.coordinator.num_used_blocks_per_group())

@@ -50,6 +50,15 @@ class Request:
         # prompt + output can never exceed this (max_model_len or prompt + max_tokens).
         self.max_total_tokens: int = max_total_tokens
         self.eos_token_ids: tuple[int, ...] = eos_token_ids
+        # What `append_output_token` checks, worked out once (the params are frozen): the tokens
+        # that stop the request, and the token count at which it reaches a length limit
+        # (prompt + max_tokens output tokens, or max_total_tokens).
+        self._stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids).union(
+            () if sampling_params.ignore_eos else eos_token_ids
+        )
+        self._length_limit: int = min(
+            len(self.prompt_token_ids) + sampling_params.max_tokens, max_total_tokens
+        )
         self.status: RequestStatus = RequestStatus.WAITING
         self.finish_reason: Optional[FinishReason] = None
         self.error: Optional[Exception] = None  # set when finish_reason is ERROR
@@ -82,13 +91,12 @@ class Request:
     def append_output_token(self, token_id: int) -> Optional[FinishReason]:
         """Records a sampled token; returns why the request stops now, if it does."""
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-        params = self.sampling_params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
+        all_token_ids = self.all_token_ids
+        all_token_ids.append(token_id)
+        # EOS (unless ignored) or a stop token; then max_tokens outputs or max_total_tokens.
+        if token_id in self._stop_token_ids:
             return FinishReason.STOP
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_total_tokens:
+        if len(all_token_ids) >= self._length_limit:
             return FinishReason.LENGTH
         return None
 

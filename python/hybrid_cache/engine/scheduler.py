@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Optional
 
 from hybrid_cache.engine.errors import InsufficientKVCacheError
@@ -24,17 +25,26 @@ if TYPE_CHECKING:
     from hybrid_cache.engine.kv_cache import KVCacheManager
 
 
-@dataclass
+@dataclass(init=False)
 class ScheduledRequest:
+    # Built once per scheduled request and step: slots and a plain __init__ keep that cheap.
+    __slots__ = ("request", "row", "num_computed_tokens", "num_new_tokens", "samples")
+
     request: Request
     row: int  # the request's row in the grouped block table
     num_computed_tokens: int  # before this step
     num_new_tokens: int
     # Whether this step computes the request's last token, so a token is sampled for it.
-    samples: bool = field(init=False)
+    samples: bool
 
-    def __post_init__(self) -> None:
-        self.samples = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __init__(
+        self, request: Request, row: int, num_computed_tokens: int, num_new_tokens: int
+    ) -> None:
+        self.request = request
+        self.row = row
+        self.num_computed_tokens = num_computed_tokens
+        self.num_new_tokens = num_new_tokens
+        self.samples = num_computed_tokens + num_new_tokens == len(request.all_token_ids)
 
 
 @dataclass
@@ -46,7 +56,7 @@ class SchedulerOutput:
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled)
+        return sum(map(attrgetter("num_new_tokens"), self.scheduled))
 
 
 class Scheduler:
@@ -87,30 +97,85 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        token_budget = self.max_num_batched_tokens
-
-        index = 0
-        while index < len(self.running) and token_budget > 0:
-            request = self.running[index]
-            num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
-            assert num_new_tokens > 0, f"running {request} has nothing to compute"
-            if not self._allocate_or_preempt(request, num_new_tokens, output):
-                break  # the request itself was preempted (it was the newest)
-            output.scheduled.append(
-                ScheduledRequest(
-                    request,
-                    self.kv_cache.row_of(request),
-                    request.num_computed_tokens,
-                    num_new_tokens,
-                )
-            )
-            token_budget -= num_new_tokens
-            index += 1
-
+        token_budget = self._schedule_running(output)
         # Admitting while preempting would take back the blocks just freed.
         if output.num_preemptions == 0:
             self._admit_waiting(token_budget, output)
         return output
+
+    def _schedule_running(self, output: SchedulerOutput) -> int:
+        """Schedules the running requests oldest first, each taking as many of its uncomputed
+        tokens as the budget leaves, preempting newest-first when one does not fit; returns
+        the budget left.
+
+        The same decisions as allocating one request at a time, in fewer core calls: a
+        request's share of the budget depends only on the requests before it, so the shares
+        are worked out first and allocated with one `allocate_batch` (in order, all or nothing
+        per request, stopping at the first that does not fit). When one does not fit, newest
+        requests are preempted until it does (or it was the newest), and the requests after it
+        go on in another batch.
+        """
+        running = self.running
+        kv_cache = self.kv_cache
+        scheduled = output.scheduled
+        token_budget = self.max_num_batched_tokens
+        index = 0  # running[:index] are scheduled
+        while index < len(running) and token_budget > 0:
+            requests: list[Request] = []
+            computed_counts: list[int] = []
+            new_counts: list[int] = []
+            budget = token_budget
+            for request in running[index:] if index else running:
+                if budget <= 0:
+                    break
+                num_computed = request.num_computed_tokens
+                num_new_tokens = len(request.all_token_ids) - num_computed
+                if num_new_tokens > budget:
+                    num_new_tokens = budget
+                assert num_new_tokens > 0, f"running {request} has nothing to compute"
+                requests.append(request)
+                computed_counts.append(num_computed)
+                new_counts.append(num_new_tokens)
+                budget -= num_new_tokens
+
+            num_allocated = kv_cache.allocate_batch(requests, computed_counts, new_counts)
+            if num_allocated == len(requests):
+                scheduled.extend(
+                    map(
+                        ScheduledRequest,
+                        requests,
+                        kv_cache.rows_of(requests),
+                        computed_counts,
+                        new_counts,
+                    )
+                )
+                return budget
+            if num_allocated:
+                allocated = requests[:num_allocated]
+                scheduled.extend(
+                    map(
+                        ScheduledRequest,
+                        allocated,
+                        kv_cache.rows_of(allocated),
+                        computed_counts[:num_allocated],
+                        new_counts[:num_allocated],
+                    )
+                )
+                token_budget -= sum(new_counts[:num_allocated])
+                index += num_allocated
+
+            # requests[num_allocated] does not fit (its failed allocate changed nothing).
+            request = requests[num_allocated]
+            num_computed = computed_counts[num_allocated]
+            num_new_tokens = new_counts[num_allocated]
+            if not self._preempt_until_fits(request, num_computed, num_new_tokens, output):
+                break  # the request itself was preempted (it was the newest)
+            scheduled.append(
+                ScheduledRequest(request, kv_cache.row_of(request), num_computed, num_new_tokens)
+            )
+            token_budget -= num_new_tokens
+            index += 1
+        return token_budget
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
@@ -130,27 +195,36 @@ class Scheduler:
                 continuing.append(request)
                 continuing_token_ids.append(token_id)
                 continue
-            self.running.remove(request)
             self.kv_cache.free(request)
             self._finish(request, finish_reason)
             finished.append(request)
+        if finished:
+            # One pass (order kept) instead of a `list.remove` per finished request.
+            self.running[:] = [
+                request for request in self.running if request.status is not RequestStatus.FINISHED
+            ]
         if continuing:
             # The core hashes blocks as they fill, so it needs every sampled token (one call).
             self.kv_cache.append_token_ids(continuing, continuing_token_ids)
         return finished
 
-    def _allocate_or_preempt(
-        self, request: Request, num_new_tokens: int, output: SchedulerOutput
+    def _preempt_until_fits(
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        output: SchedulerOutput,
     ) -> bool:
-        """Allocates for `request`, preempting newest-first until it fits; False when the
-        request itself had to be preempted."""
-        while not self.kv_cache.allocate(request, request.num_computed_tokens, num_new_tokens):
+        """After `request`'s allocation failed: preempts newest-first, retrying after each,
+        until it fits; False when the request itself had to be preempted."""
+        while True:
             victim = self.running.pop()
             self._preempt(victim)
             output.num_preemptions += 1
             if victim is request:
                 return False
-        return True
+            if self.kv_cache.allocate(request, num_computed_tokens, num_new_tokens):
+                return True
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

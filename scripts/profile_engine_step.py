@@ -1,0 +1,100 @@
+"""The engine's per-step Python cost at many running decode requests, without the model.
+
+Builds `LLM("tiny-llama", load_format="dummy", kv_cache_memory="128MiB", max_model_len=1024)`,
+adds `--requests` requests of 512 random tokens (greedy, `max_tokens=300`, EOS ignored), steps
+until every request is decoding, then times `--steps` `llm.engine.step()` calls. The model's
+forward is replaced by one returning zeros (logits and sampling still run), so the figure is
+the engine: scheduling, batch metadata, sampling, token bookkeeping, step figures.
+
+    python scripts/profile_engine_step.py [--requests 64] [--steps 100] [--repeats 5]
+    PYTHONPATH=/other/checkout/python python scripts/profile_engine_step.py   # A/B a copy
+    python scripts/profile_engine_step.py --profile 30     # cProfile, top 30 by cumulative time
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+from hybrid_cache.engine.llm import LLM
+from hybrid_cache.engine.sampling_params import SamplingParams
+
+PROMPT_LEN = 512
+
+
+def decoding_llm(num_requests: int) -> LLM:
+    """An LLM whose `num_requests` requests are all decoding, with a zero forward."""
+    llm = LLM(
+        "tiny-llama", load_format="dummy", kv_cache_memory="128MiB", max_model_len=1024, seed=0
+    )
+    generator = torch.Generator().manual_seed(0)
+    vocab_size = llm.engine.vocab_size
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    for index in range(num_requests):
+        prompt = torch.randint(0, vocab_size, (PROMPT_LEN,), generator=generator).tolist()
+        llm.engine.add_request(str(index), prompt, params)
+
+    hidden_size = llm.spec.hidden_size  # 64 for tiny-llama
+
+    def zero_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(input_ids.shape[0], hidden_size, dtype=llm.dtype)
+
+    llm.model.forward = zero_forward
+    scheduler = llm.engine.scheduler
+    while scheduler.waiting or any(
+        r.num_computed_tokens < r.num_tokens - 1 for r in scheduler.running
+    ):
+        llm.engine.step()
+    assert len(scheduler.running) == num_requests, "every request should be decoding"
+    return llm
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of --steps steps")
+    parser.add_argument("--profile", type=int, default=0, help="cProfile; print the top N")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    if args.profile:
+        llm = decoding_llm(args.requests)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.steps):
+            llm.engine.step()
+        profiler.disable()
+        stats = pstats.Stats(profiler).sort_stats("cumulative")
+        stats.print_stats(args.profile)
+        return
+
+    per_step_ms = []  # per run: the median step (robust to other processes' bursts)
+    mean_step_ms = []
+    clock = time.perf_counter
+    for _ in range(args.repeats):
+        llm = decoding_llm(args.requests)
+        step = llm.engine.step
+        for _ in range(5):  # warm-up
+            step()
+        times = []
+        for _ in range(args.steps):
+            start = clock()
+            step()
+            times.append(clock() - start)
+        per_step_ms.append(statistics.median(times) * 1e3)
+        mean_step_ms.append(sum(times) * 1e3 / len(times))
+    print(
+        f"engine-only step ({args.requests} decoding requests, zero forward): "
+        f"median {statistics.median(per_step_ms):.3f} ms (mean {statistics.median(mean_step_ms):.3f}"
+        f" ms) over {args.repeats} runs of {args.steps} steps; run medians "
+        + ", ".join(f"{ms:.3f}" for ms in per_step_ms)
+    )
+
+
+if __name__ == "__main__":
+    main()
