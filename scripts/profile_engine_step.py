@@ -1,12 +1,13 @@
 """The engine's per-step Python cost at many running decode requests, without the model.
 
-Builds `LLM("tiny-llama", load_format="dummy", kv_cache_memory="128MiB", max_model_len=1024)`,
+Builds `LLM(MODEL, load_format="dummy", kv_cache_memory="128MiB", max_model_len=1024)` (MODEL:
+`--model`, default tiny-llama),
 adds `--requests` requests of 512 random tokens (greedy, `max_tokens=300`, EOS ignored), steps
 until every request is decoding, then times `--steps` `llm.engine.step()` calls. The model's
 forward is replaced by one returning zeros (logits and sampling still run), so the figure is
 the engine: scheduling, batch metadata, sampling, token bookkeeping, step figures.
 
-    python scripts/profile_engine_step.py [--requests 64] [--steps 100] [--repeats 5]
+    python scripts/profile_engine_step.py [--model tiny-gemma3] [--requests 64] [--steps 100]
     PYTHONPATH=/other/checkout/python python scripts/profile_engine_step.py   # A/B a copy
     python scripts/profile_engine_step.py --profile 30     # cProfile, top 30 by cumulative time
 """
@@ -26,11 +27,9 @@ from hybrid_cache.engine.sampling_params import SamplingParams
 PROMPT_LEN = 512
 
 
-def decoding_llm(num_requests: int) -> LLM:
+def decoding_llm(num_requests: int, model: str = "tiny-llama") -> LLM:
     """An LLM whose `num_requests` requests are all decoding, with a zero forward."""
-    llm = LLM(
-        "tiny-llama", load_format="dummy", kv_cache_memory="128MiB", max_model_len=1024, seed=0
-    )
+    llm = LLM(model, load_format="dummy", kv_cache_memory="128MiB", max_model_len=1024, seed=0)
     generator = torch.Generator().manual_seed(0)
     vocab_size = llm.engine.vocab_size
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
@@ -55,6 +54,7 @@ def decoding_llm(num_requests: int) -> LLM:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama", help="preset (default tiny-llama)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of --steps steps")
@@ -63,7 +63,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     if args.profile:
-        llm = decoding_llm(args.requests)
+        llm = decoding_llm(args.requests, args.model)
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(args.steps):
@@ -77,7 +77,7 @@ def main() -> None:
     mean_step_ms = []
     clock = time.perf_counter
     for _ in range(args.repeats):
-        llm = decoding_llm(args.requests)
+        llm = decoding_llm(args.requests, args.model)
         step = llm.engine.step
         for _ in range(5):  # warm-up
             step()
