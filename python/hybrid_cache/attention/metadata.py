@@ -77,12 +77,22 @@ def compute_slot_mapping(
     `block_table` holds one row per scheduled sequence; `positions` are the tokens' absolute
     positions (see `compute_positions`). Vectorised: one gather, no per-token loop.
     """
-    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(len(query_lens), device=block_table.device), query_lens.to(block_table.device)
-    )
-    positions = positions.to(block_table.device).long()
-    block_ids = block_table[seq_of_token, positions // block_size].long()
+    seq_of_token = _sequence_of_token(query_start_loc, block_table.device)
+    return _slots(block_table[None], seq_of_token, positions, block_size)[0]
+
+
+def _sequence_of_token(query_start_loc: torch.Tensor, device: torch.device) -> torch.Tensor:
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long().to(device)
+    return torch.repeat_interleave(torch.arange(len(query_lens), device=device), query_lens)
+
+
+def _slots(
+    block_tables: torch.Tensor, seq_of_token: torch.Tensor, positions: torch.Tensor, block_size
+) -> torch.Tensor:
+    """`compute_slot_mapping` for several groups' tables at once: [groups, seqs, width] ->
+    [groups, num_tokens]."""
+    positions = positions.to(block_tables.device).long()
+    block_ids = block_tables[:, seq_of_token, positions // block_size].long()
     assert bool((block_ids != NULL_BLOCK).all()), "a new token maps to the null block"
     return block_ids * block_size + positions % block_size
 
@@ -105,13 +115,21 @@ def build_attention_metadata(
     query_start_loc[1:] = torch.cumsum(query_lens, 0)
     seq_lens = computed + query_lens
     positions = compute_positions(query_start_loc, seq_lens)
+    # Groups with the same block size and table shape get their slots in one gather.
+    slot_mappings: list[torch.Tensor | None] = [None] * len(block_tables)
+    batches: dict[tuple, list[int]] = {}
+    for index, (table, size) in enumerate(zip(block_tables, block_sizes)):
+        batches.setdefault((size, tuple(table.shape), table.device), []).append(index)
+    if batches:
+        seq_of_token = _sequence_of_token(query_start_loc, block_tables[0].device)
+    for (size, _, device), indices in batches.items():
+        tables = torch.stack([block_tables[index] for index in indices])
+        slots = _slots(tables, seq_of_token.to(device), positions, size)
+        for row, index in enumerate(indices):
+            slot_mappings[index] = slots[row]
     groups = [
-        GroupMetadata(
-            block_table=table,
-            slot_mapping=compute_slot_mapping(table, query_start_loc, positions, size),
-            block_size=size,
-        )
-        for table, size in zip(block_tables, block_sizes)
+        GroupMetadata(block_table=table, slot_mapping=slots, block_size=size)
+        for table, slots, size in zip(block_tables, slot_mappings, block_sizes)
     ]
     metadata = AttentionMetadata(
         query_start_loc=query_start_loc,

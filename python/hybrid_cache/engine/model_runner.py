@@ -121,10 +121,14 @@ class ModelRunner:
         )
         # Only the columns this batch can touch: the full width is max_model_len / block_size.
         max_seq_len = max(c + n for c, n in zip(num_computed, query_lens))
-        block_tables = [
-            self.kv_cache.block_table[group, rows, : -(-max_seq_len // block_size)]
-            for group, block_size in enumerate(self.block_sizes)
-        ]
+        if len(set(self.block_sizes)) == 1:  # one gather for every group's rows
+            columns = -(-max_seq_len // self.block_sizes[0])
+            block_tables = list(self.kv_cache.block_table[:, rows, :columns].unbind(0))
+        else:
+            block_tables = [
+                self.kv_cache.block_table[group, rows, : -(-max_seq_len // block_size)]
+                for group, block_size in enumerate(self.block_sizes)
+            ]
         metadata, positions = build_attention_metadata(
             query_lens, num_computed, block_tables, self.block_sizes
         )
