@@ -17,7 +17,7 @@ proptest! {
     fn matches_the_naive_attention(
         seed in any::<u64>(),
         num_kv_heads in 1usize..4,
-        group in prop::sample::select(vec![1usize, 2, 4, 8]),
+        group in prop::sample::select(vec![1usize, 2, 3, 4, 8]),
         head_dim in prop::sample::select(vec![4usize, 8, 13, 32, 64]),
         block_size in prop::sample::select(vec![1usize, 4, 16]),
         window in prop::option::of(1usize..40),

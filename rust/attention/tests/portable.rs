@@ -12,7 +12,7 @@ proptest! {
     fn the_portable_build_matches_the_naive_attention(
         seed in any::<u64>(),
         num_kv_heads in 1usize..4,
-        group in prop::sample::select(vec![1usize, 2, 4]),
+        group in prop::sample::select(vec![1usize, 2, 3, 4]),
         head_dim in prop::sample::select(vec![4usize, 13, 32]),
         block_size in prop::sample::select(vec![1usize, 16]),
         window in prop::option::of(1usize..40),
