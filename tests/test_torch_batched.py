@@ -22,6 +22,7 @@ from hybrid_cache.attention import (
     cpu_kernel,
     get_attention_backend,
     reference,
+    row_plan,
     torch_batched,
 )
 from hybrid_cache.attention.params import AttentionParams
@@ -121,7 +122,7 @@ def test_matches_the_reference(
     ("cpu-kernel") or through the batched torch ops ("torch-decode")."""
     monkeypatch.setattr(cpu_kernel, "ENABLED", kernel)
     if not tiled:
-        monkeypatch.setattr(torch_batched, "TILED_MAX_WINDOW", 0)
+        monkeypatch.setattr(row_plan, "TILED_MAX_WINDOW", 0)
     seed = fresh_seed()
     num_kv_heads = 2
     num_heads = num_kv_heads * group_ratio

@@ -6,348 +6,48 @@ no Python loop over sequences, so a step costs a fixed number of torch ops per l
 batch size. Registered as "torch" in `selector` (the CPU engine's backend); the per-sequence
 reference is registered as "reference" and stays the test oracle.
 
-Per step, a `StepGeometry` lays every sequence's visible keys out on a padded row, in token
-positions (built by the first layer and cached on the step's metadata, so every group with the
-same window reuses it, as `triton_backend` does with its step tensors):
-
-    sequence s, visible positions low[s] .. seq_len[s]-1  (low: first position its first query
-                                                           can see, as in the reference)
-    row s:   [ low  low+1  ...  seq_len-1 | pad pad pad ]   max_visible columns
-                                            pad = seq_len-1 again (a real, visible slot), masked
-
-so a windowed group gathers about W + query_len keys per sequence, never the whole context;
-per group, a `StepPlan` only looks the positions up in that group's block table.
-Padding repeats a visible slot instead of pointing at the null block: the padded keys are
-masked out of the softmax and their values are finite, so NaN in released or null pages can never
-reach the output (no NaN * 0). Sequences are split once per step into decode rows (one query:
-every gathered key is visible, the mask is just the padding) and prefill rows (several queries,
-padded to the longest, with a per-query causal / window / chunk mask). With a sliding window of
-at most `TILED_MAX_WINDOW` tokens, a sequence's queries are first cut into tiles of W tokens,
-each its own row over its 2W - 1 keys, so a prefill chunk costs about num_tokens x 2W, not
-query_len x (W + query_len). Per layer that is one gather of K and V and one batched attention
-per kind present: masked matmuls and softmax for decode rows (and whenever softcap or sinks
-apply), torch's fused `scaled_dot_product_attention` for prefill rows of `FUSED_MIN_KEYS` keys
-or more.
+Which keys each row reads comes from the step's plan (`row_plan`). Per layer that is one gather
+of K and V and one batched attention per kind of row present: the Rust CPU kernel
+(`cpu_kernel`) for one-query rows on float32 CPU caches (every row when softcap or sinks apply),
+masked matmuls and softmax for the other decode rows and whenever softcap or sinks apply, and
+torch's fused `scaled_dot_product_attention` for prefill rows of `FUSED_MIN_KEYS` keys or more.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from hybrid_cache.attention import cpu_kernel
-from hybrid_cache.attention.metadata import NULL_BLOCK, AttentionMetadata, GroupMetadata
+from hybrid_cache.attention.metadata import AttentionMetadata, GroupMetadata
 from hybrid_cache.attention.params import AttentionParams
 from hybrid_cache.attention.reference import write_kv
-from hybrid_cache.attention.triton_backend import cached_on
+from hybrid_cache.attention.row_plan import (
+    KERNEL_ALL,
+    KERNEL_DECODE,
+    KERNEL_NONE,
+    KernelBatch,
+    RowBatch,
+    StepPlan,
+    step_plan,
+)
 
-__all__ = ["StepPlan", "paged_attention", "step_plan", "write_kv"]
+__all__ = [
+    "KERNEL_ALL",
+    "KERNEL_DECODE",
+    "KERNEL_NONE",
+    "KernelBatch",
+    "RowBatch",
+    "StepPlan",
+    "paged_attention",
+    "step_plan",
+    "write_kv",
+]
 
-# Attribute names of the per-step caches: the geometry on the step's AttentionMetadata (shared
-# by every group with the same visibility options), the plan on each GroupMetadata.
-_GEOMETRY_CACHE = "_torch_batched_geometry"
-_PLAN_CACHE = "_torch_batched_plans"
-# Sliding windows up to this size cut prefill rows into tiles of W queries over their 2W - 1
-# keys (cheap for small windows; for W = 4096 the tiles would be as long as the prompts, so
-# larger windows pad each sequence's queries on one row instead).
-TILED_MAX_WINDOW = 128
-# Which rows `step_plan` leaves to the CPU kernel (`cpu_kernel`): none, one-query rows, or every
-# query token as its own row.
-KERNEL_NONE, KERNEL_DECODE, KERNEL_ALL = "none", "decode", "all"
 # Prefill rows with at least this many keys use torch's fused attention; below it (a small
 # window's tiles) the plain masked matmuls are faster on the CPU.
 FUSED_MIN_KEYS = 64
-
-
-@dataclass(frozen=True)
-class RowGeometry:
-    """Sequences of one kind (decode or prefill) laid out on padded rows, in token positions:
-    everything about a row batch that does not depend on a group's block table."""
-
-    sequences: torch.Tensor  # [num_rows] int64: the sequence (block-table row) of each row
-    # [num_rows, max_visible] int64: the token position each gathered key is read from (padding
-    # repeats the row's last visible position)
-    gather_positions: torch.Tensor
-    # [num_rows, 1, max_queries, 1, max_visible] bool: key visible to query (padded keys: False)
-    mask: torch.Tensor
-    # [num_rows, max_queries] int64: flattened query row of each padded query (padding repeats
-    # the row's last query, so every padded query has a visible key and a finite softmax)
-    query_rows: torch.Tensor
-    # [num_tokens_of_these_rows] int64: index into the flattened [num_rows * max_queries] output
-    # of each real query, in the order of `token_rows`
-    output_index: torch.Tensor
-    token_rows: torch.Tensor  # [num_tokens_of_these_rows] int64: their rows in q / the output
-
-
-@dataclass(frozen=True)
-class KernelSpans:
-    """One-query rows for the CPU kernel (`cpu_kernel`), which reads each row's visible keys in
-    place: no gather positions or masks, only the visible range of each row."""
-
-    sequences: torch.Tensor  # [num_rows] int64: block-table row of each row
-    positions: torch.Tensor  # [num_rows] int64: position of the query token
-    low: torch.Tensor  # [num_rows] int64: first visible position
-    token_rows: torch.Tensor  # [num_rows] int64: the rows in q / the output
-
-
-@dataclass(frozen=True)
-class StepGeometry:
-    """One step's row layout for one set of visibility options; `decode`/`prefill` None when
-    absent. Built once per step and reused by every group with these options."""
-
-    # one query per row (with a small window: every one-token tile)
-    decode: Optional[RowGeometry | KernelSpans]
-    prefill: Optional[RowGeometry]
-
-
-@dataclass(frozen=True)
-class RowBatch:
-    """A row geometry placed in one group's pages."""
-
-    geometry: RowGeometry
-    key_blocks: torch.Tensor  # [num_rows, max_visible] int64: block id of each gathered key
-    key_offsets: torch.Tensor  # [num_rows, max_visible] int64: offset in that block
-
-    @property
-    def mask(self) -> torch.Tensor:
-        return self.geometry.mask
-
-    @property
-    def query_rows(self) -> torch.Tensor:
-        return self.geometry.query_rows
-
-
-KernelBatch = cpu_kernel.KernelRows  # kernel rows with the group's block table
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One group's gather indices and masks for one step; `decode`/`prefill` None when absent."""
-
-    decode: Optional[RowBatch | KernelBatch]
-    prefill: Optional[RowBatch]
-
-
-def _first_visible(
-    first_query: torch.Tensor, sliding_window: Optional[int], chunk: Optional[int]
-) -> torch.Tensor:
-    """The first position the query at `first_query` can see (the reference's rule)."""
-    low = torch.zeros_like(first_query)
-    if sliding_window is not None:
-        low = torch.maximum(low, first_query - sliding_window + 1)
-    if chunk is not None:
-        low = torch.maximum(low, (first_query // chunk) * chunk)
-    return low
-
-
-def _kernel_rows(
-    sequences: torch.Tensor,
-    query_start: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sliding_window: Optional[int],
-    chunk: Optional[int],
-) -> KernelSpans:
-    """One-query rows as visible ranges, for the CPU kernel."""
-    positions = seq_lens - 1
-    return KernelSpans(
-        sequences=sequences,
-        positions=positions,
-        low=_first_visible(positions, sliding_window, chunk),
-        token_rows=query_start,
-    )
-
-
-def _row_geometry(
-    sequences: torch.Tensor,
-    query_start: torch.Tensor,
-    query_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sliding_window: Optional[int],
-    chunk: Optional[int],
-    device: torch.device,
-) -> RowGeometry:
-    """Padded key positions and masks for the sequences given (all with query_len >= 1)."""
-    first_query = seq_lens - query_lens
-    low = _first_visible(first_query, sliding_window, chunk)
-    num_visible = seq_lens - low
-    max_visible = int(num_visible.max())
-    columns = torch.arange(max_visible)
-    key_positions = low[:, None] + columns[None, :]
-    key_valid = columns[None, :] < num_visible[:, None]
-    # Padding repeats the last visible slot: real, written, finite.
-    gather_positions = torch.minimum(key_positions, (seq_lens - 1)[:, None])
-
-    max_queries = int(query_lens.max())
-    query_columns = torch.arange(max_queries)
-    query_valid = query_columns[None, :] < query_lens[:, None]
-    last_query = (query_lens - 1)[:, None]
-    query_offsets = torch.minimum(query_columns[None, :], last_query)
-    query_positions = first_query[:, None] + query_offsets  # [rows, max_queries]
-
-    query = query_positions[:, :, None]
-    key = key_positions[:, None, :]
-    mask = key_valid[:, None, :] & (key <= query)
-    if sliding_window is not None:
-        mask &= key > query - sliding_window
-    if chunk is not None:
-        mask &= (key // chunk) == (query // chunk)
-
-    query_rows = query_start[:, None] + query_offsets
-    output_index = (torch.arange(len(query_lens))[:, None] * max_queries + query_columns[None, :])[
-        query_valid
-    ]
-    token_rows = query_rows[query_valid]
-    return RowGeometry(
-        sequences=sequences,
-        gather_positions=gather_positions,
-        mask=mask[:, None, :, None, :].to(device),
-        query_rows=query_rows.to(device),
-        output_index=output_index.to(device),
-        token_rows=token_rows.to(device),
-    )
-
-
-def _tiles(
-    query_start: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor, tile: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every sequence's query tokens cut into tiles of at most `tile` consecutive tokens, each
-    tile a sequence of its own that ends at its last query: (sequence of each tile, first query
-    row, query count, seq_len)."""
-    tiles_per_seq = -(-query_lens // tile)  # 0 for a sequence with no query
-    tile_seq = torch.repeat_interleave(torch.arange(len(query_lens)), tiles_per_seq)
-    first_tile = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
-    offset = (torch.arange(len(tile_seq)) - first_tile[tile_seq]) * tile
-    tile_lens = torch.minimum(query_lens[tile_seq] - offset, torch.tensor(tile))
-    tile_seq_lens = (seq_lens - query_lens)[tile_seq] + offset + tile_lens
-    return tile_seq, query_start[tile_seq] + offset, tile_lens, tile_seq_lens
-
-
-def _build_geometry(
-    metadata: AttentionMetadata,
-    sliding_window: Optional[int],
-    chunk: Optional[int],
-    device: torch.device,
-    kernel: str,
-) -> StepGeometry:
-    query_start_loc = metadata.query_start_loc.cpu().long()
-    seq_lens = metadata.seq_lens.cpu().long()
-    query_start = query_start_loc[:-1]
-    query_lens = query_start_loc[1:] - query_start
-    sequences = torch.arange(len(query_lens))
-    tile = None
-    if kernel == KERNEL_ALL:
-        tile = 1  # every query token is a one-query row of the kernel
-    elif sliding_window is not None and sliding_window <= TILED_MAX_WINDOW:
-        # Tiles of W queries over their 2W - 1 keys: a prefill chunk costs about 2 W scores and
-        # 2 gathered keys per token, instead of (W + query_len) each on one padded row.
-        tile = sliding_window
-    if tile is not None:
-        sequences, query_start, query_lens, seq_lens = _tiles(
-            query_start, query_lens, seq_lens, tile
-        )
-    kinds: list = []
-    one_query = query_lens == 1
-    for selected in (one_query, query_lens > 1):  # sequences with no query are skipped
-        rows = selected.nonzero().flatten()
-        if len(rows) == 0:
-            kinds.append(None)
-            continue
-        if kernel != KERNEL_NONE and selected is one_query:  # the kernel reads K/V in place
-            kinds.append(
-                _kernel_rows(
-                    sequences[rows], query_start[rows], seq_lens[rows], sliding_window, chunk
-                )
-            )
-            continue
-        kinds.append(
-            _row_geometry(
-                sequences[rows],
-                query_start[rows],
-                query_lens[rows],
-                seq_lens[rows],
-                sliding_window,
-                chunk,
-                device,
-            )
-        )
-    return StepGeometry(decode=kinds[0], prefill=kinds[1])
-
-
-def _place(geometry: RowGeometry, block_table: torch.Tensor, block_size: int, device) -> RowBatch:
-    """The geometry's keys in the group's pages: block ids and offsets."""
-    positions = geometry.gather_positions
-    key_blocks = torch.gather(block_table[geometry.sequences].long(), 1, positions // block_size)
-    assert bool((key_blocks != NULL_BLOCK).all()), (
-        "a sequence needs the null block for one of its visible positions"
-    )
-    return RowBatch(
-        geometry=geometry,
-        key_blocks=key_blocks.to(device),
-        key_offsets=(positions % block_size).to(device),
-    )
-
-
-def _build_plan(
-    metadata: AttentionMetadata,
-    group: GroupMetadata,
-    sliding_window: Optional[int],
-    chunk: Optional[int],
-    device: torch.device,
-    kernel: str,
-) -> StepPlan:
-    geometry = cached_on(
-        metadata,
-        _GEOMETRY_CACHE,
-        (sliding_window, chunk, device, kernel),
-        (metadata.query_start_loc, metadata.seq_lens),
-        lambda: _build_geometry(metadata, sliding_window, chunk, device, kernel),
-    )
-    block_table = group.block_table.cpu()
-    decode: Optional[RowBatch | KernelBatch] = None
-    if isinstance(geometry.decode, KernelSpans):
-        spans = geometry.decode
-        decode = cpu_kernel.kernel_rows(
-            spans.token_rows,
-            int(metadata.query_start_loc[-1]),
-            block_table,
-            spans.sequences,
-            spans.positions,
-            spans.low,
-        )
-    elif geometry.decode is not None:
-        decode = _place(geometry.decode, block_table, group.block_size, device)
-    return StepPlan(
-        decode=decode,
-        prefill=None
-        if geometry.prefill is None
-        else _place(geometry.prefill, block_table, group.block_size, device),
-    )
-
-
-def step_plan(
-    metadata: AttentionMetadata,
-    group: GroupMetadata,
-    sliding_window: Optional[int],
-    chunk: Optional[int],
-    device: torch.device,
-    kernel: str = "none",
-) -> StepPlan:
-    """The group's plan for this step: built by the step's first layer with these visibility
-    options, reused by the others (cached on `group`, keyed by the source tensors' identity).
-    The row geometry under it is shared by every group of the step with the same options
-    (cached on `metadata`): only the block ids differ between groups. `kernel` says which rows
-    the CPU kernel takes (`KernelBatch`: visible ranges, no gather indices): `KERNEL_NONE`,
-    `KERNEL_DECODE` (one-query rows) or `KERNEL_ALL` (every query token as its own row)."""
-    device = torch.device(device)
-    return cached_on(
-        group,
-        _PLAN_CACHE,
-        (sliding_window, chunk, device, kernel),
-        (metadata.query_start_loc, metadata.seq_lens, group.block_table),
-        lambda: _build_plan(metadata, group, sliding_window, chunk, device, kernel),
-    )
 
 
 def _token_rows(cache: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
