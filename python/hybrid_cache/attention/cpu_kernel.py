@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
 
 from hybrid_cache import _core
+from hybrid_cache.attention.params import AttentionParams
 
 ENABLED = os.environ.get("HYBRID_CACHE_CPU_KERNEL", "1") != "0"
 
@@ -76,9 +76,7 @@ def attend(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     rows: KernelRows,
-    scale: float,
-    softcap: Optional[float],
-    sinks: Optional[torch.Tensor],
+    params: AttentionParams,
 ) -> torch.Tensor:
     """Attention of the rows' query tokens of q [num_tokens, Hq, D]; returns [rows, Hq, D]
     float32 (in token order when `rows.every_token`). Raises `InvalidArgumentError` /
@@ -95,8 +93,8 @@ def attend(
         rows.positions,
         rows.low,
         out.numpy(),
-        float(scale),
-        None if softcap is None else float(softcap),
-        None if sinks is None else sinks.detach().float().contiguous().numpy(),
+        float(params.scale),
+        None if params.softcap is None else float(params.softcap),
+        None if params.sinks is None else params.sinks.detach().float().contiguous().numpy(),
     )
     return out

@@ -55,13 +55,19 @@ class AttentionMetadata:
 
 def compute_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """Absolute position of every flattened query token, [num_tokens] int64 (no Python loop)."""
-    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    num_tokens = int(query_start_loc[-1].item())
-    first_positions = seq_lens.long().to(query_start_loc.device) - query_lens
+    seq_of_token = _sequence_of_token(query_start_loc, query_start_loc.device)
+    return _positions(query_start_loc, seq_lens, seq_of_token)
+
+
+def _positions(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, seq_of_token: torch.Tensor
+) -> torch.Tensor:
+    """`compute_positions`, given each token's sequence (`_sequence_of_token`)."""
     device = query_start_loc.device
-    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=device), query_lens)
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    first_positions = seq_lens.long().to(device) - query_lens
     offset_in_seq = (
-        torch.arange(num_tokens, device=device) - query_start_loc[:-1].long()[seq_of_token]
+        torch.arange(len(seq_of_token), device=device) - query_start_loc[:-1].long()[seq_of_token]
     )
     return first_positions[seq_of_token] + offset_in_seq
 
@@ -114,14 +120,13 @@ def build_attention_metadata(
     query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(query_lens, 0)
     seq_lens = computed + query_lens
-    positions = compute_positions(query_start_loc, seq_lens)
+    seq_of_token = _sequence_of_token(query_start_loc, query_start_loc.device)
+    positions = _positions(query_start_loc, seq_lens, seq_of_token)
     # Groups with the same block size and table shape get their slots in one gather.
     slot_mappings: list[torch.Tensor | None] = [None] * len(block_tables)
     batches: dict[tuple, list[int]] = {}
     for index, (table, size) in enumerate(zip(block_tables, block_sizes)):
         batches.setdefault((size, tuple(table.shape), table.device), []).append(index)
-    if batches:
-        seq_of_token = _sequence_of_token(query_start_loc, block_tables[0].device)
     for (size, _, device), indices in batches.items():
         tables = torch.stack([block_tables[index] for index in indices])
         slots = _slots(tables, seq_of_token.to(device), positions, size)

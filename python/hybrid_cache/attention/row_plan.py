@@ -330,7 +330,7 @@ def step_plan(
     sliding_window: Optional[int],
     chunk: Optional[int],
     device: torch.device,
-    kernel: str = "none",
+    kernel: str = KERNEL_NONE,
 ) -> StepPlan:
     """The group's plan for this step: built by the step's first layer with these visibility
     options, reused by the others (cached on `group`, keyed by the source tensors' identity).

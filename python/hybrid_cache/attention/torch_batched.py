@@ -169,9 +169,7 @@ def paged_attention(
         kernel = KERNEL_DECODE if params.softcap is None and params.sinks is None else KERNEL_ALL
     plan = step_plan(metadata, group, params.sliding_window, params.chunk, q.device, kernel)
     if isinstance(plan.decode, KernelBatch):
-        rows = cpu_kernel.attend(
-            q, k_cache, v_cache, plan.decode, params.scale, params.softcap, params.sinks
-        )
+        rows = cpu_kernel.attend(q, k_cache, v_cache, plan.decode, params)
         if plan.decode.every_token:  # every query token is a kernel row (no prefill rows)
             return rows.to(q.dtype)
         output = torch.empty_like(q)
