@@ -125,7 +125,7 @@ class Scheduler:
             computed_counts: list[int] = []
             new_counts: list[int] = []
             budget = token_budget
-            for request in running[index:] if index else running:
+            for request in running[index:]:
                 if budget <= 0:
                     break
                 num_computed = request.num_computed_tokens
@@ -139,30 +139,20 @@ class Scheduler:
                 budget -= num_new_tokens
 
             num_allocated = kv_cache.allocate_batch(requests, computed_counts, new_counts)
+            allocated = requests[:num_allocated]
+            scheduled.extend(
+                map(
+                    ScheduledRequest,
+                    allocated,
+                    kv_cache.rows_of(allocated),
+                    computed_counts[:num_allocated],
+                    new_counts[:num_allocated],
+                )
+            )
             if num_allocated == len(requests):
-                scheduled.extend(
-                    map(
-                        ScheduledRequest,
-                        requests,
-                        kv_cache.rows_of(requests),
-                        computed_counts,
-                        new_counts,
-                    )
-                )
                 return budget
-            if num_allocated:
-                allocated = requests[:num_allocated]
-                scheduled.extend(
-                    map(
-                        ScheduledRequest,
-                        allocated,
-                        kv_cache.rows_of(allocated),
-                        computed_counts[:num_allocated],
-                        new_counts[:num_allocated],
-                    )
-                )
-                token_budget -= sum(new_counts[:num_allocated])
-                index += num_allocated
+            token_budget -= sum(new_counts[:num_allocated])
+            index += num_allocated
 
             # requests[num_allocated] does not fit (its failed allocate changed nothing).
             request = requests[num_allocated]
