@@ -4,85 +4,12 @@
 
 use std::ops::Range;
 
-use hybrid_cache_attention::{
-    paged_attention, AttentionError, AttentionParams, HeadShape, PagedCache, QueryRows,
-};
-use pyo3::buffer::{Element, PyBuffer};
+use hybrid_cache_attention::{paged_attention, AttentionParams, HeadShape, PagedCache, QueryRows};
+use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
-use crate::errors::{invalid_argument, InvalidArgumentError, InvalidBlockError};
-
-fn to_py(error: AttentionError) -> PyErr {
-    let message = error.to_string();
-    match error {
-        AttentionError::InvalidArgument(_) => InvalidArgumentError::new_err(message),
-        AttentionError::InvalidBlock(_) => InvalidBlockError::new_err(message),
-    }
-}
-
-/// A buffer's items as a slice spanning every element its shape and strides reach, with the
-/// strides in items. Refuses negative or unaligned strides.
-struct Items<'b, T> {
-    slice: &'b [T],
-    shape: Vec<usize>,
-    strides: Vec<usize>,
-}
-
-impl<'b, T: Element> Items<'b, T> {
-    fn new(buffer: &'b PyBuffer<T>, name: &str, dims: usize) -> PyResult<Self> {
-        if buffer.dimensions() != dims {
-            return Err(invalid_argument(format!(
-                "{name} must have {dims} dimensions, got {}",
-                buffer.dimensions()
-            )));
-        }
-        let item = std::mem::size_of::<T>() as isize;
-        let mut strides = Vec::with_capacity(dims);
-        for &stride in buffer.strides() {
-            if stride < 0 || stride % item != 0 {
-                return Err(invalid_argument(format!(
-                    "{name} has a negative or unaligned stride ({stride} bytes)"
-                )));
-            }
-            strides.push((stride / item) as usize);
-        }
-        let shape = buffer.shape().to_vec();
-        let span = if shape.contains(&0) {
-            0
-        } else {
-            1 + shape
-                .iter()
-                .zip(&strides)
-                .map(|(n, s)| (n - 1) * s)
-                .sum::<usize>()
-        };
-        // SAFETY: the exporter guarantees every element its shape and strides reach is valid
-        // memory for as long as the buffer is held; `buffer` outlives `'b`. The GIL is held
-        // for the whole call, so no Python code changes the memory meanwhile.
-        let slice = unsafe { std::slice::from_raw_parts(buffer.buf_ptr() as *const T, span) };
-        Ok(Items {
-            slice,
-            shape,
-            strides,
-        })
-    }
-
-    fn bytes(&self) -> Range<usize> {
-        let start = self.slice.as_ptr() as usize;
-        start..start + std::mem::size_of_val(self.slice)
-    }
-}
-
-fn contiguous<'b, T: Element>(
-    buffer: &'b PyBuffer<T>,
-    name: &str,
-    dims: usize,
-) -> PyResult<Items<'b, T>> {
-    if !buffer.is_c_contiguous() {
-        return Err(invalid_argument(format!("{name} must be C-contiguous")));
-    }
-    Items::new(buffer, name, dims)
-}
+use crate::convert::{contiguous_items, Items};
+use crate::errors::{attention_to_py, invalid_argument};
 
 fn paged<'b>(items: &Items<'b, f32>) -> PagedCache<'b> {
     PagedCache {
@@ -117,15 +44,15 @@ pub fn paged_attention_cpu(
     softcap: Option<f32>,
     sinks: Option<PyBuffer<f32>>,
 ) -> PyResult<()> {
-    let q_items = contiguous(&q, "q", 3)?;
+    let q_items = contiguous_items(&q, "q", 3)?;
     let keys = Items::new(&k_cache, "k_cache", 4)?;
     let values = Items::new(&v_cache, "v_cache", 4)?;
-    let table = contiguous(&block_table, "block_table", 2)?;
-    let sequence = contiguous(&sequence, "sequence", 1)?;
-    let position = contiguous(&position, "position", 1)?;
-    let low = contiguous(&low, "low", 1)?;
+    let table = contiguous_items(&block_table, "block_table", 2)?;
+    let sequence = contiguous_items(&sequence, "sequence", 1)?;
+    let position = contiguous_items(&position, "position", 1)?;
+    let low = contiguous_items(&low, "low", 1)?;
     let sinks_items = match &sinks {
-        Some(buffer) => Some(contiguous(buffer, "sinks", 1)?),
+        Some(buffer) => Some(contiguous_items(buffer, "sinks", 1)?),
         None => None,
     };
     if keys.shape != values.shape || keys.strides[3] != 1 || values.strides[3] != 1 {
@@ -195,5 +122,5 @@ pub fn paged_attention_cpu(
         params,
         out_slice,
     )
-    .map_err(to_py)
+    .map_err(attention_to_py)
 }

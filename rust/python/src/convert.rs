@@ -1,6 +1,8 @@
 //! Conversions from Python values, each failure a typed `InvalidArgumentError`.
 
-use pyo3::buffer::PyBuffer;
+use std::ops::Range;
+
+use pyo3::buffer::{Element, PyBuffer};
 use pyo3::prelude::*;
 
 use crate::errors::invalid_argument;
@@ -51,4 +53,70 @@ pub fn hash128(value: &Bound<'_, PyAny>) -> PyResult<u128> {
         .extract::<i128>()
         .map(|signed| signed as u128)
         .map_err(|_| invalid_argument("hashes must be ints in -2^127..2^128".into()))
+}
+
+/// A buffer's items as a slice spanning every element its shape and strides reach, with the
+/// strides in items. Refuses negative or unaligned strides.
+pub struct Items<'b, T> {
+    pub slice: &'b [T],
+    pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+}
+
+impl<'b, T: Element> Items<'b, T> {
+    pub fn new(buffer: &'b PyBuffer<T>, name: &str, dims: usize) -> PyResult<Self> {
+        if buffer.dimensions() != dims {
+            return Err(invalid_argument(format!(
+                "{name} must have {dims} dimensions, got {}",
+                buffer.dimensions()
+            )));
+        }
+        let item = std::mem::size_of::<T>() as isize;
+        let mut strides = Vec::with_capacity(dims);
+        for &stride in buffer.strides() {
+            if stride < 0 || stride % item != 0 {
+                return Err(invalid_argument(format!(
+                    "{name} has a negative or unaligned stride ({stride} bytes)"
+                )));
+            }
+            strides.push((stride / item) as usize);
+        }
+        let shape = buffer.shape().to_vec();
+        let span = if shape.contains(&0) {
+            0
+        } else {
+            1 + shape
+                .iter()
+                .zip(&strides)
+                .map(|(n, s)| (n - 1) * s)
+                .sum::<usize>()
+        };
+        // SAFETY: the exporter guarantees every element its shape and strides reach is valid
+        // memory for as long as the buffer is held; `buffer` outlives `'b`. The GIL is held
+        // for the whole call, so no Python code changes the memory meanwhile.
+        let slice = unsafe { std::slice::from_raw_parts(buffer.buf_ptr() as *const T, span) };
+        Ok(Items {
+            slice,
+            shape,
+            strides,
+        })
+    }
+
+    /// The addresses the slice covers (to check that buffers do not overlap).
+    pub fn bytes(&self) -> Range<usize> {
+        let start = self.slice.as_ptr() as usize;
+        start..start + std::mem::size_of_val(self.slice)
+    }
+}
+
+/// `Items` of a C-contiguous buffer.
+pub fn contiguous_items<'b, T: Element>(
+    buffer: &'b PyBuffer<T>,
+    name: &str,
+    dims: usize,
+) -> PyResult<Items<'b, T>> {
+    if !buffer.is_c_contiguous() {
+        return Err(invalid_argument(format!("{name} must be C-contiguous")));
+    }
+    Items::new(buffer, name, dims)
 }

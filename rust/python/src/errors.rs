@@ -1,5 +1,6 @@
 //! One Python exception class per `CoreError` variant, all subclasses of `HybridCacheError`.
 
+use hybrid_cache_attention::AttentionError;
 use hybrid_cache_core::CoreError;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -78,6 +79,15 @@ pub fn to_py(error: CoreError) -> PyErr {
         CoreError::InvalidGroup { .. } => InvalidGroupError::new_err(message),
         CoreError::RequestTooLarge(_) => RequestTooLargeError::new_err(message),
         CoreError::TooManyRequests { .. } => TooManyRequestsError::new_err(message),
+    }
+}
+
+/// Converts a CPU-attention error into the exception of the same kind.
+pub fn attention_to_py(error: AttentionError) -> PyErr {
+    let message = error.to_string();
+    match error {
+        AttentionError::InvalidArgument(_) => InvalidArgumentError::new_err(message),
+        AttentionError::InvalidBlock(_) => InvalidBlockError::new_err(message),
     }
 }
 
