@@ -15,7 +15,7 @@ import transformers
 from engine_harness import greedy_generate
 from hybrid_cache.attention import attention_layers
 from hybrid_cache.models import hf_config, load_model
-from hybrid_cache.models.layers import rope_inv_freq
+from hybrid_cache.models.rotary import rope_inv_freq
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 WINDOW = 8

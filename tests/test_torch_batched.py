@@ -39,14 +39,18 @@ def fresh_seed() -> int:
     return random.SystemRandom().randrange(2**31)
 
 
-def random_step(seed, num_heads, num_kv_heads, block_size, window, chunk, num_seqs=7):
-    """A paged step of `num_seqs` sequences (kinds drawn at random) in a shuffled cache that is a
-    strided view (the K and V halves of one tensor); non-visible pages are NaN."""
+KINDS = ("decode", "decode", "chunk", "prompt", "idle")
+
+
+def random_step(seed, num_heads, num_kv_heads, block_size, window, chunk, num_seqs=7, kinds=KINDS):
+    """A paged step of `num_seqs` sequences (kinds drawn at random from `kinds`) in a shuffled
+    cache that is a strided view (the K and V halves of one tensor); non-visible pages are NaN.
+    The first sequence decodes and the last has at least two queries."""
     generator = torch.Generator().manual_seed(seed)
     draw = random.Random(seed)
     seq_lens, query_lens = [], []
     for _ in range(num_seqs):
-        kind = draw.choice(["decode", "decode", "chunk", "prompt", "idle"])
+        kind = draw.choice(kinds)
         seq_len = draw.randint(1, 45)
         query_len = {
             "decode": 1,
@@ -179,6 +183,35 @@ def test_decode_only_and_prefill_only_steps():
                 atol=1e-5,
                 msg=f"seed {seed}",
             )
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch-decode"])
+@pytest.mark.parametrize("kinds", [("prompt",), KINDS], ids=["prompts", "mixed"])
+@pytest.mark.parametrize(
+    "window,chunk", [(None, None), (50, None), (5, None), (None, 64), (None, 6)]
+)
+def test_fused_prefill_rows_match_the_reference(window, chunk, kinds, kernel, monkeypatch):
+    """Prefill rows through torch's fused attention (every row, whatever its length): with a
+    mask, and as plain causal attention when every prefill row is a whole prompt that no window
+    or chunk cuts (windows of 50 and chunks of 64 are longer than every prompt here)."""
+    monkeypatch.setattr(cpu_kernel, "ENABLED", kernel)
+    monkeypatch.setattr(torch_batched, "FUSED_MIN_KEYS", 1)
+    seed = fresh_seed()
+    q, k_cache, v_cache, metadata = random_step(seed, 4, 2, 4, window, chunk, kinds=kinds)
+    group = metadata.groups[0]
+    args = (q, k_cache, v_cache, metadata, group)
+    params = AttentionParams(HEAD_DIM**-0.5, sliding_window=window, chunk=chunk)
+    got = torch_batched.paged_attention(*args, params)
+    torch.testing.assert_close(
+        got, reference.paged_attention(*args, params), rtol=1e-5, atol=1e-5, msg=f"seed {seed}"
+    )
+    if kinds == ("prompt",) and window != 5:
+        # Whole prompts (the first sequence decodes): plain causal unless a chunk of 6 cuts one.
+        query_lens = metadata.query_start_loc.diff()
+        prefill_lens = metadata.seq_lens[query_lens > 1]
+        plan = torch_batched.step_plan(metadata, group, window, chunk, q.device)
+        expected = chunk != 6 or bool((prefill_lens <= 6).all())
+        assert plan.prefill.geometry.causal == expected, f"seed {seed}"
 
 
 def test_step_plan_is_built_once_per_step_and_group():

@@ -77,6 +77,10 @@ class RowGeometry:
     # of each real query, in the order of `token_rows`
     output_index: torch.Tensor
     token_rows: torch.Tensor  # [num_tokens_of_these_rows] int64: their rows in q / the output
+    # Every row's keys are exactly its queries' positions and the mask of its real queries is
+    # plain causal (query i sees keys 0..=i): whole prompts with no window or chunk cutting them.
+    # Fused attention can then skip the masked half instead of reading a mask.
+    causal: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,12 @@ def _row_geometry(
     if chunk is not None:
         mask &= (key // chunk) == (query // chunk)
 
+    causal = bool((low == first_query).all())
+    if sliding_window is not None:
+        causal &= max_queries <= sliding_window
+    if chunk is not None:
+        causal &= bool(((seq_lens - 1) // chunk == first_query // chunk).all())
+
     query_rows = query_start[:, None] + query_offsets
     output_index = (torch.arange(len(query_lens))[:, None] * max_queries + query_columns[None, :])[
         query_valid
@@ -204,6 +214,7 @@ def _row_geometry(
         query_rows=query_rows.to(device),
         output_index=output_index.to(device),
         token_rows=token_rows.to(device),
+        causal=causal,
     )
 
 

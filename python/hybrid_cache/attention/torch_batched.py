@@ -29,6 +29,7 @@ from hybrid_cache.attention.row_plan import (
     KERNEL_NONE,
     KernelBatch,
     RowBatch,
+    RowGeometry,
     StepPlan,
     step_plan,
 )
@@ -48,6 +49,9 @@ __all__ = [
 # Prefill rows with at least this many keys use torch's fused attention; below it (a small
 # window's tiles) the plain masked matmuls are faster on the CPU.
 FUSED_MIN_KEYS = 64
+# Windows up to this size send every query token to the CPU kernel (when it can run): a token's
+# W keys are read in place, where the tiles would gather 2W - 1 keys per W queries and mask them.
+KERNEL_ALL_MAX_WINDOW = 128
 
 
 def _token_rows(cache: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
@@ -86,18 +90,20 @@ def _gather_keys(cache: torch.Tensor, batch: RowBatch) -> torch.Tensor:
 
 
 def _attend_prefill_rows(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, geometry: RowGeometry, scale
 ) -> torch.Tensor:
     """Rows of several queries without softcap or sinks: torch's fused attention (on the CPU a
-    tiled kernel that never holds the whole [queries x keys] score matrix).
-    queries [rows, Q, Hq, D], keys/values [rows, Hkv, K, D], mask [rows, 1, Q, 1, K]
-    -> [rows * Q, Hq, D]."""
+    tiled kernel that never holds the whole [queries x keys] score matrix; with a plain causal
+    geometry it also skips the key tiles above the diagonal instead of reading a mask).
+    queries [rows, Q, Hq, D], keys/values [rows, Hkv, K, D] -> [rows * Q, Hq, D]."""
     num_rows, max_queries, num_heads, head_dim = queries.shape
+    causal = geometry.causal
     out = torch.nn.functional.scaled_dot_product_attention(
         queries.transpose(1, 2),
         keys,
         values,
-        attn_mask=mask.squeeze(3),
+        attn_mask=None if causal else geometry.mask.squeeze(3),
+        is_causal=causal,
         scale=scale,
         enable_gqa=keys.shape[1] != num_heads,
     )  # [rows, Hq, Q, D]
@@ -125,7 +131,7 @@ def _attend_rows(
     queries = q[geometry.query_rows].float()  # [rows, max_queries, Hq, D]
     fused = max_queries > 1 and keys.shape[2] >= FUSED_MIN_KEYS
     if fused and softcap is None and sinks is None:
-        out = _attend_prefill_rows(queries, keys, values, geometry.mask, scale)
+        out = _attend_prefill_rows(queries, keys, values, geometry, scale)
         return out[geometry.output_index]
     # Query head h reads kv head h // group_size (the reference's repeat_interleave).
     queries = queries.view(num_rows, max_queries, num_kv_heads, group_size, head_dim)
@@ -150,6 +156,18 @@ def _attend_rows(
     return out[geometry.output_index]
 
 
+def _kernel_rows(params: AttentionParams) -> str:
+    """Which rows the CPU kernel takes when it can run: every query token when softcap or sinks
+    keep prefill rows off the fused torch attention, or when a small window makes each token's
+    few keys cheaper to read in place than to gather into tiles and mask; else one-query rows."""
+    window = params.sliding_window
+    if params.softcap is not None or params.sinks is not None:
+        return KERNEL_ALL
+    if window is not None and window <= KERNEL_ALL_MAX_WINDOW:
+        return KERNEL_ALL
+    return KERNEL_DECODE
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -162,11 +180,7 @@ def paged_attention(
     (already holding this step's keys); returns [num_tokens, Hq, D]. Same contract and results
     as `reference.paged_attention`."""
     assert k_cache.shape[1] == group.block_size, "cache block size differs from the group's"
-    kernel = KERNEL_NONE
-    if cpu_kernel.usable(q, k_cache, v_cache):
-        # Softcap and sinks keep prefill rows off the fused torch attention; the kernel is
-        # several times faster than the unfused torch ops for them.
-        kernel = KERNEL_DECODE if params.softcap is None and params.sinks is None else KERNEL_ALL
+    kernel = _kernel_rows(params) if cpu_kernel.usable(q, k_cache, v_cache) else KERNEL_NONE
     plan = step_plan(metadata, group, params.sliding_window, params.chunk, q.device, kernel)
     if isinstance(plan.decode, KernelBatch):
         rows = cpu_kernel.attend(q, k_cache, v_cache, plan.decode, params)

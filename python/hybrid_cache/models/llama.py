@@ -14,7 +14,8 @@ from torch import nn
 from hybrid_cache.attention.layer import Attention
 from hybrid_cache.models import hf_config
 from hybrid_cache.models.hf_config import Config
-from hybrid_cache.models.layers import GatedMLP, ProjectedSelfAttention, RMSNorm, RotaryEmbedding
+from hybrid_cache.models.layers import GatedMLP, ProjectedSelfAttention, RMSNorm
+from hybrid_cache.models.rotary import RotaryEmbedding
 
 
 class LlamaAttention(ProjectedSelfAttention):
