@@ -81,7 +81,7 @@ def attend(
     """Attention of the rows' query tokens of q [num_tokens, Hq, D]; returns [rows, Hq, D]
     float32 (in token order when `rows.every_token`). Raises `InvalidArgumentError` /
     `InvalidBlockError` (a visible position in the null block) and writes nothing then."""
-    queries = q if rows.every_token else q[rows.token_rows]
+    queries = q if rows.every_token else q.index_select(0, rows.token_rows)
     queries = queries.contiguous()
     out = torch.empty_like(queries)
     _core.paged_attention_cpu(

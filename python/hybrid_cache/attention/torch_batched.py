@@ -128,11 +128,13 @@ def _attend_rows(
     # [rows, max_visible, Hkv, D] -> [rows, Hkv, max_visible, D]
     keys = _gather_keys(k_cache, batch).float().transpose(1, 2)
     values = _gather_keys(v_cache, batch).float().transpose(1, 2)
-    queries = q[geometry.query_rows].float()  # [rows, max_queries, Hq, D]
+    # index_select: several times faster on the CPU than indexing with an index tensor.
+    queries = q.index_select(0, geometry.query_rows.flatten()).float()
+    queries = queries.view(num_rows, max_queries, num_heads, head_dim)
     fused = max_queries > 1 and keys.shape[2] >= FUSED_MIN_KEYS
     if fused and softcap is None and sinks is None:
         out = _attend_prefill_rows(queries, keys, values, geometry, scale)
-        return out[geometry.output_index]
+        return out.index_select(0, geometry.output_index)
     # Query head h reads kv head h // group_size (the reference's repeat_interleave).
     queries = queries.view(num_rows, max_queries, num_kv_heads, group_size, head_dim)
     queries = queries.permute(0, 2, 1, 3, 4).reshape(
@@ -153,7 +155,7 @@ def _attend_rows(
     out = torch.matmul(probs, values)  # [rows, Hkv, max_queries * G, D]
     out = out.view(num_rows, num_kv_heads, max_queries, group_size, head_dim)
     out = out.permute(0, 2, 1, 3, 4).reshape(num_rows * max_queries, num_heads, head_dim)
-    return out[geometry.output_index]
+    return out.index_select(0, geometry.output_index)
 
 
 def _kernel_rows(params: AttentionParams) -> str:
