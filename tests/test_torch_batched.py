@@ -185,17 +185,19 @@ def test_decode_only_and_prefill_only_steps():
             )
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "matmuls"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch-decode"])
 @pytest.mark.parametrize("kinds", [("prompt",), KINDS], ids=["prompts", "mixed"])
 @pytest.mark.parametrize(
     "window,chunk", [(None, None), (50, None), (5, None), (None, 64), (None, 6)]
 )
-def test_fused_prefill_rows_match_the_reference(window, chunk, kinds, kernel, monkeypatch):
-    """Prefill rows through torch's fused attention (every row, whatever its length): with a
-    mask, and as plain causal attention when every prefill row is a whole prompt that no window
-    or chunk cuts (windows of 50 and chunks of 64 are longer than every prompt here)."""
+def test_prefill_rows_match_the_reference(window, chunk, kinds, kernel, fused, monkeypatch):
+    """Prefill rows through torch's fused attention or the masked matmuls (every row, whatever
+    its length): with a per-row mask, and with the shared causal triangle (fused: no mask at
+    all) when every prefill row is a whole prompt that no window or chunk cuts (windows of 50
+    and chunks of 64 are longer than every prompt here)."""
     monkeypatch.setattr(cpu_kernel, "ENABLED", kernel)
-    monkeypatch.setattr(torch_batched, "FUSED_MIN_KEYS", 1)
+    monkeypatch.setattr(torch_batched, "FUSED_MIN_KEYS", 1 if fused else 10**9)
     seed = fresh_seed()
     q, k_cache, v_cache, metadata = random_step(seed, 4, 2, 4, window, chunk, kinds=kinds)
     group = metadata.groups[0]

@@ -188,19 +188,25 @@ def _row_geometry(
     query_offsets = torch.minimum(query_columns[None, :], last_query)
     query_positions = first_query[:, None] + query_offsets  # [rows, max_queries]
 
-    query = query_positions[:, :, None]
-    key = key_positions[:, None, :]
-    mask = key_valid[:, None, :] & (key <= query)
-    if sliding_window is not None:
-        mask &= key > query - sliding_window
-    if chunk is not None:
-        mask &= (key // chunk) == (query // chunk)
-
     causal = bool((low == first_query).all())
     if sliding_window is not None:
         causal &= max_queries <= sliding_window
     if chunk is not None:
         causal &= bool(((seq_lens - 1) // chunk == first_query // chunk).all())
+    if causal:
+        # Key column k is position low + k and query column i position first_query + i with
+        # low == first_query: the lower triangle, shared by every row (padded keys sit past
+        # every real query of their row; padded queries see at least key 0).
+        mask = torch.ones(max_queries, max_visible, dtype=torch.bool).tril()[None]
+        mask = mask.expand(len(query_lens), max_queries, max_visible)
+    else:
+        query = query_positions[:, :, None]
+        key = key_positions[:, None, :]
+        mask = key_valid[:, None, :] & (key <= query)
+        if sliding_window is not None:
+            mask &= key > query - sliding_window
+        if chunk is not None:
+            mask &= (key // chunk) == (query // chunk)
 
     query_rows = query_start[:, None] + query_offsets
     output_index = (torch.arange(len(query_lens))[:, None] * max_queries + query_columns[None, :])[
