@@ -3,7 +3,8 @@
 //!
 //! The Python engine's CPU backend uses it for decode rows, where a batched torch version has
 //! to copy every visible key and value of every request before two small matmuls; here each
-//! row streams its keys once, in block order, with a two-pass softmax per query head.
+//! row streams its keys and values once, in tiles of 16 tokens, with an online softmax per
+//! query head (`row.rs` drives a row, `kernel.rs` / `avx2*.rs` compute a tile).
 //!
 //! Semantics (same as the engine's reference backend): query token `t` of head `j` attends to
 //! the positions `low[t] ..= position[t]` of its sequence, with kv head `j / (Hq / Hkv)`
@@ -11,11 +12,21 @@
 //! (`cap * tanh(s / cap)`), and an optional per-head sink logit joins the softmax denominator
 //! without a value.
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_loops;
+#[cfg(target_arch = "x86_64")]
+mod avx2_math;
 mod decode;
 mod error;
+mod kernel;
 mod layout;
 mod math;
+mod portable;
+mod row;
 mod simd;
+mod softmax;
 
 pub use decode::paged_attention;
 pub use error::AttentionError;

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_close, build};
+use common::{assert_close, build, sweep};
 use hybrid_cache_attention::{
     paged_attention, AttentionError, AttentionParams, HeadShape, QueryRows,
 };
@@ -18,17 +18,24 @@ proptest! {
         seed in any::<u64>(),
         num_kv_heads in 1usize..4,
         group in prop::sample::select(vec![1usize, 2, 3, 4, 8]),
-        head_dim in prop::sample::select(vec![4usize, 8, 13, 32, 64]),
+        head_dim in prop::sample::select(vec![4usize, 8, 13, 16, 32, 64, 128]),
         block_size in prop::sample::select(vec![1usize, 4, 16]),
         window in prop::option::of(1usize..40),
         softcap in any::<bool>(),
         sinks in any::<bool>(),
+        scale in prop::sample::select(vec![0.3f32, 4.0]),
     ) {
-        let case = build(seed, num_kv_heads, group, head_dim, block_size, window, softcap, sinks);
+        let mut case = build(seed, num_kv_heads, group, head_dim, block_size, window, softcap, sinks);
+        case.scale = scale;
         let got = case.run().unwrap();
         assert!(got.iter().all(|x| x.is_finite()), "seed {seed}: a NaN page was read");
         assert_close(&got, &case.naive(), seed);
     }
+}
+
+#[test]
+fn every_specialised_shape_matches_the_naive_attention() {
+    sweep();
 }
 
 #[test]

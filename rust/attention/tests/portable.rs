@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{assert_close, build};
+use common::{assert_close, build, sweep};
 use proptest::prelude::*;
 
 proptest! {
@@ -12,18 +12,27 @@ proptest! {
     fn the_portable_build_matches_the_naive_attention(
         seed in any::<u64>(),
         num_kv_heads in 1usize..4,
-        group in prop::sample::select(vec![1usize, 2, 3, 4]),
-        head_dim in prop::sample::select(vec![4usize, 13, 32]),
+        group in prop::sample::select(vec![1usize, 2, 3, 4, 8]),
+        head_dim in prop::sample::select(vec![4usize, 13, 16, 32, 64, 128]),
         block_size in prop::sample::select(vec![1usize, 16]),
         window in prop::option::of(1usize..40),
         softcap in any::<bool>(),
         sinks in any::<bool>(),
+        scale in prop::sample::select(vec![0.3f32, 4.0]),
     ) {
         hybrid_cache_attention::force_portable(true);
         assert!(!hybrid_cache_attention::use_avx2_fma());
-        let case = build(seed, num_kv_heads, group, head_dim, block_size, window, softcap, sinks);
+        let mut case = build(seed, num_kv_heads, group, head_dim, block_size, window, softcap, sinks);
+        case.scale = scale;
         let got = case.run().unwrap();
         assert!(got.iter().all(|x| x.is_finite()), "seed {seed}: a NaN page was read");
         assert_close(&got, &case.naive(), seed);
     }
+}
+
+#[test]
+fn every_specialised_shape_of_the_portable_build_matches_the_naive_attention() {
+    hybrid_cache_attention::force_portable(true);
+    assert!(!hybrid_cache_attention::use_avx2_fma());
+    sweep();
 }

@@ -21,6 +21,7 @@ pub struct Case {
     pub q: Vec<f32>,
     pub sinks: Option<Vec<f32>>,
     pub softcap: Option<f32>,
+    pub scale: f32,
 }
 
 impl Case {
@@ -49,7 +50,7 @@ impl Case {
 
     pub fn params(&self) -> AttentionParams<'_> {
         AttentionParams {
-            scale: 0.3,
+            scale: self.scale,
             softcap: self.softcap,
             sinks: self.sinks.as_deref(),
         }
@@ -99,7 +100,7 @@ impl Case {
                         .zip(key)
                         .map(|(a, b)| *a as f64 * *b as f64)
                         .sum();
-                    score *= 0.3;
+                    score *= self.scale as f64;
                     if let Some(cap) = self.softcap {
                         score = cap as f64 * (score / cap as f64).tanh();
                     }
@@ -224,6 +225,7 @@ pub fn build(
         q,
         sinks: sinks.then(|| (0..shape.num_heads).map(|_| rng.float() * 3.0).collect()),
         softcap: softcap.then_some(0.8),
+        scale: 0.3,
     }
 }
 
@@ -234,5 +236,40 @@ pub fn assert_close(got: &[f32], want: &[f32], seed: u64) {
             (g - w).abs() <= 1e-5 + 1e-4 * w.abs(),
             "seed {seed}: element {i}: kernel {g}, naive {w}"
         );
+    }
+}
+
+/// Every specialised head_dim (and two that are not), group sizes 1 to 8, one and two kv
+/// heads, with and without softcap and sinks, full rows and window rows (some shorter than a
+/// block), small and large logits: the build the process runs against the naive one.
+pub fn sweep() {
+    let mut seed = 1;
+    for head_dim in [16, 32, 64, 128, 8, 13] {
+        for group in [1, 2, 4, 8] {
+            for num_kv_heads in [1, 2] {
+                for (softcap, sinks) in [(false, false), (true, false), (false, true), (true, true)]
+                {
+                    for window in [None, Some(16), Some(5)] {
+                        seed += 1;
+                        let mut case = build(
+                            seed,
+                            num_kv_heads,
+                            group,
+                            head_dim,
+                            16,
+                            window,
+                            softcap,
+                            sinks,
+                        );
+                        for scale in [0.3, 3.0] {
+                            case.scale = scale;
+                            let got = case.run().unwrap();
+                            assert!(got.iter().all(|x| x.is_finite()), "seed {seed}: NaN read");
+                            assert_close(&got, &case.naive(), seed);
+                        }
+                    }
+                }
+            }
+        }
     }
 }

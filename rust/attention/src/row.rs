@@ -1,0 +1,160 @@
+//! The row driver, written once for every build (`K`) and head_dim (`D`, 0 for any). Per row:
+//! the element offsets of every visible token's key and value (kv head 0) are listed first, in
+//! order; then they are cut into tiles of `TILE` tokens (across block boundaries, so a window
+//! row of 16 tokens over two blocks is one tile, not two half-empty ones). Per tile and kv
+//! head, the group's query heads score the tile's keys, absorb the scores into their online
+//! softmax and accumulate the tile's values (`Kernel::step`).
+
+use crate::decode::Job;
+use crate::kernel::{Kernel, Tile, TILE};
+use crate::layout::{AttentionParams, PagedCache};
+use crate::softmax::Running;
+
+#[inline(always)]
+pub(crate) fn run<K: Kernel, const D: usize>(job: Job<'_, '_>) {
+    let Job {
+        q,
+        keys,
+        values,
+        rows,
+        shape,
+        params,
+        out,
+    } = job;
+    // The constant `D` when the caller picked a specialised build (so that LLVM unrolls the
+    // column loops), else the run-time value.
+    let d = if D == 0 { shape.head_dim } else { D };
+    debug_assert_eq!(d, shape.head_dim);
+    let row_len = shape.num_heads * d;
+    let step = Step {
+        keys: &keys,
+        values: &values,
+        group: shape.group_size(),
+        num_kv_heads: shape.num_kv_heads,
+        d,
+        params: &params,
+    };
+    // Reused by every row: no allocation per row once the longest row has been seen.
+    let mut state = vec![Running::EMPTY; shape.num_heads];
+    let (mut key_at, mut value_at) = (Vec::new(), Vec::new());
+    for ((r, q_row), out_row) in (0..rows.len())
+        .zip(q.chunks_exact(row_len))
+        .zip(out.chunks_exact_mut(row_len))
+    {
+        let span = rows.span(r);
+        let count = span.2 - span.1 + 1;
+        key_at.resize(count, 0);
+        value_at.resize(count, 0);
+        for (block, offsets, first) in rows.blocks(span, keys.block_size) {
+            let mut key = keys.head_start(block, 0) + offsets.start * keys.token_stride;
+            let mut value = values.head_start(block, 0) + offsets.start * values.token_stride;
+            let slots = key_at[first..first + offsets.len()]
+                .iter_mut()
+                .zip(&mut value_at[first..first + offsets.len()]);
+            for (key_slot, value_slot) in slots {
+                (*key_slot, *value_slot) = (key, value);
+                key += keys.token_stride;
+                value += values.token_stride;
+            }
+        }
+        out_row.fill(0.0);
+        state.fill(Running::EMPTY);
+        for start in (0..count).step_by(TILE) {
+            let end = count.min(start + TILE);
+            let tile = Tile::new(&key_at[start..end], &value_at[start..end]);
+            let ahead = |from: usize, to: usize| {
+                let (from, to) = (count.min(from), count.min(to));
+                (&key_at[from..to], &value_at[from..to])
+            };
+            // The next tile, for L1 prefetches; and tiles 2 and 3 ahead (1 to 3 at the start
+            // of a row) for L2 prefetches: far enough ahead for memory latency, and each
+            // tile asked for twice, as a prefetch that finds every fill buffer busy is dropped.
+            let next = ahead(end, start + 2 * TILE);
+            let far = ahead(
+                if start == 0 { end } else { start + 2 * TILE },
+                start + 4 * TILE,
+            );
+            // SAFETY: every offset listed is that of a token of a checked visible block (see
+            // `Step::run`).
+            unsafe { step.run::<K>(&tile, next, far, q_row, out_row, &mut state) };
+        }
+        let sinks = params.sinks;
+        for (head, (running, acc)) in state.iter().zip(out_row.chunks_exact_mut(d)).enumerate() {
+            running.finish(acc, sinks.map(|s| s[head]));
+        }
+    }
+}
+
+/// What every tile of a call shares.
+struct Step<'c, 'a> {
+    keys: &'c PagedCache<'a>,
+    values: &'c PagedCache<'a>,
+    group: usize,
+    num_kv_heads: usize,
+    d: usize,
+    params: &'c AttentionParams<'a>,
+}
+
+impl Step<'_, '_> {
+    /// Absorbs the tile's tokens into every query head of the row. `next` holds the following
+    /// tile's (keys, values) offsets and `far` those of tiles further ahead (either may be
+    /// empty), to prefetch.
+    ///
+    /// # Safety
+    /// Every offset in `tile` is `head_start(block, 0) + token * token_stride` of its cache,
+    /// for a block that `QueryRows::check` accepted (a real block of both caches) and `token <
+    /// block_size`. `PagedCache::check` bounded the last element of the last block, token and
+    /// kv head by `data.len()`, so for kv head `g` every such offset plus `g * head_stride + d`
+    /// is in bounds: the `Kernel::step` contract on the slices made below.
+    #[inline(always)]
+    unsafe fn run<K: Kernel>(
+        &self,
+        tile: &Tile,
+        (next_keys, next_values): (&[usize], &[usize]),
+        (far_keys, far_values): (&[usize], &[usize]),
+        q_row: &[f32],
+        out_row: &mut [f32],
+        state: &mut [Running],
+    ) {
+        let (n, d, group, num_kv_heads) = (tile.len, self.d, self.group, self.num_kv_heads);
+        // Prefetches, because consecutive tokens of a paged cache sit `token_stride` apart or
+        // in another block, where the hardware prefetchers do not follow: tiles ahead for all
+        // kv heads towards L2 (with several kv heads, a token's heads are one contiguous run),
+        // then, at each kv head, the next (tile, kv head)'s keys and values towards L1.
+        if num_kv_heads > 1 {
+            let all_heads = |cache: &PagedCache| (num_kv_heads - 1) * cache.head_stride + d;
+            K::prefetch::<false>(self.keys.data, far_keys, all_heads(self.keys));
+            K::prefetch::<false>(self.values.data, far_values, all_heads(self.values));
+        }
+        for kv_head in 0..num_kv_heads {
+            let keys = from_head(self.keys, kv_head);
+            let values = from_head(self.values, kv_head);
+            if kv_head + 1 < num_kv_heads {
+                K::prefetch::<true>(from_head(self.keys, kv_head + 1), &tile.keys[..n], d);
+                K::prefetch::<true>(from_head(self.values, kv_head + 1), &tile.values[..n], d);
+            } else {
+                K::prefetch::<true>(self.keys.data, next_keys, d);
+                K::prefetch::<true>(self.values.data, next_values, d);
+            }
+            let heads = kv_head * group..(kv_head + 1) * group;
+            let queries = &q_row[heads.start * d..heads.end * d];
+            let accs = &mut out_row[heads.start * d..heads.end * d];
+            K::step(
+                queries,
+                accs,
+                &mut state[heads],
+                (keys, values),
+                tile,
+                self.params,
+                d,
+            );
+        }
+    }
+}
+
+/// The cache's data from kv head `head` on: a token's offset (for kv head 0) in it is that
+/// token's slice of kv head `head`.
+#[inline(always)]
+fn from_head<'a>(cache: &PagedCache<'a>, head: usize) -> &'a [f32] {
+    &cache.data[head * cache.head_stride..]
+}
