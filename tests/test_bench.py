@@ -61,6 +61,21 @@ def test_bench_runs_both_modes_and_prints_throughput(tmp_path, capsys) -> None:
         assert len(result["steps"]["running"]) == result["num_steps"] > 0
         assert len(result["peak_blocks_per_group"]) == len(result["group_kinds"])
         assert 0.0 <= result["engine_overhead_share"] < 1.0
+        # The LM head is timed on every step that samples (every step here) and counted as
+        # model time; the share with it counted as engine time is larger.
+        steps = result["steps"]
+        assert len(steps["logits_time_s"]) == result["num_steps"]
+        assert all(t > 0 for t in steps["logits_time_s"])
+        assert all(
+            f + h <= s
+            for f, h, s in zip(
+                steps["forward_time_s"], steps["logits_time_s"], steps["step_time_s"]
+            )
+        )
+        assert (
+            result["engine_overhead_share_at_max_running_lm_head_as_engine"]
+            > result["engine_overhead_share_at_max_running"]
+        )
     assert len(document["results"]["hybrid"]["group_kinds"]) == 2  # sliding + full
     assert document["ratio"]["total_tokens_per_s"] > 0
 

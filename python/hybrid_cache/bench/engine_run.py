@@ -1,12 +1,14 @@
 """One mode of the benchmark on the real engine: `LLM` with the bench flags, the workload added
 at once, then `LLMEngine.step()` until done, each step timed.
 
-Engine overhead is measured by timing the model's forward apart from the step: a forward
-pre-hook and a forward hook on the model (`torch.nn.Module` hooks, no change to the engine)
-take `time.perf_counter()` around `model(input_ids, positions)`; the step's wall time is taken
-around `LLMEngine.step()`. Overhead = step time - forward time: scheduling, the Rust allocator,
-building the batch and attention metadata, logits and sampling, bookkeeping. On the CPU every
-torch op is synchronous, so the timers see the work itself.
+Engine overhead is measured by timing the model apart from the step: a forward pre-hook and a
+forward hook on the model (`torch.nn.Module` hooks, no change to the engine) take
+`time.perf_counter()` around `model(input_ids, positions)`, and a wrapper around the model's
+`compute_logits` (the LM head, model compute that the engine calls after the forward) times
+that; the step's wall time is taken around `LLMEngine.step()`. Overhead = step time - model
+time: scheduling, the Rust allocator, building the batch and attention metadata, sampling,
+bookkeeping. The report also gives the share with the LM head counted as engine time. On the
+CPU every torch op is synchronous, so the timers see the work itself.
 """
 
 from __future__ import annotations
@@ -49,6 +51,32 @@ class ForwardTimer:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+class LogitsTimer:
+    """Accumulates the wall time of the model's `compute_logits` calls (an instance attribute
+    wrapping the method, removed by `remove`)."""
+
+    def __init__(self, model: Any) -> None:
+        self.total_s: float = 0.0
+        self._model = model
+        method = model.compute_logits
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.total_s += time.perf_counter() - started
+
+        model.compute_logits = timed
+
+    def take(self) -> float:
+        total, self.total_s = self.total_s, 0.0
+        return total
+
+    def remove(self) -> None:
+        del self._model.compute_logits  # the class's method again
 
 
 def build_llm(settings: BenchSettings, mode: str) -> Any:
@@ -97,7 +125,7 @@ def run_engine_mode(settings: BenchSettings, mode: str, progress: Any = None) ->
     except InvalidRequestError as error:
         raise BenchConfigError(f"the workload does not fit the {mode} engine: {error}") from error
 
-    timer = ForwardTimer(llm.model)
+    timer, logits_timer = ForwardTimer(llm.model), LogitsTimer(llm.model)
     result = RunResult(
         mode=mode,
         simulated=False,
@@ -118,6 +146,7 @@ def run_engine_mode(settings: BenchSettings, mode: str, progress: Any = None) ->
             finished = engine.step()
             result.step_time_s.append(time.perf_counter() - step_started)
             result.forward_time_s.append(timer.take())
+            result.logits_time_s.append(logits_timer.take())
             for request in finished:
                 if request.error is not None:
                     raise BenchConfigError(f"request {request.request_id} failed: {request.error}")
@@ -128,6 +157,7 @@ def run_engine_mode(settings: BenchSettings, mode: str, progress: Any = None) ->
                 progress.update(len(finished))
     finally:
         timer.remove()
+        logits_timer.remove()
     result.elapsed_s = time.perf_counter() - started
     result.cpu_time_s = time.process_time() - started_cpu
     result.output_token_ids = [list(request.output_token_ids) for request in requests]

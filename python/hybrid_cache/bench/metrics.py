@@ -35,6 +35,8 @@ class RunResult:
     blocks_per_group_per_step: list[list[int]] = field(default_factory=list)
     step_time_s: list[float] = field(default_factory=list)
     forward_time_s: list[float] = field(default_factory=list)
+    # The LM head's share of each step (`model.compute_logits`): model compute, outside forward.
+    logits_time_s: list[float] = field(default_factory=list)
     # Generated tokens per request, in prompt order (real engine only; not in the JSON).
     output_token_ids: list[list[int]] = field(default_factory=list)
 
@@ -66,20 +68,23 @@ class RunResult:
             return None
         return (self.num_prompt_tokens + self.num_output_tokens) / self.cpu_time_s
 
-    def overhead_share(self, min_running: int = 0) -> float | None:
-        """Share of step time outside the model forward, over the steps with at least
-        `min_running` requests in the batch; None when nothing was timed."""
+    def overhead_share(self, min_running: int = 0, lm_head_is_model: bool = True) -> float | None:
+        """Share of step time outside the model (its forward and, unless `lm_head_is_model` is
+        False, its LM head), over the steps with at least `min_running` requests in the batch;
+        None when nothing was timed."""
+        logits = self.logits_time_s if lm_head_is_model else []
+        logits = logits or [0.0] * len(self.step_time_s)
         steps = [
-            (step, forward)
-            for step, forward, running in zip(
-                self.step_time_s, self.forward_time_s, self.running_per_step
+            (step, forward + head)
+            for step, forward, head, running in zip(
+                self.step_time_s, self.forward_time_s, logits, self.running_per_step
             )
             if running >= min_running
         ]
         step_total = sum(step for step, _ in steps)
         if not steps or step_total <= 0:
             return None
-        return 1.0 - sum(forward for _, forward in steps) / step_total
+        return 1.0 - sum(model for _, model in steps) / step_total
 
     def decode_step_cost(self) -> Optional[tuple[float, float]]:
         """Least-squares fit of pure decode steps (one token per request):
@@ -134,6 +139,9 @@ class RunResult:
             "engine_overhead_share_at_max_running": self.overhead_share(
                 max(self.running_per_step, default=0)
             ),
+            "engine_overhead_share_at_max_running_lm_head_as_engine": self.overhead_share(
+                max(self.running_per_step, default=0), lm_head_is_model=False
+            ),
             "decode_step_cost_s": self.decode_step_cost(),
         }
 
@@ -147,5 +155,6 @@ class RunResult:
                 "blocks_per_group": self.blocks_per_group_per_step,
                 "step_time_s": self.step_time_s,
                 "forward_time_s": self.forward_time_s,
+                "logits_time_s": self.logits_time_s,
             },
         }

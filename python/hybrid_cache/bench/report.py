@@ -57,9 +57,11 @@ def format_mode(result: RunResult) -> list[str]:
     if share is not None and not result.simulated:
         largest = max(result.running_per_step)
         at_largest = result.overhead_share(largest)
+        head_as_engine = result.overhead_share(largest, lm_head_is_model=False)
         lines.append(
-            f"Engine overhead (step time outside the model forward): {share:.1%} of all steps, "
-            f"{at_largest:.1%} of steps with {largest} requests"
+            f"Engine overhead (step time outside the model forward and LM head): {share:.1%} of "
+            f"all steps, {at_largest:.1%} of steps with {largest} requests "
+            f"({head_as_engine:.1%} counting the LM head as engine time)"
         )
     fit = result.decode_step_cost()
     if fit is not None:
