@@ -60,27 +60,24 @@ pub fn paged_attention(
     // One copy of the driver per common head_dim, where the constant lets LLVM unroll the
     // column loops; any other head_dim runs the generic copy (0). Each copy is a function of
     // its own, which LLVM optimises (and vectorises) better than one function holding all.
+    macro_rules! by_head_dim {
+        ($run:ident) => {
+            match job.shape.head_dim {
+                16 => $run::<16>(job),
+                32 => $run::<32>(job),
+                64 => $run::<64>(job),
+                128 => $run::<128>(job),
+                _ => $run::<0>(job),
+            }
+        };
+    }
     #[cfg(target_arch = "x86_64")]
     if simd::use_avx2_fma() {
         // SAFETY: the CPU supports AVX2 and FMA (checked at run time just above).
-        unsafe {
-            match job.shape.head_dim {
-                16 => run_avx2::<16>(job),
-                32 => run_avx2::<32>(job),
-                64 => run_avx2::<64>(job),
-                128 => run_avx2::<128>(job),
-                _ => run_avx2::<0>(job),
-            }
-        }
+        unsafe { by_head_dim!(run_avx2) };
         return Ok(());
     }
-    match job.shape.head_dim {
-        16 => run_portable::<16>(job),
-        32 => run_portable::<32>(job),
-        64 => run_portable::<64>(job),
-        128 => run_portable::<128>(job),
-        _ => run_portable::<0>(job),
-    }
+    by_head_dim!(run_portable);
     Ok(())
 }
 

@@ -70,6 +70,18 @@ impl Case {
         Ok(out)
     }
 
+    /// Runs the case at `scale` and checks it against the naive attention: every output
+    /// finite (no NaN page was read) and close.
+    pub fn check(&mut self, scale: f32, seed: u64) {
+        self.scale = scale;
+        let got = self.run().unwrap();
+        assert!(
+            got.iter().all(|x| x.is_finite()),
+            "seed {seed}: a NaN page was read"
+        );
+        assert_close(&got, &self.naive(), seed);
+    }
+
     pub fn naive(&self) -> Vec<f32> {
         let HeadShape {
             num_heads,
@@ -262,10 +274,7 @@ pub fn sweep() {
                             sinks,
                         );
                         for scale in [0.3, 3.0] {
-                            case.scale = scale;
-                            let got = case.run().unwrap();
-                            assert!(got.iter().all(|x| x.is_finite()), "seed {seed}: NaN read");
-                            assert_close(&got, &case.naive(), seed);
+                            case.check(scale, seed);
                         }
                     }
                 }
