@@ -33,20 +33,19 @@ def step_times(model: str, num_requests: int, decode_steps: int) -> tuple[list, 
         prompt = torch.randint(3, llm.engine.vocab_size, (PROMPT_LEN,), generator=generator)
         llm.engine.add_request(str(index), prompt.tolist(), params)
     scheduler = llm.engine.scheduler
-    prefill, decode = [], []
-    clock = time.perf_counter
+
+    def timed_step() -> float:
+        start = time.perf_counter()
+        llm.engine.step()
+        return time.perf_counter() - start
+
+    prefill = []
     while scheduler.waiting or any(
         r.num_computed_tokens < r.num_tokens - 1 for r in scheduler.running
     ):
-        start = clock()
-        output = llm.engine.step()
-        prefill.append(clock() - start)
-        del output
+        prefill.append(timed_step())
     assert len(scheduler.running) == num_requests, "every request should be decoding"
-    for _ in range(decode_steps):
-        start = clock()
-        llm.engine.step()
-        decode.append(clock() - start)
+    decode = [timed_step() for _ in range(decode_steps)]
     # The first prefill step warms up; the last one also starts decoding (fewer prompt tokens).
     return prefill[1:-1], decode[3:]
 

@@ -24,11 +24,21 @@ from hybrid_cache.bench.workload import FIRST_ORDINARY_ID, make_prompts
 WARM_UP_LEN = 32
 
 
-class ForwardTimer:
+class _Timer:
+    """Wall time accumulated by a subclass's instrumentation, taken step by step."""
+
+    total_s: float = 0.0
+
+    def take(self) -> float:
+        """The time accumulated since the last call."""
+        total, self.total_s = self.total_s, 0.0
+        return total
+
+
+class ForwardTimer(_Timer):
     """Accumulates the wall time of a module's forward calls (hooks on the module)."""
 
     def __init__(self, module: Any) -> None:
-        self.total_s: float = 0.0
         self._started: Optional[float] = None
         self._handles = [
             module.register_forward_pre_hook(self._before),
@@ -43,22 +53,16 @@ class ForwardTimer:
         self.total_s += time.perf_counter() - self._started
         self._started = None
 
-    def take(self) -> float:
-        """The time accumulated since the last call."""
-        total, self.total_s = self.total_s, 0.0
-        return total
-
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
 
 
-class LogitsTimer:
+class LogitsTimer(_Timer):
     """Accumulates the wall time of the model's `compute_logits` calls (an instance attribute
     wrapping the method, removed by `remove`)."""
 
     def __init__(self, model: Any) -> None:
-        self.total_s: float = 0.0
         self._model = model
         method = model.compute_logits
 
@@ -70,10 +74,6 @@ class LogitsTimer:
                 self.total_s += time.perf_counter() - started
 
         model.compute_logits = timed
-
-    def take(self) -> float:
-        total, self.total_s = self.total_s, 0.0
-        return total
 
     def remove(self) -> None:
         del self._model.compute_logits  # the class's method again
