@@ -50,10 +50,10 @@ from hybrid_cache.attention.selector import (
 from hybrid_cache.attention.triton_backend import (
     _STEP_CACHE,
     as_kernel_int32,
-    cached_on,
     group_block_table,
     step_tensors,
 )
+from hybrid_cache.step_cache import cached_on
 
 INSTEAD = "use attention_backend='triton' (or 'auto', which picks what the layer needs)"
 

@@ -33,7 +33,7 @@ import torch
 
 from hybrid_cache.attention import cpu_kernel
 from hybrid_cache.attention.metadata import NULL_BLOCK, AttentionMetadata, GroupMetadata
-from hybrid_cache.attention.triton_backend import cached_on
+from hybrid_cache.step_cache import cached_on
 
 __all__ = [
     "KERNEL_ALL",
@@ -177,7 +177,6 @@ def _row_geometry(
     max_visible = int(num_visible.max())
     columns = torch.arange(max_visible)
     key_positions = low[:, None] + columns[None, :]
-    key_valid = columns[None, :] < num_visible[:, None]
     # Padding repeats the last visible slot: real, written, finite.
     gather_positions = torch.minimum(key_positions, (seq_lens - 1)[:, None])
 
@@ -186,7 +185,6 @@ def _row_geometry(
     query_valid = query_columns[None, :] < query_lens[:, None]
     last_query = (query_lens - 1)[:, None]
     query_offsets = torch.minimum(query_columns[None, :], last_query)
-    query_positions = first_query[:, None] + query_offsets  # [rows, max_queries]
 
     causal = bool((low == first_query).all())
     if sliding_window is not None:
@@ -200,7 +198,8 @@ def _row_geometry(
         mask = torch.ones(max_queries, max_visible, dtype=torch.bool).tril()[None]
         mask = mask.expand(len(query_lens), max_queries, max_visible)
     else:
-        query = query_positions[:, :, None]
+        key_valid = columns[None, :] < num_visible[:, None]
+        query = (first_query[:, None] + query_offsets)[:, :, None]  # positions [rows, Q, 1]
         key = key_positions[:, None, :]
         mask = key_valid[:, None, :] & (key <= query)
         if sliding_window is not None:

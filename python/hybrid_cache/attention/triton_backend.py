@@ -19,34 +19,17 @@ copy and no host sync. Importing this module imports neither Triton nor the kern
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 
 from hybrid_cache import kernels
 from hybrid_cache.attention.metadata import AttentionMetadata, GroupMetadata
 from hybrid_cache.attention.params import AttentionParams
+from hybrid_cache.step_cache import cached_on
 
 # Attribute names of the per-step caches stored on the metadata objects.
 _STEP_CACHE = "_backend_step_tensors"
 _TABLE_CACHE = "_backend_block_table"
-
-
-def cached_on(
-    owner: Any, attribute: str, key: tuple, sources: tuple, build: Callable[[], Any]
-) -> Any:
-    """`build()`, computed once per (owner, key) while `sources` are the same objects.
-
-    `owner` is a per-step metadata object, so the cache lives exactly as long as the step.
-    """
-    cache: dict = owner.__dict__.setdefault(attribute, {})
-    entry = cache.get(key)
-    if entry is not None and len(entry[0]) == len(sources):
-        if all(old is new for old, new in zip(entry[0], sources)):
-            return entry[1]
-    value = build()
-    cache[key] = (sources, value)
-    return value
 
 
 def as_kernel_int32(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

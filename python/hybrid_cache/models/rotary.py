@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybrid_cache.step_cache import cached_on
+
 # Attribute of a step's positions tensor holding its cos/sin tables, keyed by rope parameters.
 _TABLES = "_rotary_tables"
 
@@ -119,16 +121,18 @@ class RotaryEmbedding(nn.Module):
         step's first layer with these parameters and reused by the others. Like the attention
         step plans, the cache assumes a positions tensor is not rewritten in place once used (the
         model runner builds a new one every step)."""
-        cache = positions.__dict__.setdefault(_TABLES, {})
         key = (self._table_key, dtype)
-        if key not in cache:
-            if self.inv_freq.device != positions.device:
-                self.inv_freq = self.inv_freq.to(positions.device)
-            angles = (positions.float()[:, None] * self.inv_freq[None, :])[:, None, :]
-            cos = (angles.cos() * self.attention_scaling).to(dtype)
-            sin = (angles.sin() * self.attention_scaling).to(dtype)
-            cache[key] = (cos, sin)
-        return cache[key]
+        return cached_on(positions, _TABLES, key, (), lambda: self._build_tables(positions, dtype))
+
+    def _build_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, ...]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = (positions.float()[:, None] * self.inv_freq[None, :])[:, None, :]
+        cos = (angles.cos() * self.attention_scaling).to(dtype)
+        sin = (angles.sin() * self.attention_scaling).to(dtype)
+        return cos, sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) on the rotary dims, the rest copied.
