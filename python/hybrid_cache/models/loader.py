@@ -151,16 +151,24 @@ def load_weights(model: nn.Module, model_dir: Path, config: dict[str, Any]) -> N
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Seeded random weights: norms at their identity value, everything else N(0, 0.02)."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    """Seeded random weights: norms at their identity value, everything else N(0, 0.02).
+
+    The numbers are drawn on the parameters' device (one generator per device, seeded with
+    `seed`): drawing billions of them on the CPU and copying them over would take minutes for a
+    real-size model on a GPU. The same seed therefore gives different weights on the CPU and on
+    CUDA; on one device type they are reproducible."""
+    generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for module in model.modules():
             for name, parameter in module.named_parameters(recurse=False):
                 if isinstance(module, RMSNorm) and name == "weight":
                     parameter.fill_(1.0 - module.offset)
-                else:
-                    values = torch.randn(parameter.shape, generator=generator) * 0.02
-                    parameter.copy_(values.to(parameter.dtype))
+                    continue
+                device = parameter.device
+                if device not in generators:
+                    generators[device] = torch.Generator(device=device).manual_seed(seed)
+                values = torch.randn(parameter.shape, generator=generators[device], device=device)
+                parameter.copy_(values.mul_(0.02).to(parameter.dtype))
 
 
 def load_model(
