@@ -26,14 +26,14 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, keep going on
     [ "$rc" -eq 0 ] || status=1
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$log"
-stage kernels 170 python scripts/gpu_check.py
-stage engine-vs-cpu 120 python scripts/gpu_engine_check.py
+stage kernels 150 python scripts/gpu_check.py
+stage engine-vs-cpu 110 python scripts/gpu_engine_check.py
 stage gemma-3-12b 170 python -m hybrid_cache bench --model gemma-3-12b --input-len 4096 \
     --output-len 256 --num-prompts 32 --kv-cache-memory 13.5GiB --kv-cache-mode both \
     --output-json "$out/gemma-3-12b.json" --plot "$out/gemma-3-12b.png"
 for run in "tiny-gemma2 10.25MiB" "tiny-gemma3 15.25MiB" "tiny-llama 10.25MiB"; do
     set -- $run
-    stage "$1" 60 python -m hybrid_cache bench --model "$1" --kv-cache-memory "$2" \
+    stage "$1" 45 python -m hybrid_cache bench --model "$1" --kv-cache-memory "$2" \
         --input-len 512 --output-len 128 --num-prompts 64 --kv-cache-mode both \
         --output-json "$out/$1.json"
 done

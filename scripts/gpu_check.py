@@ -254,20 +254,19 @@ def benchmark(torch, triton, kernels, size: str, copy_bytes_per_second: float) -
                 splits = default_num_splits(
                     torch.device(DEVICE), num_seqs * query_len, num_seqs, kv_heads
                 )
-                rows.append(
-                    (
-                        f"{kind} {num_seqs}x{seq_len}"
-                        + (f" q{query_len}" if query_len > 1 else ""),
-                        block_size,
-                        window or "-",
-                        splits,
-                        f"{kernel_ms:.3f}",
-                        sdpa_ms,
-                        flash_ms,
-                        f"{moved / (kernel_ms * 1e-3) / 1e9:.0f}",
-                        f"{share:.0%}",
-                    )
+                row = (
+                    f"{kind} {num_seqs}x{seq_len}" + (f" q{query_len}" if query_len > 1 else ""),
+                    block_size,
+                    window or "-",
+                    splits,
+                    f"{kernel_ms:.3f}",
+                    sdpa_ms,
+                    flash_ms,
+                    f"{moved / (kernel_ms * 1e-3) / 1e9:.0f}",
+                    f"{share:.0%}",
                 )
+                rows.append(row)
+                print("| " + " | ".join(str(cell) for cell in row) + " |", flush=True)
                 torch.cuda.empty_cache()
     return rows
 
@@ -300,7 +299,6 @@ def main() -> int:
     failures = correctness(torch, kernels, size)
     copy_bytes_per_second = copy_bandwidth(torch, triton)
     print(f"device copy bandwidth: {copy_bytes_per_second / 1e9:.0f} GB/s")
-    rows = benchmark(torch, triton, kernels, size, copy_bytes_per_second)
     header = (
         "case",
         "block",
@@ -316,9 +314,8 @@ def main() -> int:
     print("bf16, head_dim 128, 32 query heads / 4 kv heads (GQA 8:1)")
     print()
     print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for row in rows:
-        print("| " + " | ".join(str(cell) for cell in row) + " |")
+    print("|" + "---|" * len(header), flush=True)
+    benchmark(torch, triton, kernels, size, copy_bytes_per_second)  # prints each row as it goes
     print(f"\ntotal {time.time() - started:.0f} s")
     if failures:
         print(f"CORRECTNESS FAILURES: {failures}")
