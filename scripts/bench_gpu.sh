@@ -7,13 +7,14 @@
 #   3. throughput, hybrid vs uniform, of a real-size preset with dummy weights (gemma-3-12b,
 #      bf16, 32 prompts of 4096 tokens, 256 out, a KV budget where uniform holds 8 at once);
 #   4. the CPU benchmark's tiny-preset workload on the GPU.
-# Needs `hybrid_cache` importable (`maturin develop --release`, or the extension copied in).
+# Needs `hybrid_cache` importable by $PYTHON (default python3): `maturin develop --release`.
 # Usage: scripts/bench_gpu.sh [OUT_DIR]    (log: OUT_DIR/gpu.log, figures: OUT_DIR/*.json)
 set -uo pipefail
 out=${1:-bench-gpu}
 mkdir -p "$out"
 log="$out/gpu.log"
 status=0
+py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, keep going on failure
     local name=$1 limit=$2 started rc
@@ -26,14 +27,14 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, keep going on
     [ "$rc" -eq 0 ] || status=1
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$log"
-stage kernels 150 python scripts/gpu_check.py
-stage engine-vs-cpu 110 python scripts/gpu_engine_check.py
-stage gemma-3-12b 170 python -m hybrid_cache bench --model gemma-3-12b --input-len 4096 \
+stage kernels 150 "$py" scripts/gpu_check.py
+stage engine-vs-cpu 110 "$py" scripts/gpu_engine_check.py
+stage gemma-3-12b 170 "$py" -m hybrid_cache bench --model gemma-3-12b --input-len 4096 \
     --output-len 256 --num-prompts 32 --kv-cache-memory 13.5GiB --kv-cache-mode both \
     --output-json "$out/gemma-3-12b.json" --plot "$out/gemma-3-12b.png"
 for run in "tiny-gemma2 10.25MiB" "tiny-gemma3 15.25MiB" "tiny-llama 10.25MiB"; do
     set -- $run
-    stage "$1" 45 python -m hybrid_cache bench --model "$1" --kv-cache-memory "$2" \
+    stage "$1" 45 "$py" -m hybrid_cache bench --model "$1" --kv-cache-memory "$2" \
         --input-len 512 --output-len 128 --num-prompts 64 --kv-cache-mode both \
         --output-json "$out/$1.json"
 done
