@@ -56,7 +56,9 @@ from .errors import KernelArgumentError
 LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
+# `num_seqs` changes every engine step: unspecialised, so a new batch size never compiles a new
+# variant (Triton would otherwise specialise an int argument on == 1 and on divisibility by 16).
+@triton.jit(do_not_specialize=["num_seqs"])
 def _unified_attention_kernel(
     query_ptr,
     key_cache_ptr,

@@ -9,7 +9,10 @@ import shutil
 import pytest
 import torch
 import transformers
-from hybrid_cache.attention import build_attention_metadata, set_forward_context
+from hybrid_cache.attention import attention_layers, build_attention_metadata, set_forward_context
+from hybrid_cache.config import apply_hf_overrides, model_spec_from_hf_config
+from hybrid_cache.engine.llm import LLM
+from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.errors import HybridCacheError
 from hybrid_cache.models import (
     ModelLoadError,
@@ -18,6 +21,7 @@ from hybrid_cache.models import (
     load_model,
     read_config,
 )
+from hybrid_cache.presets import read_preset
 
 TINY = dict(
     hidden_size=64,
@@ -189,3 +193,23 @@ def test_dtype_option(llama_folder) -> None:
 def test_bad_load_format(llama_folder) -> None:
     with pytest.raises(ModelLoadError, match="load_format"):
         load_model(llama_folder[0], load_format="pt")
+
+
+def test_multimodal_wrapper_builds_its_text_model() -> None:
+    """Gemma-3 12B/27B configs wrap the language model (`Gemma3ForConditionalGeneration` with a
+    `text_config`): the text model is built, with the wrapper spec's layer kinds."""
+    small = {"num_hidden_layers": 7, "hidden_size": 64, "intermediate_size": 128}
+    small |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+    small |= {"vocab_size": 512, "sliding_window": 16}
+    config = apply_hf_overrides(read_preset("gemma-3-12b"), {"text_config": small})
+    model = load_model(config=config, load_format="dummy")
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    spec = model_spec_from_hf_config(config, name="gemma-3-12b")
+    windows = [layer.sliding_window for layer in attention_layers(model)]
+    assert windows == [layer.window for layer in spec.layers]
+    assert windows.count(None) == 1  # 7 layers, every 6th full
+    llm = LLM("gemma-3-12b", hf_overrides={"text_config": small}, kv_cache_memory="8MiB")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    (output,) = llm.generate([{"prompt_token_ids": list(range(3, 60))}], params, use_tqdm=False)
+    output.raise_for_error()
+    assert len(output.outputs[0].token_ids) == 4

@@ -69,10 +69,27 @@ def architecture_of(config: dict[str, Any]) -> str:
     )
 
 
+# Multimodal wrappers whose language model we run alone: its config is the wrapper's
+# `text_config`, built as this text-only architecture.
+TEXT_CONFIG_WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
+def language_model_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config the language model is built from: `config` itself, or for a multimodal wrapper
+    (Gemma-3 12B/27B) its `text_config` under the text-only architecture's name. Only the text
+    model is built; a wrapper checkpoint's vision tower and weight prefixes are not supported."""
+    names = config.get("architectures") or []
+    for name in names:
+        if name in TEXT_CONFIG_WRAPPERS and isinstance(config.get("text_config"), dict):
+            return {**config["text_config"], "architectures": [TEXT_CONFIG_WRAPPERS[name]]}
+    return config
+
+
 def build_model(
     config: dict[str, Any], dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> nn.Module:
     """The model for `config`, parameters of `dtype` allocated on `device`, not initialised."""
+    config = language_model_config(config)
     model_class = MODEL_REGISTRY[architecture_of(config)]
     try:
         with torch.device("meta"):
