@@ -176,3 +176,31 @@ def paged_attention_cpu(
     Everything is checked first: `InvalidArgumentError` for shapes, strides and ranges,
     `InvalidBlockError` when a visible position is in the null block or out of range; `out` is
     untouched then."""
+
+def rms_norm_cpu(
+    x: npt.NDArray[np.float32],
+    weight: npt.NDArray[np.float32],
+    out: npt.NDArray[np.float32],
+    offset: float,
+    eps: float,
+) -> None:
+    """RMSNorm over the last axis on the CPU: `out = x / sqrt(mean(x^2) + eps) * (offset +
+    weight)` with float32 statistics, `x` [..., dim] and `out` (x's shape, writable, overlapping
+    no input) C-contiguous, `weight` [dim]. `InvalidArgumentError` for shapes, a non-finite or
+    negative eps or an overlap; `out` is untouched then."""
+
+def gelu_tanh_mul_cpu(
+    gate: npt.NDArray[np.float32],
+    up: npt.NDArray[np.float32],
+    out: npt.NDArray[np.float32],
+) -> None:
+    """`out = gelu(gate, approximate="tanh") * up` element-wise on the CPU; `gate`, `up` and
+    `out` C-contiguous, one shape, `out` writable and overlapping no input
+    (`InvalidArgumentError` otherwise, `out` untouched)."""
+
+def silu_mul_cpu(
+    gate: npt.NDArray[np.float32],
+    up: npt.NDArray[np.float32],
+    out: npt.NDArray[np.float32],
+) -> None:
+    """`out = silu(gate) * up` element-wise on the CPU, with `gelu_tanh_mul_cpu`'s arguments."""

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_cache.models import hf_config
+from hybrid_cache.models import cpu_ops, hf_config
 from hybrid_cache.models.hf_config import Config
 
 
@@ -20,6 +20,8 @@ class RMSNorm(nn.Module):
     the model dtype *before* the weight multiply; Gemma uses offset 1 (the stored weight is a delta
     around 1) and gpt-oss multiplies in float32, both rounding after (`round_before_weight=False`).
     The two orders differ in bf16, so each model picks the one its checkpoint was trained with.
+    On CPU float32 tensors (where both orders are the same) the fused Rust op runs
+    (`cpu_ops.rms_norm`).
     """
 
     def __init__(
@@ -32,6 +34,9 @@ class RMSNorm(nn.Module):
         self.round_before_weight = round_before_weight and offset == 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = cpu_ops.rms_norm(x, self.weight, self.offset, self.eps)
+        if fused is not None:
+            return fused
         x_float = x.float()
         normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.round_before_weight:
@@ -53,7 +58,9 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class GatedMLP(nn.Module):
-    """`down(act(gate(x)) * up(x))`, the Llama/Qwen/Gemma feed-forward (HF weight names)."""
+    """`down(act(gate(x)) * up(x))`, the Llama/Qwen/Gemma feed-forward (HF weight names); on CPU
+    float32 tensors `act(gate) * up` is one fused Rust op (`cpu_ops.gated`) for silu and
+    gelu-tanh."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False
@@ -63,9 +70,14 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(act)
+        self.act_name = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        hidden = cpu_ops.gated(self.act_name, gate, up)
+        if hidden is None:
+            hidden = self.act(gate) * up
+        return self.down_proj(hidden)
 
 
 class ProjectedSelfAttention(nn.Module):

@@ -1,6 +1,7 @@
 //! The online-softmax step of `avx2.rs` on registers of 8 scores: `exp`, `tanh` and the
 //! horizontal max in AVX2+FMA, the same formulas as `math.rs` (with fused multiply-adds, so
-//! results differ from the portable build by rounding only).
+//! results differ from the portable build by rounding only). `exp` also serves the gated
+//! activations of `avx2_gated.rs`.
 
 use std::arch::x86_64::*;
 
@@ -60,7 +61,7 @@ unsafe fn all_lanes_max(x: __m256) -> __m256 {
 
 /// `math::exp_one` on 8 lanes: 2^n times a Taylor polynomial of e^r, r = x - n ln 2.
 #[inline(always)]
-unsafe fn exp(x: __m256) -> __m256 {
+pub(crate) unsafe fn exp(x: __m256) -> __m256 {
     let x = _mm256_min_ps(
         _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
         _mm256_set1_ps(88.0),

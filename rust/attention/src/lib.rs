@@ -11,24 +11,33 @@
 //! (grouped-query attention); scores are `scale * q.k`, optionally soft-capped
 //! (`cap * tanh(s / cap)`), and an optional per-head sink logit joins the softmax denominator
 //! without a value.
+//!
+//! Also the fused element-wise ops of the CPU forward (`elementwise.rs`): RMSNorm of rows and
+//! the gated MLP activations `silu(gate) * up` / `gelu_tanh(gate) * up`.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_gated;
 #[cfg(target_arch = "x86_64")]
 mod avx2_loops;
 #[cfg(target_arch = "x86_64")]
 mod avx2_math;
 mod decode;
+mod elementwise;
 mod error;
+mod gated;
 mod kernel;
 mod layout;
 mod math;
+mod norm;
 mod portable;
 mod row;
 mod simd;
 mod softmax;
 
 pub use decode::paged_attention;
+pub use elementwise::{gelu_tanh_mul, rms_norm, silu_mul};
 pub use error::AttentionError;
 pub use layout::{AttentionParams, HeadShape, PagedCache, QueryRows};
 pub use simd::{force_portable, use_avx2_fma};

@@ -58,7 +58,7 @@ impl Kernel for Portable {
 
 /// `sum(a[i] * b[i])` in 8 independent lanes (so it vectorises without reassociating).
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0.0f32; LANES];
     let mut a_chunks = a.chunks_exact(LANES);
     let mut b_chunks = b.chunks_exact(LANES);
@@ -106,7 +106,7 @@ fn axpy(acc: &mut [f32], weight: f32, x: &[f32]) {
 /// A chunk of `chunks_exact(LANES)` as an array (a copy, which is what makes the loops above
 /// free of aliasing questions).
 #[inline(always)]
-fn lanes_of(chunk: &[f32]) -> [f32; LANES] {
+pub(crate) fn lanes_of(chunk: &[f32]) -> [f32; LANES] {
     let mut lanes = [0.0f32; LANES];
     lanes.copy_from_slice(chunk);
     lanes

@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 mod attention;
 mod convert;
 mod coordinator;
+mod elementwise;
 mod errors;
 mod pool;
 mod table_view;
@@ -18,5 +19,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<table_view::TableView>()?;
     m.add_function(wrap_pyfunction!(attention::paged_attention_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(elementwise::rms_norm_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(elementwise::gelu_tanh_mul_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(elementwise::silu_mul_cpu, m)?)?;
     Ok(())
 }

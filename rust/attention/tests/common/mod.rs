@@ -282,3 +282,5 @@ pub fn sweep() {
         }
     }
 }
+
+pub mod elementwise;
