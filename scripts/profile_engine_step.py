@@ -10,6 +10,11 @@ the engine: scheduling, batch metadata, sampling, token bookkeeping, step figure
     python scripts/profile_engine_step.py [--model tiny-gemma3] [--requests 64] [--steps 100]
     PYTHONPATH=/other/checkout/python python scripts/profile_engine_step.py   # A/B a copy
     python scripts/profile_engine_step.py --profile 30     # cProfile, top 30 by cumulative time
+    python scripts/profile_engine_step.py --real-forward   # the real model; step minus model time
+
+With `--real-forward` the model runs and the figure is the step's time outside the model's
+forward and LM head (as `hybrid-cache bench` measures it): higher than the zero-forward figure,
+since the forward evicts the engine's code and data from the CPU caches every step.
 """
 
 from __future__ import annotations
@@ -21,14 +26,16 @@ import statistics
 import time
 
 import torch
+from hybrid_cache.bench.engine_run import ForwardTimer, LogitsTimer
 from hybrid_cache.engine.llm import LLM
 from hybrid_cache.engine.sampling_params import SamplingParams
 
 PROMPT_LEN = 512
 
 
-def decoding_llm(num_requests: int, model: str = "tiny-llama") -> LLM:
-    """An LLM whose `num_requests` requests are all decoding, with a zero forward."""
+def decoding_llm(num_requests: int, model: str = "tiny-llama", zero: bool = True) -> LLM:
+    """An LLM whose `num_requests` requests are all decoding, with a zero forward unless
+    `zero` is False."""
     llm = LLM(model, load_format="dummy", kv_cache_memory="128MiB", max_model_len=1024, seed=0)
     generator = torch.Generator().manual_seed(0)
     vocab_size = llm.engine.vocab_size
@@ -42,7 +49,8 @@ def decoding_llm(num_requests: int, model: str = "tiny-llama") -> LLM:
     def zero_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return torch.zeros(input_ids.shape[0], hidden_size, dtype=llm.dtype)
 
-    llm.model.forward = zero_forward
+    if zero:
+        llm.model.forward = zero_forward
     scheduler = llm.engine.scheduler
     while scheduler.waiting or any(
         r.num_computed_tokens < r.num_tokens - 1 for r in scheduler.running
@@ -59,11 +67,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of --steps steps")
     parser.add_argument("--profile", type=int, default=0, help="cProfile; print the top N")
+    parser.add_argument(
+        "--real-forward", action="store_true", help="run the model; time the step outside it"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     if args.profile:
-        llm = decoding_llm(args.requests, args.model)
+        llm = decoding_llm(args.requests, args.model, zero=not args.real_forward)
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(args.steps):
@@ -77,19 +88,23 @@ def main() -> None:
     mean_step_ms = []
     clock = time.perf_counter
     for _ in range(args.repeats):
-        llm = decoding_llm(args.requests, args.model)
+        llm = decoding_llm(args.requests, args.model, zero=not args.real_forward)
         step = llm.engine.step
         for _ in range(5):  # warm-up
             step()
+        model_timers = (
+            [ForwardTimer(llm.model), LogitsTimer(llm.model)] if args.real_forward else []
+        )
         times = []
         for _ in range(args.steps):
             start = clock()
             step()
-            times.append(clock() - start)
+            times.append(clock() - start - sum(timer.take() for timer in model_timers))
         per_step_ms.append(statistics.median(times) * 1e3)
         mean_step_ms.append(sum(times) * 1e3 / len(times))
+    forward = "step outside the model" if args.real_forward else "zero forward"
     print(
-        f"engine-only step ({args.requests} decoding requests, zero forward): "
+        f"engine-only step ({args.requests} decoding requests, {forward}): "
         f"median {statistics.median(per_step_ms):.3f} ms (mean {statistics.median(mean_step_ms):.3f}"
         f" ms) over {args.repeats} runs of {args.steps} steps; run medians "
         + ", ".join(f"{ms:.3f}" for ms in per_step_ms)

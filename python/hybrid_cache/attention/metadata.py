@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 NULL_BLOCK = 0
@@ -55,21 +56,10 @@ class AttentionMetadata:
 
 def compute_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """Absolute position of every flattened query token, [num_tokens] int64 (no Python loop)."""
-    seq_of_token = _sequence_of_token(query_start_loc, query_start_loc.device)
-    return _positions(query_start_loc, seq_lens, seq_of_token)
-
-
-def _positions(
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, seq_of_token: torch.Tensor
-) -> torch.Tensor:
-    """`compute_positions`, given each token's sequence (`_sequence_of_token`)."""
-    device = query_start_loc.device
-    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    first_positions = seq_lens.long().to(device) - query_lens
-    offset_in_seq = (
-        torch.arange(len(seq_of_token), device=device) - query_start_loc[:-1].long()[seq_of_token]
-    )
-    return first_positions[seq_of_token] + offset_in_seq
+    starts = query_start_loc.cpu().numpy()
+    seq_of_token = _sequence_of_token(np.diff(starts))
+    positions = _positions(starts, seq_lens.cpu().numpy(), seq_of_token)
+    return torch.from_numpy(positions).to(query_start_loc.device)
 
 
 def compute_slot_mapping(
@@ -83,24 +73,60 @@ def compute_slot_mapping(
     `block_table` holds one row per scheduled sequence; `positions` are the tokens' absolute
     positions (see `compute_positions`). Vectorised: one gather, no per-token loop.
     """
-    seq_of_token = _sequence_of_token(query_start_loc, block_table.device)
-    return _slots(block_table[None], seq_of_token, positions, block_size)[0]
+    seq_of_token = _sequence_of_token(np.diff(query_start_loc.cpu().numpy()))
+    table = block_table.cpu().numpy()[None]
+    slots = _slots(table, seq_of_token, positions.cpu().numpy(), block_size)[0]
+    return torch.from_numpy(slots).to(block_table.device)
 
 
-def _sequence_of_token(query_start_loc: torch.Tensor, device: torch.device) -> torch.Tensor:
-    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long().to(device)
-    return torch.repeat_interleave(torch.arange(len(query_lens), device=device), query_lens)
+# The metadata is built with numpy on the host: a step's arrays are small (one entry per
+# sequence or token), so the cost is the number of array operations, not their size; a numpy
+# op costs less than a torch op, and fewer ops (a decode-only path, in-place updates) matter
+# most when the model's forward has just evicted the engine's code and data from the caches.
+
+
+def _sequence_of_token(query_lens: np.ndarray) -> np.ndarray:
+    """The sequence index of every flattened token."""
+    return np.repeat(np.arange(len(query_lens)), query_lens)
+
+
+def _positions(
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, seq_of_token: np.ndarray
+) -> np.ndarray:
+    """`compute_positions` on host arrays, given each token's sequence; int64.
+
+    Token t of sequence i sits at `seq_lens[i] - (query_start_loc[i + 1] - t)`.
+    """
+    shift = seq_lens.astype(np.int64) - query_start_loc[1:]
+    return np.arange(len(seq_of_token), dtype=np.int64) + shift[seq_of_token]
+
+
+def _tokens(
+    query_lens: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray, max_query_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each flattened token's sequence and absolute position (int64)."""
+    num_seqs = len(query_lens)
+    if max_query_len == 1 and query_start_loc[-1] == num_seqs:
+        # Decode only (every query length is 1): token i is sequence i's last position.
+        positions = seq_lens.astype(np.int64)
+        positions -= 1
+        return np.arange(num_seqs), positions
+    seq_of_token = _sequence_of_token(query_lens)
+    return seq_of_token, _positions(query_start_loc, seq_lens, seq_of_token)
 
 
 def _slots(
-    block_tables: torch.Tensor, seq_of_token: torch.Tensor, positions: torch.Tensor, block_size
-) -> torch.Tensor:
+    block_tables: np.ndarray, seq_of_token: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
     """`compute_slot_mapping` for several groups' tables at once: [groups, seqs, width] ->
-    [groups, num_tokens]."""
-    positions = positions.to(block_tables.device).long()
-    block_ids = block_tables[:, seq_of_token, positions // block_size].long()
-    assert bool((block_ids != NULL_BLOCK).all()), "a new token maps to the null block"
-    return block_ids * block_size + positions % block_size
+    [groups, num_tokens] int64."""
+    block_index, offset = np.divmod(positions.astype(np.int64, copy=False), block_size)
+    block_ids = block_tables[:, seq_of_token, block_index]
+    assert NULL_BLOCK == 0 and block_ids.all(), "a new token maps to the null block"
+    slots = block_ids.astype(np.int64)
+    slots *= block_size
+    slots += offset
+    return slots
 
 
 def build_attention_metadata(
@@ -113,34 +139,58 @@ def build_attention_metadata(
 
     `query_lens[i]` tokens of sequence `i` are computed this step on top of its
     `num_computed_tokens[i]` cached ones; `block_tables[g]` is group g's table, one row per
-    sequence in the same order.
+    sequence in the same order. Everything but the tables and slot mappings (on their
+    tables' device) is on the CPU.
     """
-    query_lens = torch.as_tensor(query_lens, dtype=torch.int32)
-    computed = torch.as_tensor(num_computed_tokens, dtype=torch.int32)
-    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.cumsum(query_lens, 0)
-    seq_lens = computed + query_lens
-    seq_of_token = _sequence_of_token(query_start_loc, query_start_loc.device)
-    positions = _positions(query_start_loc, seq_lens, seq_of_token)
-    # Groups with the same block size and table shape get their slots in one gather.
-    slot_mappings: list[torch.Tensor | None] = [None] * len(block_tables)
-    batches: dict[tuple, list[int]] = {}
-    for index, (table, size) in enumerate(zip(block_tables, block_sizes)):
-        batches.setdefault((size, tuple(table.shape), table.device), []).append(index)
-    for (size, _, device), indices in batches.items():
-        tables = torch.stack([block_tables[index] for index in indices])
-        slots = _slots(tables, seq_of_token.to(device), positions, size)
-        for row, index in enumerate(indices):
-            slot_mappings[index] = slots[row]
+    query_lens = np.asarray(query_lens, dtype=np.int32)
+    num_seqs = len(query_lens)
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    seq_lens = np.array(num_computed_tokens, dtype=np.int32)  # a copy: updated in place
+    seq_lens += query_lens
+    max_query_len = int(query_lens.max()) if num_seqs else 0
+    seq_of_token, positions = _tokens(query_lens, query_start_loc, seq_lens, max_query_len)
+    slot_mappings = _slot_mappings(block_tables, block_sizes, seq_of_token, positions)
     groups = [
         GroupMetadata(block_table=table, slot_mapping=slots, block_size=size)
         for table, slots, size in zip(block_tables, slot_mappings, block_sizes)
     ]
     metadata = AttentionMetadata(
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
+        query_start_loc=torch.from_numpy(query_start_loc),
+        seq_lens=torch.from_numpy(seq_lens),
         groups=groups,
-        max_query_len=int(query_lens.max().item()) if len(query_lens) else 0,
-        max_seq_len=int(seq_lens.max().item()) if len(seq_lens) else 0,
+        max_query_len=max_query_len,
+        max_seq_len=int(seq_lens.max()) if num_seqs else 0,
     )
-    return metadata, positions
+    return metadata, torch.from_numpy(positions)
+
+
+def _slot_mappings(
+    block_tables: Sequence[torch.Tensor],
+    block_sizes: Sequence[int],
+    seq_of_token: np.ndarray,
+    positions: np.ndarray,
+) -> list[torch.Tensor]:
+    """Every group's slot mapping, on its table's device. Groups with the same block size and
+    table shape get their slots in one gather."""
+    slot_mappings: list[torch.Tensor] = [torch.empty(0)] * len(block_tables)
+    batches: dict[tuple, list[int]] = {}
+    for index, (table, size) in enumerate(zip(block_tables, block_sizes)):
+        batches.setdefault((size, tuple(table.shape), table.device), []).append(index)
+    for (size, _, device), indices in batches.items():
+        if len(indices) == 1:
+            tables = _host_array(block_tables[indices[0]])[None]
+        else:
+            tables = np.stack([_host_array(block_tables[index]) for index in indices])
+        slots = _slots(tables, seq_of_token, positions, size)
+        for row, index in zip(slots, indices):
+            slot_mappings[index] = _on_device(torch.from_numpy(row), device)
+    return slot_mappings
+
+
+def _host_array(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.numpy() if tensor.device.type == "cpu" else tensor.cpu().numpy()
+
+
+def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor if device.type == "cpu" else tensor.to(device)

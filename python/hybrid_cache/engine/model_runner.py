@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from dataclasses import fields
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -36,7 +38,7 @@ from hybrid_cache.attention.selector import (
 )
 from hybrid_cache.engine.kv_cache import KVCacheManager
 from hybrid_cache.engine.sampler import Sampler
-from hybrid_cache.engine.scheduler import SchedulerOutput
+from hybrid_cache.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hybrid_cache.planner import KVCacheLayout
 
 logger = logging.getLogger(__name__)
@@ -93,6 +95,9 @@ class ModelRunner:
         select_attention_backends(model, attention_backend, device, self.block_sizes, dtype=dtype)
         logger.info(describe_attention_backends(model, self.block_sizes))
         self.slot_tensors, self.kv_caches = allocate_kv_caches(model, layout, dtype, device)
+        # The core's grouped block table as numpy (shared memory): gathers rows faster.
+        self.block_table_array: np.ndarray = kv_cache.block_table.numpy()
+        self.one_block_size: bool = len(set(self.block_sizes)) == 1
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -104,31 +109,15 @@ class ModelRunner:
         scheduled = output.scheduled
         if not scheduled:
             return {}
-        rows = torch.tensor([item.row for item in scheduled], dtype=torch.long)
         num_computed = [item.num_computed_tokens for item in scheduled]
         query_lens = [item.num_new_tokens for item in scheduled]
-        # One C-level slice per request; no Python loop over tokens.
-        input_ids = torch.tensor(
-            list(
-                itertools.chain.from_iterable(
-                    item.request.all_token_ids[
-                        item.num_computed_tokens : item.num_computed_tokens + item.num_new_tokens
-                    ]
-                    for item in scheduled
-                )
-            ),
-            dtype=torch.long,
+        input_ids = torch.from_numpy(
+            np.array(_input_token_ids(scheduled, query_lens), dtype=np.int64)
         )
-        # Only the columns this batch can touch: the full width is max_model_len / block_size.
-        max_seq_len = max(c + n for c, n in zip(num_computed, query_lens))
-        if len(set(self.block_sizes)) == 1:  # one gather for every group's rows
-            columns = -(-max_seq_len // self.block_sizes[0])
-            block_tables = list(self.kv_cache.block_table[:, rows, :columns].unbind(0))
-        else:
-            block_tables = [
-                self.kv_cache.block_table[group, rows, : -(-max_seq_len // block_size)]
-                for group, block_size in enumerate(self.block_sizes)
-            ]
+        block_tables = self._gather_block_tables(
+            [item.row for item in scheduled],
+            max(map(operator.add, num_computed, query_lens)),
+        )
         metadata, positions = build_attention_metadata(
             query_lens, num_computed, block_tables, self.block_sizes
         )
@@ -140,13 +129,52 @@ class ModelRunner:
         sampling = [index for index, item in enumerate(scheduled) if item.samples]
         if not sampling:
             return {}
-        last_token_index = metadata.query_start_loc[1:].long() - 1
-        sample_index = last_token_index[torch.tensor(sampling, device=self.device)]
-        logits = self.model.compute_logits(hidden[sample_index])
+        logits = self.model.compute_logits(self._sampled_rows(hidden, query_lens, sampling))
         request_ids = [scheduled[i].request.request_id for i in sampling]
         params = [scheduled[i].request.sampling_params for i in sampling]
         tokens = self.sampler.sample(logits, request_ids, params).tolist()
         return dict(zip(request_ids, tokens))
+
+    def _gather_block_tables(self, rows: list[int], max_seq_len: int) -> list[torch.Tensor]:
+        """Each group's block-table rows of the batch, only the columns the batch can touch
+        (the full width is max_model_len / block_size); gathered in numpy from the core's
+        memory (a copy: backends and tests may write to their table)."""
+        table = self.block_table_array
+        block_sizes = self.block_sizes
+        if self.one_block_size:  # one gather for every group's rows
+            columns = -(-max_seq_len // block_sizes[0])
+            return list(torch.from_numpy(table[:, rows, :columns]).unbind(0))
+        return [
+            torch.from_numpy(table[group, rows, : -(-max_seq_len // block_size)])
+            for group, block_size in enumerate(block_sizes)
+        ]
+
+    def _sampled_rows(
+        self, hidden: torch.Tensor, query_lens: list[int], sampling: list[int]
+    ) -> torch.Tensor:
+        """The hidden rows of the sampled sequences' last tokens."""
+        if len(sampling) == hidden.shape[0]:
+            # Every token is a sampled last token (a pure decode step): the rows are all of
+            # `hidden`, in order; `contiguous` is the copy the gather would make, without it.
+            return hidden.contiguous()
+        ends = list(itertools.accumulate(query_lens))
+        sample_index = torch.tensor([ends[i] - 1 for i in sampling], device=self.device)
+        return hidden[sample_index]
+
+
+def _input_token_ids(scheduled: list[ScheduledRequest], query_lens: list[int]) -> list[int]:
+    """The tokens each scheduled request computes this step, concatenated."""
+    if query_lens.count(1) == len(query_lens):  # decode: one index per request, no slices
+        return [item.request.all_token_ids[item.num_computed_tokens] for item in scheduled]
+    # One C-level slice per request; no Python loop over tokens.
+    return list(
+        itertools.chain.from_iterable(
+            item.request.all_token_ids[
+                item.num_computed_tokens : item.num_computed_tokens + item.num_new_tokens
+            ]
+            for item in scheduled
+        )
+    )
 
 
 def metadata_to(metadata: AttentionMetadata, device: torch.device) -> AttentionMetadata:

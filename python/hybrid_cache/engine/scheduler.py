@@ -13,6 +13,8 @@ the prefix cache) and continues exactly where it stopped.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -57,6 +59,32 @@ class SchedulerOutput:
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(map(attrgetter("num_new_tokens"), self.scheduled))
+
+
+def _budget_shares(
+    requests: list[Request], token_budget: int
+) -> tuple[list[Request], list[int], list[int]]:
+    """The requests, oldest first, that `token_budget` reaches, with their computed counts and
+    shares: each takes all its uncomputed tokens, the last one reached what is left.
+
+    Whole lists per field rather than one loop over requests with appends (fewer bytecodes
+    per request); the prefix sums find where the budget runs out.
+    """
+    computed_counts = [request.num_computed_tokens for request in requests]
+    new_counts = [
+        len(request.all_token_ids) - num_computed
+        for request, num_computed in zip(requests, computed_counts)
+    ]
+    ends = list(itertools.accumulate(new_counts))
+    if ends[-1] > token_budget:
+        # The first request whose share ends at or after the budget is the last one reached.
+        last = bisect.bisect_left(ends, token_budget)
+        del requests[last + 1 :], computed_counts[last + 1 :], new_counts[last + 1 :]
+        new_counts[last] = token_budget - (ends[last - 1] if last else 0)
+    assert min(new_counts) > 0, (
+        f"running {requests[new_counts.index(min(new_counts))]} has nothing to compute"
+    )
+    return requests, computed_counts, new_counts
 
 
 class Scheduler:
@@ -121,23 +149,8 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         index = 0  # running[:index] are scheduled
         while index < len(running) and token_budget > 0:
-            requests: list[Request] = []
-            computed_counts: list[int] = []
-            new_counts: list[int] = []
-            budget = token_budget
-            for request in running[index:]:
-                if budget <= 0:
-                    break
-                num_computed = request.num_computed_tokens
-                num_new_tokens = len(request.all_token_ids) - num_computed
-                if num_new_tokens > budget:
-                    num_new_tokens = budget
-                assert num_new_tokens > 0, f"running {request} has nothing to compute"
-                requests.append(request)
-                computed_counts.append(num_computed)
-                new_counts.append(num_new_tokens)
-                budget -= num_new_tokens
-
+            requests, computed_counts, new_counts = _budget_shares(running[index:], token_budget)
+            budget = token_budget - sum(new_counts)
             num_allocated = kv_cache.allocate_batch(requests, computed_counts, new_counts)
             allocated = requests[:num_allocated]
             scheduled.extend(
