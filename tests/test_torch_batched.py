@@ -216,6 +216,36 @@ def test_prefill_rows_match_the_reference(window, chunk, kinds, kernel, fused, m
         assert plan.prefill.geometry.causal == expected, f"seed {seed}"
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "matmuls"])
+def test_continued_prompts_put_queries_at_their_positions(fused, monkeypatch):
+    """Full-attention prefill rows that continue a prompt (keys from position 0, queries after
+    earlier steps' tokens) are laid out with query column = position, so the plain causal
+    triangle is their mask; once the padding would exceed ALIGNED_MAX_PADDING x the queries,
+    they fall back to a per-row mask. Both match the reference."""
+    monkeypatch.setattr(torch_batched, "FUSED_MIN_KEYS", 1 if fused else 10**9)
+    for kinds in (("chunk", "prompt"), ("decode",)):  # the second: one short prefill row
+        seed = fresh_seed()
+        q, k_cache, v_cache, metadata = random_step(seed, 4, 2, 4, None, None, kinds=kinds)
+        group = metadata.groups[0]
+        args = (q, k_cache, v_cache, metadata, group)
+        params = AttentionParams(HEAD_DIM**-0.5)
+        torch.testing.assert_close(
+            torch_batched.paged_attention(*args, params),
+            reference.paged_attention(*args, params),
+            rtol=1e-5,
+            atol=1e-5,
+            msg=f"seed {seed}",
+        )
+        query_lens = metadata.query_start_loc.diff()
+        prefill = query_lens > 1
+        plan = torch_batched.step_plan(metadata, group, None, None, q.device).prefill
+        longest = int(metadata.seq_lens[prefill].max())
+        aligned = longest <= row_plan.ALIGNED_MAX_PADDING * int(query_lens.max())
+        assert plan.geometry.causal == aligned, f"seed {seed}"
+        if aligned:
+            assert plan.geometry.query_rows.shape[1] == longest, f"seed {seed}"
+
+
 def test_step_plan_is_built_once_per_step_and_group():
     seed = fresh_seed()
     q, k_cache, v_cache, metadata = random_step(seed, 4, 2, 4, 5, None)

@@ -54,6 +54,10 @@ _PLAN_CACHE = "_row_plan_plans"
 # keys (cheap for small windows; for W = 4096 the tiles would be as long as the prompts, so
 # larger windows pad each sequence's queries on one row instead).
 TILED_MAX_WINDOW = 128
+# Prefill rows whose keys all start at position 0 (full attention) put each query at its own
+# position, padding the queries up to the keys' length, when that is at most this many times
+# the longest row's queries: a prompt continued from an earlier step then needs no mask.
+ALIGNED_MAX_PADDING = 2
 # Which rows `step_plan` leaves to the CPU kernel (`cpu_kernel`): none, one-query rows, or every
 # query token as its own row.
 KERNEL_NONE, KERNEL_DECODE, KERNEL_ALL = "none", "decode", "all"
@@ -161,6 +165,26 @@ def _kernel_rows(
     )
 
 
+def _position_aligned(
+    low: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: Optional[int],
+    chunk: Optional[int],
+    max_queries: int,
+    max_visible: int,
+) -> bool:
+    """Whether prefill rows can be laid out with query column = position (see `_row_geometry`):
+    every row sees its keys from position 0 and no window or chunk cuts any of them, and padding
+    the queries up to the keys' length costs at most ALIGNED_MAX_PADDING times the queries
+    (fused causal attention skips the upper triangle, which pays back about 2x)."""
+    if bool((low != 0).any()) or max_visible > ALIGNED_MAX_PADDING * max_queries:
+        return False
+    longest = int(seq_lens.max())
+    if sliding_window is not None and longest > sliding_window:
+        return False
+    return chunk is None or longest <= chunk
+
+
 def _row_geometry(
     sequences: torch.Tensor,
     query_start: torch.Tensor,
@@ -181,16 +205,27 @@ def _row_geometry(
     gather_positions = torch.minimum(key_positions, (seq_lens - 1)[:, None])
 
     max_queries = int(query_lens.max())
-    query_columns = torch.arange(max_queries)
-    query_valid = query_columns[None, :] < query_lens[:, None]
-    last_query = (query_lens - 1)[:, None]
-    query_offsets = torch.minimum(query_columns[None, :], last_query)
-
-    causal = bool((low == first_query).all())
-    if sliding_window is not None:
-        causal &= max_queries <= sliding_window
-    if chunk is not None:
-        causal &= bool(((seq_lens - 1) // chunk == first_query // chunk).all())
+    if _position_aligned(low, seq_lens, sliding_window, chunk, max_queries, max_visible):
+        # Every row's keys start at position 0 and nothing but causality cuts them: put query
+        # column c at position c (columns left of a row's first query, and right of its last,
+        # are padding) so the mask is the plain lower triangle even for a prompt continued
+        # from an earlier step, and fused attention runs causal without reading a mask.
+        max_queries = max_visible
+        query_columns = torch.arange(max_queries)
+        relative = query_columns[None, :] - first_query[:, None]
+        query_valid = (relative >= 0) & (relative < query_lens[:, None])
+        query_offsets = relative.clamp(min=0).minimum((query_lens - 1)[:, None])
+        causal = True
+    else:
+        query_columns = torch.arange(max_queries)
+        query_valid = query_columns[None, :] < query_lens[:, None]
+        last_query = (query_lens - 1)[:, None]
+        query_offsets = torch.minimum(query_columns[None, :], last_query)
+        causal = bool((low == first_query).all())
+        if sliding_window is not None:
+            causal &= max_queries <= sliding_window
+        if chunk is not None:
+            causal &= bool(((seq_lens - 1) // chunk == first_query // chunk).all())
     if causal:
         # Key column k is position low + k and query column i position first_query + i with
         # low == first_query: the lower triangle, shared by every row (padded keys sit past
