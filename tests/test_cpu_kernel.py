@@ -32,9 +32,9 @@ def call(q, k_cache, v_cache, table, rows, out):
         k_cache.numpy(),
         v_cache.numpy(),
         table.numpy(),
-        rows.sequences,
-        rows.positions,
-        rows.low,
+        rows.spans.sequences,
+        rows.spans.positions,
+        rows.spans.low,
         out,
         0.35,
     )
@@ -77,7 +77,7 @@ def test_a_visible_position_in_the_null_block_is_refused_and_nothing_is_written(
     seed = fresh_seed()
     q, k_cache, v_cache, table, rows = kernel_inputs(seed)
     table = table.clone()
-    table[rows.sequences[0], rows.positions[0] // k_cache.shape[1]] = 0
+    table[rows.spans.sequences[0], rows.spans.positions[0] // k_cache.shape[1]] = 0
     queries = q[rows.token_rows].contiguous().numpy()
     out = np.full(queries.shape, -7.0, dtype=np.float32)
     with pytest.raises(_core.InvalidBlockError, match="null block"):

@@ -21,7 +21,7 @@ padded to the longest, with a per-query causal / window / chunk mask). With a sl
 at most `TILED_MAX_WINDOW` tokens, a sequence's queries are first cut into tiles of W tokens,
 each its own row over its 2W - 1 keys, so a prefill chunk costs about num_tokens x 2W, not
 query_len x (W + query_len). Rows the CPU kernel takes (`KERNEL_DECODE`: one-query rows,
-`KERNEL_ALL`: every query token) are kept as visible ranges only (`cpu_kernel.KernelRows`).
+`KERNEL_ALL`: every query token) are kept as visible ranges only (`cpu_kernel.RowSpans`, placed in each group's block table as `cpu_kernel.KernelRows`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from hybrid_cache.attention import cpu_kernel
@@ -88,23 +89,12 @@ class RowGeometry:
 
 
 @dataclass(frozen=True)
-class KernelSpans:
-    """One-query rows for the CPU kernel (`cpu_kernel`), which reads each row's visible keys in
-    place: no gather positions or masks, only the visible range of each row."""
-
-    sequences: torch.Tensor  # [num_rows] int64: block-table row of each row
-    positions: torch.Tensor  # [num_rows] int64: position of the query token
-    low: torch.Tensor  # [num_rows] int64: first visible position
-    token_rows: torch.Tensor  # [num_rows] int64: the rows in q / the output
-
-
-@dataclass(frozen=True)
 class StepGeometry:
     """One step's row layout for one set of visibility options; `decode`/`prefill` None when
     absent. Built once per step and reused by every group with these options."""
 
     # one query per row (with a small window: every one-token tile)
-    decode: Optional[RowGeometry | KernelSpans]
+    decode: Optional[RowGeometry | cpu_kernel.RowSpans]
     prefill: Optional[RowGeometry]
 
 
@@ -154,14 +144,16 @@ def _kernel_rows(
     seq_lens: torch.Tensor,
     sliding_window: Optional[int],
     chunk: Optional[int],
-) -> KernelSpans:
+    num_tokens: int,
+) -> cpu_kernel.RowSpans:
     """One-query rows as visible ranges, for the CPU kernel."""
     positions = seq_lens - 1
-    return KernelSpans(
-        sequences=sequences,
-        positions=positions,
-        low=_first_visible(positions, sliding_window, chunk),
-        token_rows=query_start,
+    return cpu_kernel.row_spans(
+        query_start,
+        num_tokens,
+        sequences,
+        positions,
+        _first_visible(positions, sliding_window, chunk),
     )
 
 
@@ -273,6 +265,34 @@ def _tiles(
     return tile_seq, query_start[tile_seq] + offset, tile_lens, tile_seq_lens
 
 
+def _decode_only_spans(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: Optional[int],
+    chunk: Optional[int],
+) -> Optional[cpu_kernel.RowSpans]:
+    """For a step where every sequence has exactly one query (pure decode, the common step),
+    the kernel rows straight from the step's arrays in numpy (a dozen small torch ops cost
+    ~0.2 ms per geometry here); None for any other step."""
+    starts = query_start_loc.numpy()
+    num_seqs = len(starts) - 1
+    if num_seqs == 0 or starts[-1] != num_seqs or not (np.diff(starts) == 1).all():
+        return None
+    positions = seq_lens.numpy() - 1
+    low = np.zeros_like(positions)
+    if sliding_window is not None:
+        low = np.maximum(low, positions - sliding_window + 1)
+    if chunk is not None:
+        low = np.maximum(low, positions // chunk * chunk)
+    return cpu_kernel.RowSpans(
+        token_rows=torch.arange(num_seqs),
+        every_token=True,
+        sequences=np.arange(num_seqs, dtype=np.int64),
+        positions=np.ascontiguousarray(positions, dtype=np.int64),
+        low=np.ascontiguousarray(low, dtype=np.int64),
+    )
+
+
 def _build_geometry(
     metadata: AttentionMetadata,
     sliding_window: Optional[int],
@@ -282,6 +302,10 @@ def _build_geometry(
 ) -> StepGeometry:
     query_start_loc = metadata.query_start_loc.cpu().long()
     seq_lens = metadata.seq_lens.cpu().long()
+    if kernel != KERNEL_NONE:
+        decode_only = _decode_only_spans(query_start_loc, seq_lens, sliding_window, chunk)
+        if decode_only is not None:
+            return StepGeometry(decode=decode_only, prefill=None)
     query_start = query_start_loc[:-1]
     query_lens = query_start_loc[1:] - query_start
     sequences = torch.arange(len(query_lens))
@@ -306,7 +330,12 @@ def _build_geometry(
         if kernel != KERNEL_NONE and selected is one_query:  # the kernel reads K/V in place
             kinds.append(
                 _kernel_rows(
-                    sequences[rows], query_start[rows], seq_lens[rows], sliding_window, chunk
+                    sequences[rows],
+                    query_start[rows],
+                    seq_lens[rows],
+                    sliding_window,
+                    chunk,
+                    int(query_start_loc[-1]),
                 )
             )
             continue
@@ -355,16 +384,8 @@ def _build_plan(
     )
     block_table = group.block_table.cpu()
     decode: Optional[RowBatch | KernelBatch] = None
-    if isinstance(geometry.decode, KernelSpans):
-        spans = geometry.decode
-        decode = cpu_kernel.kernel_rows(
-            spans.token_rows,
-            int(metadata.query_start_loc[-1]),
-            block_table,
-            spans.sequences,
-            spans.positions,
-            spans.low,
-        )
+    if isinstance(geometry.decode, cpu_kernel.RowSpans):
+        decode = cpu_kernel.kernel_rows(geometry.decode, block_table)
     elif geometry.decode is not None:
         decode = _place(geometry.decode, block_table, group.block_size, device)
     return StepPlan(
