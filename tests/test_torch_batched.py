@@ -342,3 +342,18 @@ def test_caches_whose_blocks_cannot_be_flattened():
             atol=1e-5,
             msg=f"seed {seed}",
         )
+
+
+def test_which_rows_the_cpu_kernel_takes():
+    """Every query token goes to the kernel with softcap/sinks, a small window, or >= 4 query
+    heads per KV head; otherwise only one-query rows (prefill rows use fused attention)."""
+    full = AttentionParams(0.5)
+    assert torch_batched._kernel_rows(full, 2) == row_plan.KERNEL_DECODE
+    assert torch_batched._kernel_rows(full, 4) == row_plan.KERNEL_ALL
+    assert torch_batched._kernel_rows(AttentionParams(0.5, sliding_window=16), 1) == (
+        row_plan.KERNEL_ALL
+    )
+    assert torch_batched._kernel_rows(AttentionParams(0.5, sliding_window=4096), 2) == (
+        row_plan.KERNEL_DECODE
+    )
+    assert torch_batched._kernel_rows(AttentionParams(0.5, softcap=30.0), 1) == row_plan.KERNEL_ALL
