@@ -1,6 +1,6 @@
 """The fused Rust CPU ops of the model layers (`models.cpu_ops`: RMSNorm, silu/gelu-tanh times
-up) against the torch formulas they replace, the cases that stay on torch, and the binding's
-refusals. Their accuracy against f64 over many shapes is also checked in Rust
+up, rotary embedding) against the torch formulas they replace, the cases that stay on torch, and
+the binding's refusals. Their accuracy against f64 over many shapes is also checked in Rust
 (rust/attention/tests/elementwise.rs)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from hybrid_cache import _core
 from hybrid_cache.models import cpu_ops
 from hybrid_cache.models.layers import GatedMLP, RMSNorm
+from hybrid_cache.models.rotary import RotaryEmbedding
 
 
 def torch_rms_norm(x, weight, offset, eps):
@@ -211,3 +212,40 @@ def test_the_binding_refuses_bad_buffers_and_writes_nothing():
         readonly.flags.writeable = False
         _core.silu_mul_cpu(gate, gate, readonly)
     assert (out == -7.0).all(), "a refused call wrote its output"
+
+
+@pytest.mark.parametrize(
+    "head_dim,factor,heads", [(32, 1.0, 4), (64, 0.5, 2), (18, 1.0, 3), (128, 0.25, 1)]
+)
+def test_fused_rotary_is_identical_to_the_torch_rotation(head_dim, factor, heads):
+    """Same f32 operations in the same order: bit-identical, partial rotary dims copied."""
+    rope = {"rope_theta": 10000.0, "partial_rotary_factor": factor}
+    rotary = RotaryEmbedding(head_dim, rope)
+    generator = torch.Generator().manual_seed(head_dim)
+    positions = torch.randint(0, 8000, (257,), generator=generator)
+    x = torch.randn(257, heads, head_dim, generator=generator) * 5
+    cos, sin = rotary.tables(positions, x.dtype)
+    fused = cpu_ops.rotary_neox(x, cos, sin, rotary.rotary_dim)
+    assert fused is not None
+    rotated = rotary._rotate(x, cos, sin)  # the module takes the fused op too
+    assert torch.equal(fused, rotated)
+    cpu_ops.ENABLED = False
+    try:
+        by_torch = rotary._rotate(x, cos, sin)
+    finally:
+        cpu_ops.ENABLED = True
+    assert torch.equal(fused, by_torch)
+    assert torch.equal(fused[..., rotary.rotary_dim :], x[..., rotary.rotary_dim :])
+
+
+def test_rotary_falls_back_for_other_tensors():
+    rotary = RotaryEmbedding(16, {"rope_theta": 10000.0})
+    x = torch.randn(9, 2, 16)
+    cos, sin = rotary.tables(torch.arange(9), x.dtype)
+    assert cpu_ops.rotary_neox(x.double(), cos.double(), sin.double(), 16) is None
+    assert cpu_ops.rotary_neox(x.transpose(0, 1), cos, sin, 16) is None  # not contiguous
+    assert cpu_ops.rotary_neox(x, cos[:4], sin[:4], 16) is None  # tables of other tokens
+    out = np.full(x.shape, 7.0, dtype=np.float32)
+    with pytest.raises(_core.InvalidArgumentError, match="rotary_dim"):
+        _core.rotary_neox_cpu(x.numpy(), cos.numpy(), sin.numpy(), out, 15)
+    assert (out == 7.0).all()

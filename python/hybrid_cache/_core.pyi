@@ -177,6 +177,18 @@ def paged_attention_cpu(
     `InvalidBlockError` when a visible position is in the null block or out of range; `out` is
     untouched then."""
 
+def rotary_neox_cpu(
+    x: npt.NDArray[np.float32],
+    cos: npt.NDArray[np.float32],
+    sin: npt.NDArray[np.float32],
+    out: npt.NDArray[np.float32],
+    rotary_dim: int,
+) -> None:
+    """Neox-style rotary embedding on the CPU: `x` [tokens, heads, head_dim] rotated on its first
+    `rotary_dim` dims, `(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)`, by `cos` / `sin`
+    (tokens x rotary_dim / 2 values each), the rest copied, into `out` (x's shape, writable,
+    overlapping no input). Raises `InvalidArgumentError` on bad shapes and writes nothing."""
+
 def rms_norm_cpu(
     x: npt.NDArray[np.float32],
     weight: npt.NDArray[np.float32],

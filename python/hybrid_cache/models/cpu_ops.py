@@ -1,5 +1,6 @@
-"""Fused Rust CPU ops for the model layers: RMSNorm (`_core.rms_norm_cpu`) and the gated MLP
-activations `act(gate) * up` (`_core.gelu_tanh_mul_cpu`, `_core.silu_mul_cpu`).
+"""Fused Rust CPU ops for the model layers: RMSNorm (`_core.rms_norm_cpu`), the gated MLP
+activations `act(gate) * up` (`_core.gelu_tanh_mul_cpu`, `_core.silu_mul_cpu`) and the rotary
+embedding (`_core.rotary_neox_cpu`).
 
 Each function returns the result when the fused op applies (CPU tensors, float32,
 C-contiguous, nothing that autograd would have to track, the extension built with these ops)
@@ -19,6 +20,7 @@ from hybrid_cache import _core
 
 ENABLED = os.environ.get("HYBRID_CACHE_CPU_OPS", "1") != "0" and hasattr(_core, "rms_norm_cpu")
 
+ROTARY = getattr(_core, "rotary_neox_cpu", None)
 # The activations (names of `layers.ACTIVATIONS`) with a fused `act(gate) * up`.
 GATED = {
     "silu": getattr(_core, "silu_mul_cpu", None),
@@ -59,4 +61,19 @@ def gated(activation: str, gate: torch.Tensor, up: torch.Tensor) -> Optional[tor
         return None
     out = torch.empty_like(gate)
     op(gate.numpy(), up.numpy(), out.numpy())
+    return out
+
+
+def rotary_neox(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> Optional[torch.Tensor]:
+    """x [tokens, heads, head_dim] rotated on its first `rotary_dim` dims by cos / sin
+    [tokens, 1, rotary_dim / 2] (neox style, the rest copied), or None where the fused op does
+    not apply. The same f32 operations as `RotaryEmbedding._rotate`: identical results."""
+    if not (ENABLED and ROTARY is not None and x.dim() == 3 and _fits(x, cos, sin)):
+        return None
+    if cos.shape != (x.shape[0], 1, rotary_dim // 2) or sin.shape != cos.shape:
+        return None
+    out = torch.empty_like(x)
+    ROTARY(x.numpy(), cos.numpy(), sin.numpy(), out.numpy(), rotary_dim)
     return out

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybrid_cache.models import cpu_ops
 from hybrid_cache.step_cache import cached_on
 
 # Attribute of a step's positions tensor holding its cos/sin tables, keyed by rope parameters.
@@ -139,7 +140,11 @@ class RotaryEmbedding(nn.Module):
 
         Written into one output with in-place ops: the same products and sums, each rounded
         once in x's dtype, as `x * cos + rotate_half(x) * sin`, without that form's three
-        full-size temporaries (on the CPU, fresh multi-megabyte buffers cost page faults)."""
+        full-size temporaries (on the CPU, fresh multi-megabyte buffers cost page faults). On CPU
+        float32 tensors the fused Rust op does the same in one pass (`cpu_ops.rotary_neox`)."""
+        fused = cpu_ops.rotary_neox(x, cos, sin, self.rotary_dim)
+        if fused is not None:
+            return fused
         half = self.rotary_dim // 2
         x1, x2 = x[..., :half], x[..., half : self.rotary_dim]
         out = torch.empty_like(x)

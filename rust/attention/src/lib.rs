@@ -13,7 +13,8 @@
 //! without a value.
 //!
 //! Also the fused element-wise ops of the CPU forward (`elementwise.rs`): RMSNorm of rows and
-//! the gated MLP activations `silu(gate) * up` / `gelu_tanh(gate) * up`.
+//! the gated MLP activations `silu(gate) * up` / `gelu_tanh(gate) * up`, and the rotary
+//! position embedding (`rotary.rs`).
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -32,6 +33,7 @@ mod layout;
 mod math;
 mod norm;
 mod portable;
+mod rotary;
 mod row;
 mod simd;
 mod softmax;
@@ -40,4 +42,5 @@ pub use decode::paged_attention;
 pub use elementwise::{gelu_tanh_mul, rms_norm, silu_mul};
 pub use error::AttentionError;
 pub use layout::{AttentionParams, HeadShape, PagedCache, QueryRows};
+pub use rotary::rotate_neox;
 pub use simd::{force_portable, use_avx2_fma};

@@ -1,10 +1,10 @@
 //! The fused element-wise ops of hybrid-cache-attention (`rms_norm_cpu`, `gelu_tanh_mul_cpu`,
-//! `silu_mul_cpu`) on buffers (numpy arrays, e.g. `torch.Tensor.numpy()` views). Converts
-//! buffers to slices and errors to exceptions; nothing else.
+//! `silu_mul_cpu`, `rotary_neox_cpu`) on buffers (numpy arrays, e.g. `torch.Tensor.numpy()`
+//! views). Converts buffers to slices and errors to exceptions; nothing else.
 
 use std::ops::Range;
 
-use hybrid_cache_attention::{gelu_tanh_mul, rms_norm, silu_mul, AttentionError};
+use hybrid_cache_attention::{gelu_tanh_mul, rms_norm, rotate_neox, silu_mul, AttentionError};
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
@@ -122,4 +122,37 @@ pub fn silu_mul_cpu(
     mut out: PyBuffer<f32>,
 ) -> PyResult<()> {
     gated(silu_mul, &gate, &up, &mut out)
+}
+
+/// Neox-style rotary embedding: `x` [tokens, heads, head_dim] (float32, C-contiguous) rotated
+/// on its first `rotary_dim` dims by `cos` / `sin` (tokens x rotary_dim / 2 values each, any
+/// C-contiguous shape, e.g. [tokens, 1, rotary_dim / 2]) into `out` (x's shape, writable, not
+/// overlapping an input).
+#[pyfunction]
+#[pyo3(signature = (x, cos, sin, out, rotary_dim))]
+pub fn rotary_neox_cpu(
+    x: PyBuffer<f32>,
+    cos: PyBuffer<f32>,
+    sin: PyBuffer<f32>,
+    mut out: PyBuffer<f32>,
+    rotary_dim: usize,
+) -> PyResult<()> {
+    let x_items = contiguous_items(&x, "x", 3)?;
+    let cos_items = contiguous_items(&cos, "cos", cos.dimensions())?;
+    let sin_items = contiguous_items(&sin, "sin", sin.dimensions())?;
+    let out_slice = output(
+        &mut out,
+        &x_items.shape,
+        &[x_items.bytes(), cos_items.bytes(), sin_items.bytes()],
+    )?;
+    rotate_neox(
+        x_items.slice,
+        x_items.shape[1],
+        x_items.shape[2],
+        rotary_dim,
+        cos_items.slice,
+        sin_items.slice,
+        out_slice,
+    )
+    .map_err(attention_to_py)
 }

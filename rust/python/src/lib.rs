@@ -22,5 +22,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(elementwise::rms_norm_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise::gelu_tanh_mul_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise::silu_mul_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(elementwise::rotary_neox_cpu, m)?)?;
     Ok(())
 }
