@@ -165,6 +165,89 @@ def build_attention_metadata(
     return metadata, torch.from_numpy(positions)
 
 
+def build_decode_metadata(
+    num_computed_tokens: Sequence[int],
+    rows: Sequence[int],
+    block_table: np.ndarray,
+    block_sizes: Sequence[int],
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """`build_attention_metadata` for a step whose every sequence computes one token (decode),
+    with the tables read from the grouped block table `block_table` [groups, rows, width] (the
+    core's memory): sequence i is row `rows[i]`, its token sits at `num_computed_tokens[i]`.
+
+    The same metadata in fewer array operations (the step's cost is their number, each a few
+    microseconds when the forward has just evicted numpy from the CPU caches): positions are
+    the computed counts, the query starts a range, the slots are gathered from the grouped
+    table directly; reductions (`max`, `all`), which cost several ufunc calls each, are left to
+    Python's `max` over the list and `np.count_nonzero`.
+    """
+    positions = np.array(num_computed_tokens, dtype=np.int64)
+    num_seqs = len(positions)
+    seq_lens = positions.astype(np.int32)
+    seq_lens += 1
+    max_seq_len = max(num_computed_tokens) + 1 if num_seqs else 0
+    tables, slot_mappings = _decode_tables(
+        block_table, np.array(rows, dtype=np.intp), positions, block_sizes, max_seq_len
+    )
+    groups = [
+        GroupMetadata(block_table=table, slot_mapping=slots, block_size=size)
+        for table, slots, size in zip(tables, slot_mappings, block_sizes)
+    ]
+    metadata = AttentionMetadata(
+        query_start_loc=torch.from_numpy(np.arange(num_seqs + 1, dtype=np.int32)),
+        seq_lens=torch.from_numpy(seq_lens),
+        groups=groups,
+        max_query_len=1 if num_seqs else 0,
+        max_seq_len=max_seq_len,
+    )
+    return metadata, torch.from_numpy(positions)
+
+
+def _decode_tables(
+    block_table: np.ndarray,
+    rows: np.ndarray,
+    positions: np.ndarray,
+    block_sizes: Sequence[int],
+    max_seq_len: int,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each group's table rows (copies, only the columns `max_seq_len` reaches) and slot
+    mapping for one token per row at `positions`; one gather for all groups when they share a
+    block size."""
+    if len(set(block_sizes)) == 1:
+        tables, slots = _decode_group_tables(
+            block_table, rows, positions, block_sizes[0], max_seq_len
+        )
+    else:
+        pairs = [
+            _decode_group_tables(block_table[group, None], rows, positions, size, max_seq_len)
+            for group, size in enumerate(block_sizes)
+        ]
+        tables = [group_tables[0] for group_tables, _ in pairs]
+        slots = [group_slots[0] for _, group_slots in pairs]
+    # One `from_numpy` per group (cheaper than torch views of one tensor).
+    return list(map(torch.from_numpy, tables)), list(map(torch.from_numpy, slots))
+
+
+def _decode_group_tables(
+    block_table: np.ndarray,
+    rows: np.ndarray,
+    positions: np.ndarray,
+    block_size: int,
+    max_seq_len: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`_decode_tables` for groups of one block size: [groups, seqs, columns] int32 tables and
+    [groups, seqs] int64 slots."""
+    block_index, offset = np.divmod(positions, block_size)
+    block_ids = block_table[:, rows, block_index]
+    assert NULL_BLOCK == 0 and np.count_nonzero(block_ids) == block_ids.size, (
+        "a new token maps to the null block"
+    )
+    slots = block_ids.astype(np.int64)
+    slots *= block_size
+    slots += offset
+    return block_table[:, rows, : -(-max_seq_len // block_size)], slots
+
+
 def _slot_mappings(
     block_tables: Sequence[torch.Tensor],
     block_sizes: Sequence[int],

@@ -8,6 +8,7 @@ and exposes the persistent grouped block table as a torch tensor that shares the
 from __future__ import annotations
 
 import itertools
+import operator
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ class GroupDescription:
     block_size: int
     window: Optional[int] = None
     chunk: Optional[int] = None
+
+
+_REQUEST_ID = operator.attrgetter("request_id")
 
 
 class KVCacheManager:
@@ -155,19 +159,17 @@ class KVCacheManager:
     ) -> int:
         """`allocate` for each request in order, in one call to the core: all or nothing per
         request; stops at the first that does not fit and returns how many were allocated."""
-        core_ids = self.core_ids
         # Lists of ints: the core reads them directly (building numpy arrays costs more).
         return self.coordinator.allocate_batch(
-            [core_ids[request.request_id] for request in requests],
+            self._core_ids_of(requests),
             num_computed_tokens,
             num_new_tokens,
         )
 
     def append_token_ids(self, requests: Sequence[Request], token_ids: Sequence[int]) -> None:
         """Records one sampled token per request (a decode step), in one call to the core."""
-        core_ids = self.core_ids
         self.coordinator.append_token_ids_batch(
-            [core_ids[request.request_id] for request in requests],
+            self._core_ids_of(requests),
             np.asarray(token_ids, dtype=np.int64) if not isinstance(token_ids, list) else token_ids,
         )
 
@@ -182,8 +184,11 @@ class KVCacheManager:
 
     def rows_of(self, requests: Sequence[Request]) -> list[int]:
         """`row_of` for each request."""
-        rows = self.rows
-        return [rows[request.request_id] for request in requests]
+        return list(map(self.rows.__getitem__, map(_REQUEST_ID, requests)))
+
+    def _core_ids_of(self, requests: Sequence[Request]) -> list[int]:
+        """The requests' core ids (C-level maps: no bytecode per request)."""
+        return list(map(self.core_ids.__getitem__, map(_REQUEST_ID, requests)))
 
     def num_used_blocks_per_group(self) -> list[int]:
         return list(self.coordinator.num_used_blocks_per_group())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
+from collections.abc import Sequence
 from dataclasses import fields
 
 import numpy as np
@@ -32,13 +33,15 @@ from hybrid_cache.attention import (
     build_attention_metadata,
     set_forward_context,
 )
+from hybrid_cache.attention.metadata import build_decode_metadata
 from hybrid_cache.attention.selector import (
     describe_attention_backends,
     select_attention_backends,
 )
 from hybrid_cache.engine.kv_cache import KVCacheManager
+from hybrid_cache.engine.request import Request
 from hybrid_cache.engine.sampler import Sampler
-from hybrid_cache.engine.scheduler import ScheduledRequest, SchedulerOutput
+from hybrid_cache.engine.scheduler import SchedulerOutput
 from hybrid_cache.planner import KVCacheLayout
 
 logger = logging.getLogger(__name__)
@@ -109,31 +112,52 @@ class ModelRunner:
         scheduled = output.scheduled
         if not scheduled:
             return {}
-        num_computed = [item.num_computed_tokens for item in scheduled]
-        query_lens = [item.num_new_tokens for item in scheduled]
-        input_ids = torch.from_numpy(
-            np.array(_input_token_ids(scheduled, query_lens), dtype=np.int64)
-        )
-        block_tables = self._gather_block_tables(
-            [item.row for item in scheduled],
-            max(map(operator.add, num_computed, query_lens)),
-        )
-        metadata, positions = build_attention_metadata(
-            query_lens, num_computed, block_tables, self.block_sizes
+        # Whole columns through C-level maps (no bytecode per request), all taken before the
+        # forward, while the requests are in the CPU caches (the forward evicts them).
+        requests = list(map(_REQUEST, scheduled))
+        num_computed = list(map(_NUM_COMPUTED, scheduled))
+        query_lens = list(map(_NUM_NEW_TOKENS, scheduled))
+        input_ids, metadata, positions = self._prepare_inputs(
+            requests, list(map(_ROW, scheduled)), num_computed, query_lens
         )
         metadata = metadata_to(metadata, self.device)
+        samples = list(map(_SAMPLES, scheduled))
+        sample_indices = list(itertools.compress(range(len(samples)), samples))
+        sampling = list(itertools.compress(requests, samples))
+        request_ids = list(map(_REQUEST_ID, sampling))
+        params = list(map(_SAMPLING_PARAMS, sampling))
 
         with set_forward_context(metadata, self.kv_caches):
             hidden = self.model(input_ids.to(self.device), positions.to(self.device))
 
-        sampling = [index for index, item in enumerate(scheduled) if item.samples]
-        if not sampling:
+        if not sample_indices:
             return {}
-        logits = self.model.compute_logits(self._sampled_rows(hidden, query_lens, sampling))
-        request_ids = [scheduled[i].request.request_id for i in sampling]
-        params = [scheduled[i].request.sampling_params for i in sampling]
-        tokens = self.sampler.sample(logits, request_ids, params).tolist()
+        logits = self.model.compute_logits(self._sampled_rows(hidden, query_lens, sample_indices))
+        tokens = self.sampler.sample_token_ids(logits, request_ids, params)
         return dict(zip(request_ids, tokens))
+
+    def _prepare_inputs(
+        self,
+        requests: list[Request],
+        rows: list[int],
+        num_computed: list[int],
+        query_lens: list[int],
+    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The step's input ids, attention metadata and positions (on the CPU)."""
+        if sum(query_lens) == len(query_lens):  # one token each (decode): no slices, no sums
+            token_ids = list(map(operator.getitem, map(_ALL_TOKEN_IDS, requests), num_computed))
+            metadata, positions = build_decode_metadata(
+                num_computed, rows, self.block_table_array, self.block_sizes
+            )
+        else:
+            token_ids = _input_token_ids(requests, num_computed, query_lens)
+            block_tables = self._gather_block_tables(
+                rows, max(map(operator.add, num_computed, query_lens))
+            )
+            metadata, positions = build_attention_metadata(
+                query_lens, num_computed, block_tables, self.block_sizes
+            )
+        return torch.from_numpy(np.array(token_ids, dtype=np.int64)), metadata, positions
 
     def _gather_block_tables(self, rows: list[int], max_seq_len: int) -> list[torch.Tensor]:
         """Each group's block-table rows of the batch, only the columns the batch can touch
@@ -150,7 +174,7 @@ class ModelRunner:
         ]
 
     def _sampled_rows(
-        self, hidden: torch.Tensor, query_lens: list[int], sampling: list[int]
+        self, hidden: torch.Tensor, query_lens: list[int], sampling: Sequence[int]
     ) -> torch.Tensor:
         """The hidden rows of the sampled sequences' last tokens."""
         if len(sampling) == hidden.shape[0]:
@@ -162,19 +186,27 @@ class ModelRunner:
         return hidden[sample_index]
 
 
-def _input_token_ids(scheduled: list[ScheduledRequest], query_lens: list[int]) -> list[int]:
+def _input_token_ids(
+    requests: list[Request], num_computed: list[int], query_lens: list[int]
+) -> list[int]:
     """The tokens each scheduled request computes this step, concatenated."""
-    if query_lens.count(1) == len(query_lens):  # decode: one index per request, no slices
-        return [item.request.all_token_ids[item.num_computed_tokens] for item in scheduled]
     # One C-level slice per request; no Python loop over tokens.
     return list(
         itertools.chain.from_iterable(
-            item.request.all_token_ids[
-                item.num_computed_tokens : item.num_computed_tokens + item.num_new_tokens
-            ]
-            for item in scheduled
+            request.all_token_ids[start : start + length]
+            for request, start, length in zip(requests, num_computed, query_lens)
         )
     )
+
+
+_REQUEST = operator.attrgetter("request")
+_ROW = operator.attrgetter("row")
+_NUM_COMPUTED = operator.attrgetter("num_computed_tokens")
+_NUM_NEW_TOKENS = operator.attrgetter("num_new_tokens")
+_SAMPLES = operator.attrgetter("samples")
+_ALL_TOKEN_IDS = operator.attrgetter("all_token_ids")
+_REQUEST_ID = operator.attrgetter("request_id")
+_SAMPLING_PARAMS = operator.attrgetter("sampling_params")
 
 
 def metadata_to(metadata: AttentionMetadata, device: torch.device) -> AttentionMetadata:

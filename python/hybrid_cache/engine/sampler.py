@@ -8,6 +8,7 @@ already sampled tokens are kept). Unseeded requests share the sampler's generato
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Optional
 
@@ -50,6 +51,9 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(logits.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
 
 
+_TEMPERATURE = operator.attrgetter("temperature")
+
+
 class Sampler:
     """Picks one token per row of logits; owns the per-request generators of seeded requests."""
 
@@ -70,9 +74,10 @@ class Sampler:
         )
         logits = logits.float()
         tokens = greedy_tokens(logits)
-        random_rows = [row for row, p in enumerate(params) if not p.is_greedy]
-        if not random_rows:
+        # Greedy rows have temperature 0 (falsy): one C-level pass decides an all-greedy batch.
+        if not any(map(_TEMPERATURE, params)):
             return tokens
+        random_rows = [row for row, p in enumerate(params) if not p.is_greedy]
 
         device = logits.device
         rows = torch.tensor(random_rows, device=device)
@@ -88,6 +93,21 @@ class Sampler:
             noise[index].exponential_(generator=generator)
         tokens[rows] = (probs / noise).argmax(dim=-1)
         return tokens
+
+    def sample_token_ids(
+        self,
+        logits: torch.Tensor,
+        request_ids: Sequence[str],
+        params: Sequence[SamplingParams],
+    ) -> list[int]:
+        """`sample(...).tolist()`; an all-greedy batch on the CPU goes from numpy's argmax
+        straight to a list (no int64 cast, no tensor: the same ints, fewer calls)."""
+        if logits.device.type == "cpu" and not any(map(_TEMPERATURE, params)):
+            assert logits.dim() == 2 and logits.shape[0] == len(request_ids) == len(params), (
+                "one row of logits per request"
+            )
+            return logits.detach().float().numpy().argmax(axis=-1).tolist()
+        return self.sample(logits, request_ids, params).tolist()
 
     def free(self, request_id: str) -> None:
         """Forgets a finished request's generator."""

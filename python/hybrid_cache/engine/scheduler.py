@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -61,20 +62,21 @@ class SchedulerOutput:
         return sum(map(attrgetter("num_new_tokens"), self.scheduled))
 
 
+_NUM_COMPUTED = attrgetter("num_computed_tokens")
+_ALL_TOKEN_IDS = attrgetter("all_token_ids")
+
+
 def _budget_shares(
     requests: list[Request], token_budget: int
 ) -> tuple[list[Request], list[int], list[int]]:
     """The requests, oldest first, that `token_budget` reaches, with their computed counts and
     shares: each takes all its uncomputed tokens, the last one reached what is left.
 
-    Whole lists per field rather than one loop over requests with appends (fewer bytecodes
-    per request); the prefix sums find where the budget runs out.
+    Whole lists per field through C-level maps rather than one loop over requests with
+    appends (fewer bytecodes per request); the prefix sums find where the budget runs out.
     """
-    computed_counts = [request.num_computed_tokens for request in requests]
-    new_counts = [
-        len(request.all_token_ids) - num_computed
-        for request, num_computed in zip(requests, computed_counts)
-    ]
+    computed_counts = list(map(_NUM_COMPUTED, requests))
+    new_counts = list(map(operator.sub, map(len, map(_ALL_TOKEN_IDS, requests)), computed_counts))
     ends = list(itertools.accumulate(new_counts))
     if ends[-1] > token_budget:
         # The first request whose share ends at or after the budget is the last one reached.
