@@ -7,6 +7,13 @@
 //! - `gemma2_softcap`: 64 rows x 600 keys, 2 x 2 heads, D=16, softcap 50.
 //! - `gqa_8x4_d32`, `gqa_8x4_d128`: 16 rows x 2048 keys, 8 x 4 heads, D=32 and D=128 (7B-like).
 //! - `sinks_8x4_d64`: 16 rows x 1024 keys, 8 x 4 heads, D=64, with sinks (gpt-oss-like).
+//!
+//! Prefill (one row per prompt token, the rows of a prompt consecutive, as the engine sends a
+//! prefill chunk):
+//!
+//! - `prefill/gemma3_full`: 4 prompts x 512 tokens, 1 kv head x 4 query heads, D=32.
+//! - `prefill/gemma3_window`: the same with a 16-token sliding window.
+//! - `prefill/gqa_8x2_d64`: 4 prompts x 512 tokens, 2 kv heads x 4 query heads, D=64.
 
 use std::hint::black_box;
 
@@ -73,6 +80,26 @@ impl Bench {
             sinks: None,
             softcap: None,
         }
+    }
+
+    /// `prompts` sequences of `len` tokens, one row per token (the rows of a prompt in
+    /// order); each row sees its last `window` tokens (all of them when `None`).
+    fn prefill(prompts: usize, len: usize, window: Option<usize>, shape: HeadShape) -> Self {
+        let mut bench = Bench::new(prompts, len, window, shape);
+        bench.sequence = (0..prompts as i64)
+            .flat_map(|s| (0..len).map(move |_| s))
+            .collect();
+        bench.position = (0..prompts).flat_map(|_| 0..len as i64).collect();
+        bench.low = bench
+            .position
+            .iter()
+            .map(|&p| window.map_or(0, |w| (p + 1 - w as i64).max(0)))
+            .collect();
+        let mut rng = Stream(0x2545_f491_4f6c_dd1d);
+        bench.q = (0..bench.sequence.len() * shape.row_len())
+            .map(|_| rng.float())
+            .collect();
+        bench
     }
 
     fn cache(&self, half: usize) -> PagedCache<'_> {
@@ -160,5 +187,24 @@ fn decode(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decode);
+fn prefill(c: &mut Criterion) {
+    let cases = [
+        ("gemma3_full", Bench::prefill(4, 512, None, shape(1, 4, 32))),
+        (
+            "gemma3_window",
+            Bench::prefill(4, 512, Some(16), shape(1, 4, 32)),
+        ),
+        ("gqa_8x2_d64", Bench::prefill(4, 512, None, shape(2, 4, 64))),
+    ];
+    let mut group = c.benchmark_group("prefill");
+    group.sample_size(20);
+    for (name, bench) in &cases {
+        let mut out = vec![0.0f32; bench.q.len()];
+        group.throughput(Throughput::Elements(bench.pairs()));
+        group.bench_function(*name, |b| b.iter(|| bench.run(black_box(&mut out))));
+    }
+    group.finish();
+}
+
+criterion_group!(benches, decode, prefill);
 criterion_main!(benches);

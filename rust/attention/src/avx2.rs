@@ -10,6 +10,7 @@ use std::arch::x86_64::*;
 
 use crate::avx2_loops::{accumulate, dot8};
 use crate::avx2_math;
+use crate::block::Lanes;
 use crate::kernel::{Kernel, Tile, TILE};
 use crate::layout::AttentionParams;
 use crate::softmax::{Running, LANES};
@@ -21,6 +22,8 @@ const _: () = assert!(TILE.is_multiple_of(LANES) && LANES == 8);
 pub(crate) struct Avx2;
 
 impl Kernel for Avx2 {
+    type Lanes = Ymm;
+
     #[inline(always)]
     fn prefetch<const NEAR: bool>(data: &[f32], offsets: &[usize], len: usize) {
         const LINE: usize = 64 / std::mem::size_of::<f32>();
@@ -121,5 +124,59 @@ fn prefetch_line<const NEAR: bool>(at: *const f32) {
         } else {
             _mm_prefetch::<_MM_HINT_T1>(at.cast());
         }
+    }
+}
+
+/// The AVX2+FMA lanes of `block.rs`: one register.
+#[derive(Clone, Copy)]
+pub(crate) struct Ymm(__m256);
+
+impl Lanes for Ymm {
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        Ymm(_mm256_set1_ps(x))
+    }
+    #[inline(always)]
+    unsafe fn load(from: &[f32; LANES]) -> Self {
+        Ymm(_mm256_loadu_ps(from.as_ptr()))
+    }
+    #[inline(always)]
+    unsafe fn store(self, to: &mut [f32; LANES]) {
+        _mm256_storeu_ps(to.as_mut_ptr(), self.0)
+    }
+    #[inline(always)]
+    unsafe fn mul_add(self, b: Self, c: Self) -> Self {
+        Ymm(_mm256_fmadd_ps(self.0, b.0, c.0))
+    }
+    #[inline(always)]
+    unsafe fn mul(self, b: Self) -> Self {
+        Ymm(_mm256_mul_ps(self.0, b.0))
+    }
+    #[inline(always)]
+    unsafe fn add(self, b: Self) -> Self {
+        Ymm(_mm256_add_ps(self.0, b.0))
+    }
+    #[inline(always)]
+    unsafe fn max(self, b: Self) -> Self {
+        Ymm(_mm256_max_ps(self.0, b.0))
+    }
+    #[inline(always)]
+    unsafe fn exp(self) -> Self {
+        Ymm(avx2_math::exp(self.0))
+    }
+    #[inline(always)]
+    unsafe fn softcap(self, cap: f32) -> Self {
+        Ymm(avx2_math::softcap(self.0, cap))
+    }
+    #[inline(always)]
+    unsafe fn unless_masked(self, score: Self) -> Self {
+        let real = _mm256_cmp_ps::<_CMP_NEQ_OQ>(score.0, _mm256_set1_ps(f32::NEG_INFINITY));
+        Ymm(_mm256_and_ps(self.0, real))
+    }
+    #[inline(always)]
+    unsafe fn rescale(old: Self, new: Self) -> Self {
+        let same = _mm256_cmp_ps::<_CMP_EQ_OQ>(old.0, new.0);
+        let factor = avx2_math::exp(_mm256_sub_ps(old.0, new.0));
+        Ymm(_mm256_blendv_ps(factor, _mm256_set1_ps(1.0), same))
     }
 }

@@ -93,7 +93,7 @@ pub(crate) unsafe fn exp(x: __m256) -> __m256 {
 
 /// `cap * tanh(x / cap)` on 8 lanes, as `math::softcap`.
 #[inline(always)]
-unsafe fn softcap(x: __m256, cap: f32) -> __m256 {
+pub(crate) unsafe fn softcap(x: __m256, cap: f32) -> __m256 {
     let x = _mm256_mul_ps(x, _mm256_set1_ps(1.0 / cap));
     let sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0));
     let a = _mm256_xor_ps(x, sign);

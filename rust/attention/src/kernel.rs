@@ -65,6 +65,9 @@ impl Tile {
 /// keys.len()` and `tile.values[j] + d <= values.len()`; and `queries` and `accs` hold
 /// `running.len()` heads of `d` floats.
 pub(crate) trait Kernel {
+    /// The build's 8-lane vectors, for runs of prefill rows (`block.rs`).
+    type Lanes: crate::block::Lanes;
+
     /// Asks for the `len` floats from each offset to be brought into the cache: L1 when
     /// `NEAR`, else L2. A hint, with no effect on results (nothing is read, so it is safe
     /// for any offsets and `len`).

@@ -4,7 +4,9 @@
 //! The Python engine's CPU backend uses it for decode rows, where a batched torch version has
 //! to copy every visible key and value of every request before two small matmuls; here each
 //! row streams its keys and values once, in tiles of 16 tokens, with an online softmax per
-//! query head (`row.rs` drives a row, `kernel.rs` / `avx2*.rs` compute a tile).
+//! query head (`row.rs` drives a row, `kernel.rs` / `avx2*.rs` compute a tile). Runs of
+//! prefill rows (consecutive positions of one sequence) are computed together, every key of
+//! their union range loaded once for all their query rows (`block.rs`).
 //!
 //! Semantics (same as the engine's reference backend): query token `t` of head `j` attends to
 //! the positions `low[t] ..= position[t]` of its sequence, with kv head `j / (Hq / Hkv)`
@@ -24,6 +26,7 @@ mod avx2_gated;
 mod avx2_loops;
 #[cfg(target_arch = "x86_64")]
 mod avx2_math;
+mod block;
 mod decode;
 mod elementwise;
 mod error;

@@ -2,13 +2,17 @@
 //! which LLVM vectorises for whatever the target has (SSE2 on baseline x86-64, NEON on
 //! aarch64); what a CPU without AVX2+FMA runs.
 
+use crate::block::Lanes;
 use crate::kernel::{Kernel, Tile, TILE};
 use crate::layout::AttentionParams;
+use crate::math;
 use crate::softmax::{Running, LANES};
 
 pub(crate) struct Portable;
 
 impl Kernel for Portable {
+    type Lanes = [f32; LANES];
+
     #[inline(always)]
     fn prefetch<const NEAR: bool>(_data: &[f32], _offsets: &[usize], _len: usize) {}
 
@@ -110,4 +114,66 @@ pub(crate) fn lanes_of(chunk: &[f32]) -> [f32; LANES] {
     let mut lanes = [0.0f32; LANES];
     lanes.copy_from_slice(chunk);
     lanes
+}
+
+/// The portable lanes of `block.rs`: loops over 8 floats, which LLVM vectorises. Nothing here
+/// needs a CPU feature (the methods are `unsafe` for the AVX2 build's sake only).
+impl Lanes for [f32; LANES] {
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        [x; LANES]
+    }
+    #[inline(always)]
+    unsafe fn load(from: &[f32; LANES]) -> Self {
+        *from
+    }
+    #[inline(always)]
+    unsafe fn store(self, to: &mut [f32; LANES]) {
+        *to = self;
+    }
+    #[inline(always)]
+    unsafe fn mul_add(self, b: Self, c: Self) -> Self {
+        std::array::from_fn(|i| self[i] * b[i] + c[i])
+    }
+    #[inline(always)]
+    unsafe fn mul(self, b: Self) -> Self {
+        std::array::from_fn(|i| self[i] * b[i])
+    }
+    #[inline(always)]
+    unsafe fn add(self, b: Self) -> Self {
+        std::array::from_fn(|i| self[i] + b[i])
+    }
+    #[inline(always)]
+    unsafe fn max(self, b: Self) -> Self {
+        std::array::from_fn(|i| if self[i] > b[i] { self[i] } else { b[i] })
+    }
+    #[inline(always)]
+    unsafe fn exp(self) -> Self {
+        self.map(math::exp_one)
+    }
+    #[inline(always)]
+    unsafe fn softcap(mut self, cap: f32) -> Self {
+        math::softcap(&mut self, cap);
+        self
+    }
+    #[inline(always)]
+    unsafe fn unless_masked(self, score: Self) -> Self {
+        std::array::from_fn(|i| {
+            if score[i] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                self[i]
+            }
+        })
+    }
+    #[inline(always)]
+    unsafe fn rescale(old: Self, new: Self) -> Self {
+        std::array::from_fn(|i| {
+            if old[i] == new[i] {
+                1.0
+            } else {
+                math::exp_one(old[i] - new[i])
+            }
+        })
+    }
 }

@@ -4,11 +4,17 @@
 //! row of 16 tokens over two blocks is one tile, not two half-empty ones). Per tile and kv
 //! head, the group's query heads score the tile's keys, absorb the scores into their online
 //! softmax and accumulate the tile's values (`Kernel::step`).
+//!
+//! Consecutive rows of one sequence at consecutive positions (a prefill chunk) go together
+//! instead when that is cheaper (`run_length`): the offsets of their union range are listed
+//! once and `block.rs` scores every key against all the run's (token, query head) pairs. Decode
+//! rows (one per sequence) always take the row path.
 
+use crate::block;
 use crate::decode::Job;
 use crate::kernel::{Kernel, Tile, TILE};
 use crate::layout::{AttentionParams, PagedCache};
-use crate::softmax::Running;
+use crate::softmax::{Running, LANES};
 
 #[inline(always)]
 pub(crate) fn run<K: Kernel, const D: usize>(job: Job<'_, '_>) {
@@ -34,18 +40,34 @@ pub(crate) fn run<K: Kernel, const D: usize>(job: Job<'_, '_>) {
         d,
         params: &params,
     };
+    let shared = block::Shared {
+        keys: &keys,
+        values: &values,
+        group: shape.group_size(),
+        num_kv_heads: shape.num_kv_heads,
+        d,
+        params: &params,
+    };
+    // Tokens a run of prefill rows may hold: as many as fill 16 query rows of a kv head.
+    let max_run = (block::MAX_QUERY_ROWS / shape.group_size()).min(block::MAX_TOKENS);
     // Reused by every row: no allocation per row once the longest row has been seen.
     let mut state = vec![Running::EMPTY; shape.num_heads];
     let (mut key_at, mut value_at) = (Vec::new(), Vec::new());
-    for ((r, q_row), out_row) in (0..rows.len())
-        .zip(q.chunks_exact(row_len))
-        .zip(out.chunks_exact_mut(row_len))
-    {
-        let span = rows.span(r);
-        let count = span.2 - span.1 + 1;
+    let mut scratch = block::Scratch::default();
+    let mut r = 0;
+    while r < rows.len() {
+        let tokens = run_length(&rows, r, max_run, shape.group_size());
+        let (s, low, position) = rows.span(r);
+        // The union of the run's ranges (one row: its own range).
+        let low = (r..r + tokens)
+            .map(|t| rows.low[t] as usize)
+            .min()
+            .unwrap_or(low);
+        let position = position + tokens - 1;
+        let count = position - low + 1;
         key_at.resize(count, 0);
         value_at.resize(count, 0);
-        for (block, offsets, first) in rows.blocks(span, keys.block_size) {
+        for (block, offsets, first) in rows.blocks((s, low, position), keys.block_size) {
             let mut key = keys.head_start(block, 0) + offsets.start * keys.token_stride;
             let mut value = values.head_start(block, 0) + offsets.start * values.token_stride;
             let slots = key_at[first..first + offsets.len()]
@@ -57,31 +79,121 @@ pub(crate) fn run<K: Kernel, const D: usize>(job: Job<'_, '_>) {
                 value += values.token_stride;
             }
         }
-        out_row.fill(0.0);
-        state.fill(Running::EMPTY);
-        for start in (0..count).step_by(TILE) {
-            let end = count.min(start + TILE);
-            let tile = Tile::new(&key_at[start..end], &value_at[start..end]);
-            let ahead = |from: usize, to: usize| {
-                let (from, to) = (count.min(from), count.min(to));
-                (&key_at[from..to], &value_at[from..to])
+        let q_rows = &q[r * row_len..(r + tokens) * row_len];
+        let out_rows = &mut out[r * row_len..(r + tokens) * row_len];
+        if tokens > 1 {
+            let run = block::Run {
+                low: &rows.low[r..r + tokens],
+                position: &rows.position[r..r + tokens],
+                low_min: low,
             };
-            // The next tile, for L1 prefetches; and tiles 2 and 3 ahead (1 to 3 at the start
-            // of a row) for L2 prefetches: far enough ahead for memory latency, and each
-            // tile asked for twice, as a prefetch that finds every fill buffer busy is dropped.
-            let next = ahead(end, start + 2 * TILE);
-            let far = ahead(
-                if start == 0 { end } else { start + 2 * TILE },
-                start + 4 * TILE,
+            // SAFETY: the offsets listed are those of the positions `low..=position` of table
+            // row `s`, each visible to a row of the run (see `run_length`), so of a checked
+            // block (the contract of `block::run`); `run_length` bounds the run's size.
+            unsafe {
+                block::run::<K, D>(
+                    &shared,
+                    &run,
+                    q_rows,
+                    out_rows,
+                    &key_at,
+                    &value_at,
+                    &mut scratch,
+                )
+            };
+        } else {
+            one_row::<K>(
+                &step,
+                &key_at,
+                &value_at,
+                q_rows,
+                out_rows,
+                &mut state,
+                params.sinks,
             );
-            // SAFETY: every offset listed is that of a token of a checked visible block (see
-            // `Step::run`).
-            unsafe { step.run::<K>(&tile, next, far, q_row, out_row, &mut state) };
         }
-        let sinks = params.sinks;
-        for (head, (running, acc)) in state.iter().zip(out_row.chunks_exact_mut(d)).enumerate() {
-            running.finish(acc, sinks.map(|s| s[head]));
+        r += tokens;
+    }
+}
+
+/// How many rows from `r` on (1 to `max_run`) form a run of prefill rows: one table row and
+/// consecutive positions. Each row's range ends one position after the previous one's and
+/// starts at or before its own end (`QueryRows::check`), so every position from the run's
+/// lowest `low` to its last position is visible to one of its rows: the union range holds
+/// only checked blocks.
+///
+/// A row joins only while the run stays cheaper than its rows one by one: a run scores every
+/// key of its union against a full vector of query rows (8 or 16 lanes), about half as
+/// expensive per (lane, tile) as a row's step per (query head, tile); a sliding-window run
+/// scores keys that most of its rows then mask (16-token windows: two tiles for every run),
+/// and stays as single rows. The longest run that pays is taken.
+fn run_length(
+    rows: &crate::layout::QueryRows<'_>,
+    r: usize,
+    max_run: usize,
+    group: usize,
+) -> usize {
+    let tiles = |keys: i64| (keys as usize).div_ceil(TILE);
+    let (sequence, position) = (rows.sequence[r], rows.position[r]);
+    let mut low = rows.low[r];
+    // Tiles the rows take one by one.
+    let mut single = tiles(position - low + 1);
+    // The longest run that is cheaper (a run of 2 rows may not be, one of 8 is).
+    let (mut tokens, mut best) = (1, 1);
+    while tokens < max_run && r + tokens < rows.len() {
+        let t = r + tokens;
+        if rows.sequence[t] != sequence || rows.position[t] != position + tokens as i64 {
+            break;
         }
+        low = low.min(rows.low[t]);
+        single += tiles(rows.position[t] - rows.low[t] + 1);
+        tokens += 1;
+        let lanes = (tokens * group).div_ceil(LANES) * LANES;
+        // Run cost 0.6 per (lane, tile) against 1 per (query head, tile).
+        if 3 * tiles(rows.position[t] - low + 1) * lanes <= 5 * single * group {
+            best = tokens;
+        }
+    }
+    best
+}
+
+/// One row (its visible tokens' offsets listed in `key_at` / `value_at`): tile by tile
+/// through `Step::run`, then the softmax's finish.
+#[inline(always)]
+fn one_row<K: Kernel>(
+    step: &Step<'_, '_>,
+    key_at: &[usize],
+    value_at: &[usize],
+    q_row: &[f32],
+    out_row: &mut [f32],
+    state: &mut [Running],
+    sinks: Option<&[f32]>,
+) {
+    let count = key_at.len();
+    out_row.fill(0.0);
+    state.fill(Running::EMPTY);
+    for start in (0..count).step_by(TILE) {
+        let end = count.min(start + TILE);
+        let tile = Tile::new(&key_at[start..end], &value_at[start..end]);
+        let ahead = |from: usize, to: usize| {
+            let (from, to) = (count.min(from), count.min(to));
+            (&key_at[from..to], &value_at[from..to])
+        };
+        // The next tile, for L1 prefetches; and tiles 2 and 3 ahead (1 to 3 at the start
+        // of a row) for L2 prefetches: far enough ahead for memory latency, and each
+        // tile asked for twice, as a prefetch that finds every fill buffer busy is dropped.
+        let next = ahead(end, start + 2 * TILE);
+        let far = ahead(
+            if start == 0 { end } else { start + 2 * TILE },
+            start + 4 * TILE,
+        );
+        // SAFETY: every offset listed is that of a token of a checked visible block (see
+        // `Step::run`).
+        unsafe { step.run::<K>(&tile, next, far, q_row, out_row, state) };
+    }
+    let d = step.d;
+    for (head, (running, acc)) in state.iter().zip(out_row.chunks_exact_mut(d)).enumerate() {
+        running.finish(acc, sinks.map(|s| s[head]));
     }
 }
 

@@ -190,9 +190,29 @@ pub fn build(
     let mut data = vec![f32::NAN; num_blocks * 2 * block_size * token_stride];
     let (mut sequence, mut position, mut low) = (Vec::new(), Vec::new(), Vec::new());
     for (s, &len) in lens.iter().enumerate() {
-        let lowest = window.map_or(0, |w| len.saturating_sub(w));
+        // The rows of this sequence: a decode row for the last token, sometimes an earlier
+        // one, and sometimes a prefill chunk (consecutive positions, as the engine sends
+        // them; runs of these are computed together, across block boundaries).
+        let mut positions = vec![len - 1];
+        if rng.below(2) == 0 {
+            positions.push((len - 1) / 2);
+        }
+        if rng.below(3) != 0 {
+            let start = rng.below(len);
+            let tokens = 1 + rng.below((len - start).min(40));
+            // Before or after the decode rows.
+            let chunk = start..start + tokens;
+            if rng.below(2) == 0 {
+                positions.splice(0..0, chunk);
+            } else {
+                positions.extend(chunk);
+            }
+        }
+        let first = |p: usize| window.map_or(0, |w| (p + 1).saturating_sub(w));
+        let lowest = positions.iter().map(|&p| first(p)).min().unwrap();
         for column in 0..len.div_ceil(block_size) {
-            // Blocks wholly before the window are released: the null block, as in the engine.
+            // Blocks wholly before every row's window are released: the null block, as in the
+            // engine.
             if (column + 1) * block_size <= lowest {
                 continue;
             }
@@ -210,15 +230,10 @@ pub fn build(
                 }
             }
         }
-        // A decode row for the last token, and (when the window allows) an earlier one.
-        for p in [len - 1, (len - 1) / 2] {
-            let first = window.map_or(0, |w| (p + 1).saturating_sub(w));
-            if first < lowest {
-                continue;
-            }
+        for p in positions {
             sequence.push(s as i64);
             position.push(p as i64);
-            low.push(first as i64);
+            low.push(first(p) as i64);
         }
     }
     let q = (0..sequence.len() * shape.row_len())
@@ -261,7 +276,7 @@ pub fn sweep() {
             for num_kv_heads in [1, 2] {
                 for (softcap, sinks) in [(false, false), (true, false), (false, true), (true, true)]
                 {
-                    for window in [None, Some(16), Some(5)] {
+                    for window in [None, Some(16), Some(5), Some(27)] {
                         seed += 1;
                         let mut case = build(
                             seed,
