@@ -227,3 +227,23 @@ def test_bad_flags_give_typed_errors(extra, message, capsys) -> None:
 def test_settings_reject_non_positive_lengths() -> None:
     with pytest.raises(BenchConfigError, match="--output-len must be a positive integer"):
         BenchSettings("tiny-llama", 8, 0, 1)
+
+
+def test_repeat_runs_the_modes_in_abba_order(monkeypatch) -> None:
+    """hybrid, uniform, uniform, hybrid, ...: neither mode always runs first after a pause."""
+    from types import SimpleNamespace
+
+    from hybrid_cache.commands import bench as bench_command
+
+    order = []
+
+    def fake_run_mode(args, settings, mode):
+        order.append(mode)
+        return SimpleNamespace(elapsed_s=float(len(order)))
+
+    monkeypatch.setattr(bench_command, "run_mode", fake_run_mode)
+    args = SimpleNamespace(repeat=4, kv_cache_mode="both")
+    results, every = bench_command.run_modes(args, settings=None)
+    assert order == ["hybrid", "uniform", "uniform", "hybrid"] * 2
+    assert every == {"hybrid": [1.0, 4.0, 5.0, 8.0], "uniform": [2.0, 3.0, 6.0, 7.0]}
+    assert results["hybrid"].elapsed_s == 1.0 and results["uniform"].elapsed_s == 2.0

@@ -51,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--repeat",
         type=int,
         default=1,
-        help="run the modes alternately this many times and keep each mode's fastest run "
+        help="run the modes alternately (ABBA order) this many times and keep each mode's fastest run "
         "(for noisy shared machines)",
     )
     parser.add_argument("--output-json", help="write settings, figures and per-step series here")
@@ -113,12 +113,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_modes(args: argparse.Namespace, settings: Any) -> tuple[dict[str, Any], dict[str, list]]:
-    """Each mode `--repeat` times, alternating (hybrid, uniform, hybrid, ...) so both see the
-    same background load; keeps each mode's fastest run, and every run's seconds."""
+    """Each mode `--repeat` times, alternating in ABBA order (hybrid, uniform, uniform, hybrid,
+    ...) so both see the same background load and neither always runs first after a pause;
+    keeps each mode's fastest run, and every run's seconds (in each mode's run order)."""
     results: dict[str, Any] = {}
     elapsed_all: dict[str, list] = {mode: [] for mode in MODES[args.kv_cache_mode]}
-    for _ in range(args.repeat):
-        for mode in MODES[args.kv_cache_mode]:
+    for repeat in range(args.repeat):
+        modes = MODES[args.kv_cache_mode]
+        for mode in modes if repeat % 2 == 0 else tuple(reversed(modes)):
             result = run_mode(args, settings, mode)
             elapsed_all[mode].append(result.elapsed_s)
             if mode not in results or result.elapsed_s < results[mode].elapsed_s:
