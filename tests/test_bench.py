@@ -84,11 +84,15 @@ def test_repeat_alternates_modes_and_keeps_every_time(tmp_path, capsys) -> None:
     json_path = tmp_path / "bench.json"
     args = [*TINY_RUN, "--num-prompts", "2", "--repeat", "2", "--output-json", str(json_path)]
     assert main(args) == 0
-    assert "fastest of 2 alternating runs" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "fastest of 2 alternating runs" in printed
+    assert "per pair of neighbouring runs: median" in printed
     document = json.loads(json_path.read_text())
     every = document["elapsed_s_of_every_run"]
     assert len(every["hybrid"]) == len(every["uniform"]) == 2
     assert document["results"]["hybrid"]["elapsed_s"] == min(every["hybrid"])
+    pairs = document["ratio_total_tokens_per_s_of_each_pair"]
+    assert pairs == [u / h for h, u in zip(every["hybrid"], every["uniform"])]
 
 
 def test_shared_prefix_is_hit_in_the_prefix_cache(capsys) -> None:
@@ -247,3 +251,13 @@ def test_repeat_runs_the_modes_in_abba_order(monkeypatch) -> None:
     assert order == ["hybrid", "uniform", "uniform", "hybrid"] * 2
     assert every == {"hybrid": [1.0, 4.0, 5.0, 8.0], "uniform": [2.0, 3.0, 6.0, 7.0]}
     assert results["hybrid"].elapsed_s == 1.0 and results["uniform"].elapsed_s == 2.0
+
+
+def test_pair_ratios_need_both_modes_and_two_repeats() -> None:
+    from hybrid_cache.bench.report import format_pair_ratios, pair_ratios
+
+    assert pair_ratios({"hybrid": [1.0], "uniform": [2.0]}) is None
+    assert pair_ratios({"hybrid": [1.0, 2.0]}) is None
+    ratios = pair_ratios({"hybrid": [1.0, 2.0, 4.0], "uniform": [2.0, 3.0, 4.0]})
+    assert ratios == [2.0, 1.5, 1.0]
+    assert "median 1.50x (from 1.00x to 2.00x over 3 pairs)" in format_pair_ratios(ratios)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from hybrid_cache.bench.metrics import RunResult
@@ -99,6 +100,25 @@ def format_report(results: Mapping[str, RunResult], repeat: int = 1) -> str:
             f"{ratio['num_steps']:.2f}x steps"
         )
     return "\n".join(lines)
+
+
+def pair_ratios(elapsed_all: Mapping[str, list]) -> Optional[list[float]]:
+    """Hybrid/uniform throughput of each repeat's pair of runs (uniform seconds over hybrid
+    seconds: both modes do the same work), or None without both modes and two repeats. With the
+    ABBA order the i-th runs of the two modes ran next to each other, so each pair saw about
+    the same machine; their median is a second reading of the ratio beside the fastest runs'."""
+    hybrid, uniform = elapsed_all.get("hybrid", []), elapsed_all.get("uniform", [])
+    if len(hybrid) < 2 or len(hybrid) != len(uniform):
+        return None
+    return [u / h for h, u in zip(hybrid, uniform)]
+
+
+def format_pair_ratios(ratios_of_pairs: Sequence[float]) -> str:
+    ordered = sorted(ratios_of_pairs)
+    return (
+        f"Hybrid/uniform per pair of neighbouring runs: median {statistics.median(ordered):.2f}x "
+        f"(from {ordered[0]:.2f}x to {ordered[-1]:.2f}x over {len(ordered)} pairs)"
+    )
 
 
 def format_hf_comparison(comparison: Mapping[str, Any]) -> str:

@@ -82,10 +82,20 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     results, elapsed_all = run_modes(args, settings)
 
-    from hybrid_cache.bench.report import format_hf_comparison, format_report, json_document
+    from hybrid_cache.bench.report import (
+        format_hf_comparison,
+        format_pair_ratios,
+        format_report,
+        json_document,
+        pair_ratios,
+    )
 
     print(format_report(results, args.repeat))
     extra: dict[str, Any] = {"repeat": args.repeat, "elapsed_s_of_every_run": elapsed_all}
+    ratios_of_pairs = pair_ratios(elapsed_all)
+    if ratios_of_pairs is not None:
+        print(format_pair_ratios(ratios_of_pairs))
+        extra["ratio_total_tokens_per_s_of_each_pair"] = ratios_of_pairs
     if args.simulate:
         extra["cost_model"] = cost_model_description(args, settings)
     if args.compare_hf:
