@@ -58,7 +58,7 @@ pub(crate) struct Run<'r> {
     pub low_min: usize,
 }
 
-/// What every run of a call shares.
+/// What every run and every single row of a call shares (the row driver's tiles too).
 pub(crate) struct Shared<'c, 'a> {
     pub keys: &'c PagedCache<'a>,
     pub values: &'c PagedCache<'a>,
@@ -90,7 +90,7 @@ pub(crate) struct Scratch {
 /// # Safety
 /// Every offset in `key_at` / `value_at` is `head_start(block, 0) + token * token_stride` of
 /// its cache for a block that `QueryRows::check` accepted and `token < block_size` (as for
-/// `row::Step::run`); the run holds 2 to `MAX_TOKENS` tokens and `tokens * group <=
+/// `row`'s `absorb_tile`); the run holds 2 to `MAX_TOKENS` tokens and `tokens * group <=
 /// MAX_QUERY_ROWS`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -174,7 +174,7 @@ unsafe fn kv_heads<K: Kernel, const D: usize, const R: usize, const B: usize>(
             K::prefetch::<true>(keys, &key_at[next.clone()], d);
             K::prefetch::<true>(values, &value_at[next], d);
             // SAFETY: the contract of this function: every offset of the tile plus `d` is
-            // inside `keys` / `values` (kv head `kv_head`, as in `row::Step::run`).
+            // inside `keys` / `values` (kv head `kv_head`, as in `row`'s `absorb_tile`).
             scores::<K::Lanes, D, R, B>(&mut scratch.tile, &scratch.queries, keys, &tile, d);
             let interior = end - start == TILE && start >= shared_from && end - 1 <= shared_to;
             let pads = (!interior).then(|| mask::<R>(start, end, &from, &to));

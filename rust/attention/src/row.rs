@@ -13,7 +13,7 @@
 use crate::block;
 use crate::decode::Job;
 use crate::kernel::{Kernel, Tile, TILE};
-use crate::layout::{AttentionParams, PagedCache};
+use crate::layout::PagedCache;
 use crate::softmax::{Running, LANES};
 
 #[inline(always)]
@@ -32,14 +32,6 @@ pub(crate) fn run<K: Kernel, const D: usize>(job: Job<'_, '_>) {
     let d = if D == 0 { shape.head_dim } else { D };
     debug_assert_eq!(d, shape.head_dim);
     let row_len = shape.num_heads * d;
-    let step = Step {
-        keys: &keys,
-        values: &values,
-        group: shape.group_size(),
-        num_kv_heads: shape.num_kv_heads,
-        d,
-        params: &params,
-    };
     let shared = block::Shared {
         keys: &keys,
         values: &values,
@@ -103,7 +95,7 @@ pub(crate) fn run<K: Kernel, const D: usize>(job: Job<'_, '_>) {
             };
         } else {
             one_row::<K>(
-                &step,
+                &shared,
                 &key_at,
                 &value_at,
                 q_rows,
@@ -158,10 +150,10 @@ fn run_length(
 }
 
 /// One row (its visible tokens' offsets listed in `key_at` / `value_at`): tile by tile
-/// through `Step::run`, then the softmax's finish.
+/// through `absorb_tile`, then the softmax's finish.
 #[inline(always)]
 fn one_row<K: Kernel>(
-    step: &Step<'_, '_>,
+    shared: &block::Shared<'_, '_>,
     key_at: &[usize],
     value_at: &[usize],
     q_row: &[f32],
@@ -188,26 +180,16 @@ fn one_row<K: Kernel>(
             start + 4 * TILE,
         );
         // SAFETY: every offset listed is that of a token of a checked visible block (see
-        // `Step::run`).
-        unsafe { step.run::<K>(&tile, next, far, q_row, out_row, state) };
+        // `absorb_tile`).
+        unsafe { shared.absorb_tile::<K>(&tile, next, far, q_row, out_row, state) };
     }
-    let d = step.d;
+    let d = shared.d;
     for (head, (running, acc)) in state.iter().zip(out_row.chunks_exact_mut(d)).enumerate() {
         running.finish(acc, sinks.map(|s| s[head]));
     }
 }
 
-/// What every tile of a call shares.
-struct Step<'c, 'a> {
-    keys: &'c PagedCache<'a>,
-    values: &'c PagedCache<'a>,
-    group: usize,
-    num_kv_heads: usize,
-    d: usize,
-    params: &'c AttentionParams<'a>,
-}
-
-impl Step<'_, '_> {
+impl block::Shared<'_, '_> {
     /// Absorbs the tile's tokens into every query head of the row. `next` holds the following
     /// tile's (keys, values) offsets and `far` those of tiles further ahead (either may be
     /// empty), to prefetch.
@@ -219,7 +201,7 @@ impl Step<'_, '_> {
     /// kv head by `data.len()`, so for kv head `g` every such offset plus `g * head_stride + d`
     /// is in bounds: the `Kernel::step` contract on the slices made below.
     #[inline(always)]
-    unsafe fn run<K: Kernel>(
+    unsafe fn absorb_tile<K: Kernel>(
         &self,
         tile: &Tile,
         (next_keys, next_values): (&[usize], &[usize]),
