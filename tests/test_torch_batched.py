@@ -101,6 +101,14 @@ def random_step(seed, num_heads, num_kv_heads, block_size, window, chunk, num_se
     return q, k_cache, v_cache, metadata
 
 
+def assert_matches_reference(args, params, seed) -> torch.Tensor:
+    """The torch backend's output for `args` / `params`, checked against the reference's."""
+    got = torch_batched.paged_attention(*args, params)
+    expected = reference.paged_attention(*args, params)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+    return got
+
+
 CASES = [
     # (window, chunk, softcap, sinks)
     (None, None, None, False),
@@ -140,10 +148,8 @@ def test_matches_the_reference(
     params = AttentionParams(
         HEAD_DIM**-0.5, sliding_window=window, softcap=softcap, sinks=sinks, chunk=chunk
     )
-    expected = reference.paged_attention(*args, params)
-    got = torch_batched.paged_attention(*args, params)
+    got = assert_matches_reference(args, params, seed)
     assert torch.isfinite(got).all(), f"seed {seed}: a NaN page reached the output"
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
 
 
 def test_decode_only_and_prefill_only_steps():
@@ -176,13 +182,7 @@ def test_decode_only_and_prefill_only_steps():
         assert covered.tolist() == list(range(sum(query_lens))), f"seed {seed}"
         for window in (None, 6):
             params = AttentionParams(0.3, sliding_window=window)
-            torch.testing.assert_close(
-                torch_batched.paged_attention(*args, params),
-                reference.paged_attention(*args, params),
-                rtol=1e-5,
-                atol=1e-5,
-                msg=f"seed {seed}",
-            )
+            assert_matches_reference(args, params, seed)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "matmuls"])
@@ -203,10 +203,7 @@ def test_prefill_rows_match_the_reference(window, chunk, kinds, kernel, fused, m
     group = metadata.groups[0]
     args = (q, k_cache, v_cache, metadata, group)
     params = AttentionParams(HEAD_DIM**-0.5, sliding_window=window, chunk=chunk)
-    got = torch_batched.paged_attention(*args, params)
-    torch.testing.assert_close(
-        got, reference.paged_attention(*args, params), rtol=1e-5, atol=1e-5, msg=f"seed {seed}"
-    )
+    assert_matches_reference(args, params, seed)
     if kinds == ("prompt",) and window != 5:
         # Whole prompts (the first sequence decodes): plain causal unless a chunk of 6 cuts one.
         query_lens = metadata.query_start_loc.diff()
@@ -229,13 +226,7 @@ def test_continued_prompts_put_queries_at_their_positions(fused, monkeypatch):
         group = metadata.groups[0]
         args = (q, k_cache, v_cache, metadata, group)
         params = AttentionParams(HEAD_DIM**-0.5)
-        torch.testing.assert_close(
-            torch_batched.paged_attention(*args, params),
-            reference.paged_attention(*args, params),
-            rtol=1e-5,
-            atol=1e-5,
-            msg=f"seed {seed}",
-        )
+        assert_matches_reference(args, params, seed)
         query_lens = metadata.query_start_loc.diff()
         prefill = query_lens > 1
         plan = torch_batched.step_plan(metadata, group, None, None, q.device).prefill
@@ -335,13 +326,7 @@ def test_caches_whose_blocks_cannot_be_flattened():
     args = (q, strided_k, strided_v, metadata, metadata.groups[0])
     for window in (None, 7):
         params = AttentionParams(0.35, sliding_window=window)
-        torch.testing.assert_close(
-            torch_batched.paged_attention(*args, params),
-            reference.paged_attention(*args, params),
-            rtol=1e-5,
-            atol=1e-5,
-            msg=f"seed {seed}",
-        )
+        assert_matches_reference(args, params, seed)
 
 
 def test_which_rows_the_cpu_kernel_takes():
