@@ -133,12 +133,17 @@ def test_autograd_keeps_the_torch_path():
 GATED_SHAPES = [(1,), (7,), (3, 33), (64, 128), (2, 5, 9)]
 
 
+def gated_inputs(shape, magnitude):
+    """(gate, up): gate scaled by `magnitude`, seeded by the case."""
+    generator = torch.Generator().manual_seed(hash((shape, magnitude)) % 2**31)
+    gate = torch.randn(shape, generator=generator) * magnitude
+    return gate, torch.randn(shape, generator=generator)
+
+
 @pytest.mark.parametrize("shape", GATED_SHAPES)
 @pytest.mark.parametrize("magnitude", [1e-2, 1.0, 8.0])
 def test_fused_gelu_tanh_times_up_matches_torch(shape, magnitude):
-    generator = torch.Generator().manual_seed(hash((shape, magnitude)) % 2**31)
-    gate = torch.randn(shape, generator=generator) * magnitude
-    up = torch.randn(shape, generator=generator)
+    gate, up = gated_inputs(shape, magnitude)
     fused = cpu_ops.gated("gelu_pytorch_tanh", gate, up)
     assert fused is not None and fused.shape == gate.shape
     # torch's 1 + tanh(u) cancels for negative gates (absolute error ~1e-7 |gate up|).
@@ -151,9 +156,7 @@ def test_fused_gelu_tanh_times_up_matches_torch(shape, magnitude):
 @pytest.mark.parametrize("shape", GATED_SHAPES)
 @pytest.mark.parametrize("magnitude", [1e-2, 1.0, 30.0])
 def test_fused_silu_times_up_matches_torch(shape, magnitude):
-    generator = torch.Generator().manual_seed(hash((shape, magnitude)) % 2**31)
-    gate = torch.randn(shape, generator=generator) * magnitude
-    up = torch.randn(shape, generator=generator)
+    gate, up = gated_inputs(shape, magnitude)
     fused = cpu_ops.gated("silu", gate, up)
     assert fused is not None
     torch.testing.assert_close(fused, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
