@@ -7,8 +7,7 @@
 //! relative precision there (on values below 1e-3 in magnitude).
 
 use crate::math::exp_one;
-use crate::portable::lanes_of;
-use crate::softmax::LANES;
+use crate::portable::map2;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Activation {
@@ -33,21 +32,7 @@ fn activate<const GELU: bool>(x: f32) -> f32 {
 
 #[inline(always)]
 fn run<const GELU: bool>(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    let mut out_chunks = out.chunks_exact_mut(LANES);
-    let mut gate_chunks = gate.chunks_exact(LANES);
-    let mut up_chunks = up.chunks_exact(LANES);
-    for ((o, g), u) in (&mut out_chunks).zip(&mut gate_chunks).zip(&mut up_chunks) {
-        let (g, u) = (lanes_of(g), lanes_of(u));
-        let mut lanes = [0.0f32; LANES];
-        for ((lane, g), u) in lanes.iter_mut().zip(g).zip(u) {
-            *lane = activate::<GELU>(g) * u;
-        }
-        o.copy_from_slice(&lanes);
-    }
-    let tail = out_chunks.into_remainder().iter_mut();
-    for ((o, g), u) in tail.zip(gate_chunks.remainder()).zip(up_chunks.remainder()) {
-        *o = activate::<GELU>(*g) * u;
-    }
+    map2(gate, up, out, |g, u| activate::<GELU>(g) * u);
 }
 
 /// The portable build, for the baseline target (lengths already checked equal).

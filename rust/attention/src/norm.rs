@@ -4,7 +4,7 @@
 //! are compiled twice: for the baseline target and with AVX2+FMA enabled (LLVM then vectorises
 //! them 8 lanes wide).
 
-use crate::portable::{dot, lanes_of};
+use crate::portable::{dot, map2};
 use crate::softmax::LANES;
 
 /// Rows of `dim` values: `out = x * (1 / sqrt(mean(x^2) + eps)) * (offset + weight)`. Rows go
@@ -55,26 +55,10 @@ macro_rules! by_dim {
     };
 }
 
-/// `out[i] = (x[i] * r) * factors[i]` (`factors`: offset + weight), 8 lanes at a time through
-/// local arrays (so LLVM vectorises without proving that `out` overlaps nothing, as
-/// `portable::axpy`).
+/// `out[i] = (x[i] * r) * factors[i]` (`factors`: offset + weight).
 #[inline(always)]
 fn scale_row(x: &[f32], r: f32, factors: &[f32], out: &mut [f32]) {
-    let mut out_chunks = out.chunks_exact_mut(LANES);
-    let mut x_chunks = x.chunks_exact(LANES);
-    let mut w_chunks = factors.chunks_exact(LANES);
-    for ((o, x), w) in (&mut out_chunks).zip(&mut x_chunks).zip(&mut w_chunks) {
-        let (x, w) = (lanes_of(x), lanes_of(w));
-        let mut lanes = [0.0f32; LANES];
-        for ((lane, x), w) in lanes.iter_mut().zip(x).zip(w) {
-            *lane = (x * r) * w;
-        }
-        o.copy_from_slice(&lanes);
-    }
-    let tail = out_chunks.into_remainder().iter_mut();
-    for ((o, x), w) in tail.zip(x_chunks.remainder()).zip(w_chunks.remainder()) {
-        *o = (x * r) * w;
-    }
+    map2(x, factors, out, |x, w| (x * r) * w);
 }
 
 /// The AVX2+FMA build.

@@ -116,6 +116,28 @@ pub(crate) fn lanes_of(chunk: &[f32]) -> [f32; LANES] {
     lanes
 }
 
+/// `out[i] = f(a[i], b[i])`, 8 lanes at a time through local arrays (so LLVM vectorises `f`
+/// without proving that `out` overlaps nothing), then the tail one by one. The element-wise
+/// loops of `gated.rs` and `norm.rs`; `f` is inlined into each caller (and its build).
+#[inline(always)]
+pub(crate) fn map2(a: &[f32], b: &[f32], out: &mut [f32], f: impl Fn(f32, f32) -> f32) {
+    let mut out_chunks = out.chunks_exact_mut(LANES);
+    let mut a_chunks = a.chunks_exact(LANES);
+    let mut b_chunks = b.chunks_exact(LANES);
+    for ((o, a), b) in (&mut out_chunks).zip(&mut a_chunks).zip(&mut b_chunks) {
+        let (a, b) = (lanes_of(a), lanes_of(b));
+        let mut lanes = [0.0f32; LANES];
+        for ((lane, a), b) in lanes.iter_mut().zip(a).zip(b) {
+            *lane = f(a, b);
+        }
+        o.copy_from_slice(&lanes);
+    }
+    let tail = out_chunks.into_remainder().iter_mut();
+    for ((o, a), b) in tail.zip(a_chunks.remainder()).zip(b_chunks.remainder()) {
+        *o = f(*a, *b);
+    }
+}
+
 /// The portable lanes of `block.rs`: loops over 8 floats, which LLVM vectorises. Nothing here
 /// needs a CPU feature (the methods are `unsafe` for the AVX2 build's sake only).
 impl Lanes for [f32; LANES] {
