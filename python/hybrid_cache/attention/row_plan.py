@@ -126,15 +126,15 @@ class StepPlan:
     prefill: Optional[RowBatch]
 
 
-def _first_visible(
-    first_query: torch.Tensor, sliding_window: Optional[int], chunk: Optional[int]
-) -> torch.Tensor:
-    """The first position the query at `first_query` can see (the reference's rule)."""
-    low = torch.zeros_like(first_query)
+def _first_visible(first_query, sliding_window: Optional[int], chunk: Optional[int], maximum=None):
+    """The first position the query at `first_query` can see (the reference's rule), for a
+    torch tensor or, with `maximum=np.maximum`, a numpy array of positions."""
+    maximum = torch.maximum if maximum is None else maximum
+    low = first_query * 0
     if sliding_window is not None:
-        low = torch.maximum(low, first_query - sliding_window + 1)
+        low = maximum(low, first_query - sliding_window + 1)
     if chunk is not None:
-        low = torch.maximum(low, (first_query // chunk) * chunk)
+        low = maximum(low, (first_query // chunk) * chunk)
     return low
 
 
@@ -279,11 +279,7 @@ def _decode_only_spans(
     if num_seqs == 0 or starts[-1] != num_seqs or not (np.diff(starts) == 1).all():
         return None
     positions = seq_lens.numpy() - 1
-    low = np.zeros_like(positions)
-    if sliding_window is not None:
-        low = np.maximum(low, positions - sliding_window + 1)
-    if chunk is not None:
-        low = np.maximum(low, positions // chunk * chunk)
+    low = _first_visible(positions, sliding_window, chunk, np.maximum)
     return cpu_kernel.RowSpans(
         token_rows=torch.arange(num_seqs),
         every_token=True,
