@@ -254,8 +254,9 @@ _ARCHITECTURES: dict[str, _Architecture] = {
     ),
     "Llama4ForCausalLM": _Architecture("llama4_text", _LLAMA4, _llama4_layers),
 }
-# Multimodal wrappers: the language model is described by `text_config`.
-_TEXT_CONFIG_WRAPPERS = {
+# Multimodal wrappers: the language model is described by `text_config` and built as the
+# text-only architecture named here (the planner reads it; `models.loader` builds it).
+TEXT_CONFIG_WRAPPERS = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
 }
@@ -274,7 +275,7 @@ _HF_LAYER_KINDS: dict[str, AttentionKind] = {
 
 def supported_architectures() -> list[str]:
     """Architecture names (`config.json` "architectures") this module can read."""
-    return sorted([*_ARCHITECTURES, *_TEXT_CONFIG_WRAPPERS])
+    return sorted([*_ARCHITECTURES, *TEXT_CONFIG_WRAPPERS])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,7 +335,7 @@ def _architecture_name(config: Mapping[str, Any]) -> str:
     if not isinstance(architectures, list):
         raise ConfigError(f"'architectures' must be a list, got {architectures!r}")
     for name in architectures:
-        if name in _ARCHITECTURES or name in _TEXT_CONFIG_WRAPPERS:
+        if name in _ARCHITECTURES or name in TEXT_CONFIG_WRAPPERS:
             return name
     model_type = config.get("model_type")
     if not architectures and model_type in _MODEL_TYPES:
@@ -355,11 +356,11 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str = "<config>")
     """Derives the per-layer KV specs of a config dict (see the module docstring for defaults)."""
     architecture = _architecture_name(config)
     text_config: Mapping[str, Any] = config
-    if architecture in _TEXT_CONFIG_WRAPPERS:
+    if architecture in TEXT_CONFIG_WRAPPERS:
         text_config = config.get("text_config") or {}
         if not isinstance(text_config, Mapping):
             raise ConfigError(f"'text_config' must be a JSON object, got {text_config!r}")
-    rules = _ARCHITECTURES[_TEXT_CONFIG_WRAPPERS.get(architecture, architecture)]
+    rules = _ARCHITECTURES[TEXT_CONFIG_WRAPPERS.get(architecture, architecture)]
 
     def read(key: str) -> Any:
         return text_config[key] if key in text_config else rules.defaults.get(key)

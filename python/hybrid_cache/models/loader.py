@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from hybrid_cache.config import TEXT_CONFIG_WRAPPERS
 from hybrid_cache.errors import HybridCacheError
 from hybrid_cache.models.layers import RMSNorm
 from hybrid_cache.models.registry import (
@@ -67,11 +68,6 @@ def architecture_of(config: dict[str, Any]) -> str:
         f"unsupported architecture {names or config.get('model_type')!r}; "
         f"supported: {supported_architectures()}"
     )
-
-
-# Multimodal wrappers whose language model we run alone: its config is the wrapper's
-# `text_config`, built as this text-only architecture.
-TEXT_CONFIG_WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
 
 def language_model_config(config: dict[str, Any]) -> dict[str, Any]:
