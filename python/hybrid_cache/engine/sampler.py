@@ -48,7 +48,12 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     the same index: the first maximum, or the first NaN in a row holding one."""
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1)
-    return torch.from_numpy(logits.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return torch.from_numpy(_cpu_argmax(logits).astype(np.int64, copy=False))
+
+
+def _cpu_argmax(logits: torch.Tensor) -> np.ndarray:
+    """numpy's argmax over the last axis of CPU logits (see `greedy_tokens`)."""
+    return logits.detach().numpy().argmax(axis=-1)
 
 
 _TEMPERATURE = operator.attrgetter("temperature")
@@ -106,7 +111,7 @@ class Sampler:
             assert logits.dim() == 2 and logits.shape[0] == len(request_ids) == len(params), (
                 "one row of logits per request"
             )
-            return logits.detach().float().numpy().argmax(axis=-1).tolist()
+            return _cpu_argmax(logits.float()).tolist()
         return self.sample(logits, request_ids, params).tolist()
 
     def free(self, request_id: str) -> None:
