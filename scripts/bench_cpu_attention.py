@@ -1,10 +1,12 @@
 """Decode attention on the CPU: the Rust kernel (reads K/V in place) against the batched torch
 ops (gather, then matmuls), same rows, same caches, alternating, one torch thread.
 
-    python scripts/bench_cpu_attention.py [--contexts 600 4096] [--batches 16 64]
+    python scripts/bench_cpu_attention.py [--contexts 600 4096] [--batches 16 64] [--cold]
 
 Caches use the engine's layout (one slot tensor [num_blocks, 2, block_size, Hkv, D] per layer,
 K and V views of it), blocks shuffled. Prints the median time per call of each and the ratio.
+With `--cold` a 48 MiB buffer is written before every timed call (untimed), so the K/V come
+from memory as in the engine, where the other layers and steps evict them between calls.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ def case(batch, context, num_kv_heads, group, head_dim, block_size=16, seed=0):
     return q, k_cache, v_cache, metadata
 
 
-def timed(call, repeats):
+def timed(call, repeats, evict=None):
     times = []
     for _ in range(repeats):
+        if evict is not None:
+            evict.fill_(1.0)
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
@@ -50,7 +54,9 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[600, 4096])
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--cold", action="store_true", help="evict the caches before each call")
     args = parser.parse_args()
+    evict = torch.empty(48 * 2**20 // 4) if args.cold else None
     torch.set_num_threads(1)
     print("| rows | context | Hkv x G x D | softcap | torch ops | Rust kernel | kernel / torch |")
     print("|---|---|---|---|---|---|---|")
@@ -70,7 +76,7 @@ def main() -> None:
                 times = {True: [], False: []}
                 for _ in range(3):  # alternate, keep each side's best median
                     for kernel in (False, True):
-                        times[kernel].append(timed(lambda k=kernel: run(k), args.repeats))
+                        times[kernel].append(timed(lambda k=kernel: run(k), args.repeats, evict))
                 torch_s, kernel_s = min(times[False]), min(times[True])
                 print(
                     f"| {batch} | {context} | {num_kv_heads} x {group} x {head_dim} | {softcap} "

@@ -214,12 +214,12 @@ impl block::Shared<'_, '_> {
         // Prefetches, because consecutive tokens of a paged cache sit `token_stride` apart or
         // in another block, where the hardware prefetchers do not follow: tiles ahead for all
         // kv heads towards L2 (with several kv heads, a token's heads are one contiguous run),
-        // then, at each kv head, the next (tile, kv head)'s keys and values towards L1.
-        if num_kv_heads > 1 {
-            let all_heads = |cache: &PagedCache| (num_kv_heads - 1) * cache.head_stride + d;
-            K::prefetch::<false>(self.keys.data, far_keys, all_heads(self.keys));
-            K::prefetch::<false>(self.values.data, far_values, all_heads(self.values));
-        }
+        // then, at each kv head, the next (tile, kv head)'s keys and values towards L1. The L2
+        // run matters with one kv head too: a long decode row over blocks that are not in the
+        // cache (64 rows x 592 keys, 1 x 4 x 32) took 1.9 ms without it, 0.8 ms with it.
+        let all_heads = |cache: &PagedCache| (num_kv_heads - 1) * cache.head_stride + d;
+        K::prefetch::<false>(self.keys.data, far_keys, all_heads(self.keys));
+        K::prefetch::<false>(self.values.data, far_values, all_heads(self.values));
         for kv_head in 0..num_kv_heads {
             let keys = from_head(self.keys, kv_head);
             let values = from_head(self.values, kv_head);
