@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks and benchmarks, one CUDA GPU, about five minutes (BENCHMARKS.md's GPU section):
+# GPU checks and benchmarks, one CUDA GPU, about ten minutes (BENCHMARKS.md's GPU section):
 #   1. the Triton kernels against the torch reference at realistic sizes, then their timings
 #      against SDPA and flash-attn (scripts/gpu_check.py);
 #   2. the whole engine on CUDA against the same engine on the CPU, token for token
@@ -34,7 +34,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee 
 want() { [[ $stages == *" $1 "* ]]; }
 want kernels && stage kernels 150 "$py" scripts/gpu_check.py
 want engine && stage engine-vs-cpu 110 "$py" scripts/gpu_engine_check.py
-want gemma-3-12b && stage gemma-3-12b 240 "$py" -m hybrid_cache bench --model gemma-3-12b \
+want gemma-3-12b && stage gemma-3-12b 330 "$py" -m hybrid_cache bench --model gemma-3-12b \
     --input-len 4096 --output-len 256 --num-prompts 32 --kv-cache-memory 13.5GiB \
     --kv-cache-mode both --repeat 2 --output-json "$out/gemma-3-12b.json" \
     --plot "$out/gemma-3-12b.png"
