@@ -220,6 +220,8 @@ def test_prompts_share_the_prefix_and_are_seeded() -> None:
         (["--simulate", "--compare-hf"], "BenchConfigError: --compare-hf"),
         (["--block-size", "0"], "BenchConfigError: --block-size"),
         (["--repeat", "0"], "BenchConfigError: --repeat"),
+        (["--interleave", "--simulate"], "BenchConfigError: --interleave"),
+        (["--interleave", "--kv-cache-mode", "hybrid"], "BenchConfigError: --interleave"),
         (["--model", "no-such-model"], "UnknownModelError"),
     ],
 )
@@ -246,7 +248,7 @@ def test_repeat_runs_the_modes_in_abba_order(monkeypatch) -> None:
         return SimpleNamespace(elapsed_s=float(len(order)))
 
     monkeypatch.setattr(bench_command, "run_mode", fake_run_mode)
-    args = SimpleNamespace(repeat=4, kv_cache_mode="both")
+    args = SimpleNamespace(repeat=4, kv_cache_mode="both", interleave=False)
     results, every = bench_command.run_modes(args, settings=None)
     assert order == ["hybrid", "uniform", "uniform", "hybrid"] * 2
     assert every == {"hybrid": [1.0, 4.0, 5.0, 8.0], "uniform": [2.0, 3.0, 6.0, 7.0]}

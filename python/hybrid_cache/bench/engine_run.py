@@ -101,79 +101,114 @@ def build_llm(settings: BenchSettings, mode: str) -> Any:
 def run_engine_mode(settings: BenchSettings, mode: str, progress: Any = None) -> RunResult:
     """Builds the engine (not timed), runs every prompt to completion (timed), and returns the
     figures. Greedy sampling, EOS ignored: each request generates exactly `output_len` tokens."""
-    from hybrid_cache.bench.errors import BenchConfigError
-    from hybrid_cache.engine.errors import InvalidRequestError
-    from hybrid_cache.engine.sampling_params import SamplingParams
-
-    llm = build_llm(settings, mode)
-    engine = llm.engine
-    prompts = make_prompts(
-        settings.num_prompts,
-        settings.input_len,
-        settings.prefix_len,
-        llm.spec.vocab_size,
-        settings.seed,
-    )
-    params = SamplingParams(max_tokens=settings.output_len, temperature=0.0, ignore_eos=True)
-    warm_up(llm, settings)
-    core_before = engine.kv_cache.stats()  # the core's cumulative prefix-cache counters
-    engine.reset_step_stats()
-    requests = []
-    try:
-        for index, prompt in enumerate(prompts):
-            requests.append(engine.add_request(f"bench-{index}", prompt, params))
-    except InvalidRequestError as error:
-        raise BenchConfigError(f"the workload does not fit the {mode} engine: {error}") from error
-
-    timer, logits_timer = ForwardTimer(llm.model), LogitsTimer(llm.model)
-    result = RunResult(
-        mode=mode,
-        simulated=False,
-        elapsed_s=0.0,
-        num_requests=0,
-        num_prompt_tokens=0,
-        num_output_tokens=0,
-        num_blocks=llm.layout.num_blocks,
-        group_kinds=group_names(llm.layout),
-        num_preemptions=0,
-        prefix_cache_hit_rate=0.0,
-        peak_blocks_per_group=[],
-    )
+    run = ModeRun(settings, mode, progress)
     started, started_cpu = time.perf_counter(), time.process_time()
     try:
-        while engine.has_unfinished_requests():
-            step_started = time.perf_counter()
-            finished = engine.step()
-            result.step_time_s.append(time.perf_counter() - step_started)
-            result.forward_time_s.append(timer.take())
-            result.logits_time_s.append(logits_timer.take())
-            for request in finished:
-                if request.error is not None:
-                    raise BenchConfigError(f"request {request.request_id} failed: {request.error}")
-                result.num_requests += 1
-                result.num_prompt_tokens += request.num_prompt_tokens
-                result.num_output_tokens += request.num_output_tokens
-            if progress is not None and finished:
-                progress.update(len(finished))
+        while not run.done:
+            run.step()
     finally:
-        timer.remove()
-        logits_timer.remove()
-    result.elapsed_s = time.perf_counter() - started
-    result.cpu_time_s = time.process_time() - started_cpu
-    result.output_token_ids = [list(request.output_token_ids) for request in requests]
-    for step in engine.step_stats:
-        result.running_per_step.append(step.num_scheduled_requests)
-        result.tokens_per_step.append(step.num_scheduled_tokens)
-        result.blocks_per_group_per_step.append(list(step.num_used_blocks_per_group))
-    result.num_preemptions = sum(step.num_preemptions for step in engine.step_stats)
-    result.peak_blocks_per_group = [
-        max(per_group) for per_group in zip(*result.blocks_per_group_per_step)
-    ]
-    core_after = engine.kv_cache.stats()
-    queries = core_after.get("prefix_queries", 0) - core_before.get("prefix_queries", 0)
-    hits = core_after.get("prefix_hits", 0) - core_before.get("prefix_hits", 0)
-    result.prefix_cache_hit_rate = hits / queries if queries else 0.0
-    return result
+        run.close()
+    return run.finish(time.perf_counter() - started, time.process_time() - started_cpu)
+
+
+class ModeRun:
+    """One mode's engine with the workload added, stepped from outside (`step` until `done`,
+    then `finish`): `run_engine_mode` steps one alone, `interleaved.py` two side by side. The
+    engine is built and warmed up (untimed) by the constructor; each `step` is timed on its
+    own (`step_time_s`), with the model forward and LM head apart (hooks)."""
+
+    def __init__(self, settings: BenchSettings, mode: str, progress: Any = None) -> None:
+        from hybrid_cache.bench.errors import BenchConfigError
+        from hybrid_cache.engine.errors import InvalidRequestError
+        from hybrid_cache.engine.sampling_params import SamplingParams
+
+        self.mode, self._progress = mode, progress
+        self._llm = llm = build_llm(settings, mode)
+        self._engine = engine = llm.engine
+        prompts = make_prompts(
+            settings.num_prompts,
+            settings.input_len,
+            settings.prefix_len,
+            llm.spec.vocab_size,
+            settings.seed,
+        )
+        params = SamplingParams(max_tokens=settings.output_len, temperature=0.0, ignore_eos=True)
+        warm_up(llm, settings)
+        self._core_before = engine.kv_cache.stats()  # the core's cumulative prefix-cache counters
+        engine.reset_step_stats()
+        self._requests = []
+        try:
+            for index, prompt in enumerate(prompts):
+                self._requests.append(engine.add_request(f"bench-{index}", prompt, params))
+        except InvalidRequestError as error:
+            raise BenchConfigError(
+                f"the workload does not fit the {mode} engine: {error}"
+            ) from error
+        self._timer, self._logits_timer = ForwardTimer(llm.model), LogitsTimer(llm.model)
+        self.result = RunResult(
+            mode=mode,
+            simulated=False,
+            elapsed_s=0.0,
+            num_requests=0,
+            num_prompt_tokens=0,
+            num_output_tokens=0,
+            num_blocks=llm.layout.num_blocks,
+            group_kinds=group_names(llm.layout),
+            num_preemptions=0,
+            prefix_cache_hit_rate=0.0,
+            peak_blocks_per_group=[],
+        )
+
+    @property
+    def done(self) -> bool:
+        return not self._engine.has_unfinished_requests()
+
+    def step(self) -> float:
+        """One engine step, timed; returns its seconds. Raises `BenchConfigError` when a request
+        fails (a benchmark with a failed request measures something else)."""
+        from hybrid_cache.bench.errors import BenchConfigError
+
+        result = self.result
+        step_started = time.perf_counter()
+        finished = self._engine.step()
+        step_s = time.perf_counter() - step_started
+        result.step_time_s.append(step_s)
+        result.forward_time_s.append(self._timer.take())
+        result.logits_time_s.append(self._logits_timer.take())
+        for request in finished:
+            if request.error is not None:
+                raise BenchConfigError(f"request {request.request_id} failed: {request.error}")
+            result.num_requests += 1
+            result.num_prompt_tokens += request.num_prompt_tokens
+            result.num_output_tokens += request.num_output_tokens
+        if self._progress is not None and finished:
+            self._progress.update(len(finished))
+        return step_s
+
+    def close(self) -> None:
+        """Removes the timing hooks (the model is as it was)."""
+        self._timer.remove()
+        self._logits_timer.remove()
+
+    def finish(self, elapsed_s: float, cpu_time_s: float) -> RunResult:
+        """The figures, with the run's time as measured by the caller."""
+        result = self.result
+        result.elapsed_s, result.cpu_time_s = elapsed_s, cpu_time_s
+        result.output_token_ids = [list(request.output_token_ids) for request in self._requests]
+        for step in self._engine.step_stats:
+            result.running_per_step.append(step.num_scheduled_requests)
+            result.tokens_per_step.append(step.num_scheduled_tokens)
+            result.blocks_per_group_per_step.append(list(step.num_used_blocks_per_group))
+        result.num_preemptions = sum(step.num_preemptions for step in self._engine.step_stats)
+        result.peak_blocks_per_group = [
+            max(per_group) for per_group in zip(*result.blocks_per_group_per_step)
+        ]
+        core_after = self._engine.kv_cache.stats()
+        core_before = self._core_before
+        queries = core_after.get("prefix_queries", 0) - core_before.get("prefix_queries", 0)
+        hits = core_after.get("prefix_hits", 0) - core_before.get("prefix_hits", 0)
+        result.prefix_cache_hit_rate = hits / queries if queries else 0.0
+        return result
 
 
 def warm_up(llm: Any, settings: BenchSettings) -> None:

@@ -84,9 +84,17 @@ def collapse_runs(pairs: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
     return runs
 
 
-def format_report(results: Mapping[str, RunResult], repeat: int = 1) -> str:
+def format_report(
+    results: Mapping[str, RunResult], repeat: int = 1, how: str = "alternating"
+) -> str:
+    """`how`: "alternating" (modes one after the other) or "interleaved" (side by side)."""
     lines: list[str] = []
-    if repeat > 1:
+    if how == "interleaved":
+        lines.append(
+            f"(both modes side by side in one process, time slices by turns; each mode: the "
+            f"fastest of {repeat} runs, its time the sum of its own slices)"
+        )
+    elif repeat > 1:
         lines.append(f"(each mode: the fastest of {repeat} alternating runs)")
     for result in results.values():
         lines.extend(format_mode(result))
@@ -102,21 +110,23 @@ def format_report(results: Mapping[str, RunResult], repeat: int = 1) -> str:
     return "\n".join(lines)
 
 
-def pair_ratios(elapsed_all: Mapping[str, list]) -> Optional[list[float]]:
+def pair_ratios(elapsed_all: Mapping[str, list], minimum: int = 2) -> Optional[list[float]]:
     """Hybrid/uniform throughput of each repeat's pair of runs (uniform seconds over hybrid
-    seconds: both modes do the same work), or None without both modes and two repeats. With the
-    ABBA order the i-th runs of the two modes ran next to each other, so each pair saw about
-    the same machine; their median is a second reading of the ratio beside the fastest runs'."""
+    seconds: both modes do the same work), or None without both modes and `minimum` repeats.
+    With the ABBA order the i-th runs of the two modes ran next to each other, so each pair saw
+    about the same machine; their median is a second reading of the ratio beside the fastest
+    runs'. Interleaved pairs ran side by side (one pair is already a reading)."""
     hybrid, uniform = elapsed_all.get("hybrid", []), elapsed_all.get("uniform", [])
-    if len(hybrid) < 2 or len(hybrid) != len(uniform):
+    if len(hybrid) < minimum or len(hybrid) != len(uniform):
         return None
     return [u / h for h, u in zip(hybrid, uniform)]
 
 
-def format_pair_ratios(ratios_of_pairs: Sequence[float]) -> str:
+def format_pair_ratios(ratios_of_pairs: Sequence[float], how: str = "alternating") -> str:
     ordered = sorted(ratios_of_pairs)
+    pairs = "interleaved pair" if how == "interleaved" else "pair of neighbouring runs"
     return (
-        f"Hybrid/uniform per pair of neighbouring runs: median {statistics.median(ordered):.2f}x "
+        f"Hybrid/uniform per {pairs}: median {statistics.median(ordered):.2f}x "
         f"(from {ordered[0]:.2f}x to {ordered[-1]:.2f}x over {len(ordered)} pairs)"
     )
 

@@ -54,6 +54,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run the modes alternately (ABBA order) this many times and keep each mode's fastest run "
         "(for noisy shared machines)",
     )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="build both modes' engines and step them by turns in 50 ms slices, so both run "
+        "through the same stretch of a noisy machine; a mode's time is the sum of its own slices",
+    )
     parser.add_argument("--output-json", help="write settings, figures and per-step series here")
     parser.add_argument("--plot", help="write a PNG of blocks in use and running requests")
     parser.add_argument(
@@ -90,11 +96,16 @@ def run(args: argparse.Namespace) -> int:
         pair_ratios,
     )
 
-    print(format_report(results, args.repeat))
-    extra: dict[str, Any] = {"repeat": args.repeat, "elapsed_s_of_every_run": elapsed_all}
-    ratios_of_pairs = pair_ratios(elapsed_all)
+    how = "interleaved" if args.interleave else "alternating"
+    print(format_report(results, args.repeat, how))
+    extra: dict[str, Any] = {
+        "repeat": args.repeat,
+        "interleave": args.interleave,
+        "elapsed_s_of_every_run": elapsed_all,
+    }
+    ratios_of_pairs = pair_ratios(elapsed_all, minimum=1 if args.interleave else 2)
     if ratios_of_pairs is not None:
-        print(format_pair_ratios(ratios_of_pairs))
+        print(format_pair_ratios(ratios_of_pairs, how))
         extra["ratio_total_tokens_per_s_of_each_pair"] = ratios_of_pairs
     if args.simulate:
         extra["cost_model"] = cost_model_description(args, settings)
@@ -124,18 +135,34 @@ def run(args: argparse.Namespace) -> int:
 
 def run_modes(args: argparse.Namespace, settings: Any) -> tuple[dict[str, Any], dict[str, list]]:
     """Each mode `--repeat` times, alternating in ABBA order (hybrid, uniform, uniform, hybrid,
-    ...) so both see the same background load and neither always runs first after a pause;
-    keeps each mode's fastest run, and every run's seconds (in each mode's run order)."""
+    ...) so both see the same background load and neither always runs first after a pause, or
+    (`--interleave`) both side by side each repeat, leading by turns; keeps each mode's fastest
+    run, and every run's seconds (in each mode's run order)."""
     results: dict[str, Any] = {}
     elapsed_all: dict[str, list] = {mode: [] for mode in MODES[args.kv_cache_mode]}
     for repeat in range(args.repeat):
         modes = MODES[args.kv_cache_mode]
-        for mode in modes if repeat % 2 == 0 else tuple(reversed(modes)):
-            result = run_mode(args, settings, mode)
+        modes = modes if repeat % 2 == 0 else tuple(reversed(modes))
+        if args.interleave:
+            expected = {mode: times[-1] for mode, times in elapsed_all.items() if times}
+            runs = run_side_by_side(settings, modes, expected)
+        else:
+            runs = {mode: run_mode(args, settings, mode) for mode in modes}
+        for mode, result in runs.items():
             elapsed_all[mode].append(result.elapsed_s)
             if mode not in results or result.elapsed_s < results[mode].elapsed_s:
                 results[mode] = result
     return results, elapsed_all
+
+
+def run_side_by_side(settings: Any, modes: tuple, expected: dict[str, float]) -> dict[str, Any]:
+    from hybrid_cache.bench.interleaved import run_interleaved
+
+    progress = make_progress(f"bench {' + '.join(modes)} (interleaved)", settings, len(modes))
+    try:
+        return run_interleaved(settings, modes, expected or None, progress)
+    finally:
+        progress.close()
 
 
 def run_mode(args: argparse.Namespace, settings: Any, mode: str) -> Any:
@@ -182,6 +209,11 @@ def check_flags(args: argparse.Namespace) -> None:
         raise BenchConfigError("--compare-hf runs real models; it cannot be used with --simulate")
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         raise BenchConfigError(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
+    if args.interleave and (args.simulate or args.kv_cache_mode != "both"):
+        raise BenchConfigError(
+            "--interleave runs the hybrid and the uniform engine side by side: it needs "
+            "--kv-cache-mode both and the real engine (not --simulate)"
+        )
     if args.repeat <= 0:
         raise BenchConfigError(f"--repeat must be positive, got {args.repeat}")
     if args.num_threads is not None and args.num_threads <= 0:
@@ -212,10 +244,10 @@ def cost_model_description(args: argparse.Namespace, settings: Any) -> dict[str,
     return dict(CostModel(spec, hardware_from_args(args)).describe())
 
 
-def make_progress(description: str, settings: Any) -> Any:
+def make_progress(description: str, settings: Any, num_modes: int = 1) -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(total=settings.num_prompts, desc=description, unit="req")
+    return tqdm(total=settings.num_prompts * num_modes, desc=description, unit="req")
 
 
 def parse_overrides(text: Optional[str]) -> dict[str, Any]:
