@@ -37,27 +37,38 @@ def run_interleaved(
 ) -> dict[str, RunResult]:
     """Runs `modes` (in this order when their shares tie) side by side; returns each mode's
     figures. `progress` (one bar for all modes) is advanced by every finished request."""
-    weight = {mode: (expected_s or {}).get(mode, 1.0) for mode in modes}
-    if any(w <= 0 for w in weight.values()):
-        raise ValueError(f"expected times must be positive, got {dict(weight)}")
     runs: dict[str, ModeRun] = {}
-    spent = {mode: 0.0 for mode in modes}
-    cpu = {mode: 0.0 for mode in modes}
     try:
         for mode in modes:
             runs[mode] = ModeRun(settings, mode, progress)
-        while True:
-            active = [mode for mode in modes if not runs[mode].done]
-            if not active:
-                break
-            mode = min(active, key=lambda m: spent[m] / weight[m])
-            run = runs[mode]
-            started, started_cpu = clock(), time.process_time()
-            while not run.done and clock() - started < SLICE_S:
-                run.step()
-            spent[mode] += clock() - started
-            cpu[mode] += time.process_time() - started_cpu
+        spent, cpu = step_side_by_side(runs, expected_s, clock)
     finally:
         for run in runs.values():
             run.close()
     return {mode: runs[mode].finish(spent[mode], cpu[mode]) for mode in modes}
+
+
+def step_side_by_side(
+    runs: Mapping[str, Any],
+    expected_s: Optional[Mapping[str, float]] = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Steps every run (anything with `done` and `step()`, by label) to the end, a slice at a
+    time to the one furthest behind; returns (wall seconds, CPU seconds) of each label's
+    slices. `scripts/bench_noise_floor.py` runs the same mode under two labels."""
+    weight = {label: (expected_s or {}).get(label, 1.0) for label in runs}
+    if any(w <= 0 for w in weight.values()):
+        raise ValueError(f"expected times must be positive, got {dict(weight)}")
+    spent = {label: 0.0 for label in runs}
+    cpu = {label: 0.0 for label in runs}
+    while True:
+        active = [label for label, run in runs.items() if not run.done]
+        if not active:
+            return spent, cpu
+        label = min(active, key=lambda name: spent[name] / weight[name])
+        run = runs[label]
+        started, started_cpu = clock(), time.process_time()
+        while not run.done and clock() - started < SLICE_S:
+            run.step()
+        spent[label] += clock() - started
+        cpu[label] += time.process_time() - started_cpu
