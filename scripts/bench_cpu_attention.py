@@ -1,12 +1,13 @@
 """Decode attention on the CPU: the Rust kernel (reads K/V in place) against the batched torch
 ops (gather, then matmuls), same rows, same caches, alternating, one torch thread.
 
-    python scripts/bench_cpu_attention.py [--contexts 600 4096] [--batches 16 64] [--cold]
+    python scripts/bench_cpu_attention.py [--contexts 600 4096] [--batches 16 64] [--cold] [--window W]
 
 Caches use the engine's layout (one slot tensor [num_blocks, 2, block_size, Hkv, D] per layer,
 K and V views of it), blocks shuffled. Prints the median time per call of each and the ratio.
 With `--cold` a 48 MiB buffer is written before every timed call (untimed), so the K/V come
 from memory as in the engine, where the other layers and steps evict them between calls.
+`--window W` gives every row a sliding window of W keys (the Gemma sliding layers' decode).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--cold", action="store_true", help="evict the caches before each call")
+    parser.add_argument("--window", type=int, help="sliding window of every row (keys)")
     args = parser.parse_args()
     evict = torch.empty(48 * 2**20 // 4) if args.cold else None
     torch.set_num_threads(1)
@@ -66,7 +68,7 @@ def main() -> None:
                 q, k_cache, v_cache, metadata = case(batch, context, num_kv_heads, group, head_dim)
                 group_meta = metadata.groups[0]
 
-                params = AttentionParams(0.17, softcap=softcap)
+                params = AttentionParams(0.17, sliding_window=args.window, softcap=softcap)
 
                 def run(kernel, q=q, k=k_cache, v=v_cache, m=metadata, g=group_meta, p=params):
                     cpu_kernel.ENABLED = kernel

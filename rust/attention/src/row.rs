@@ -71,6 +71,9 @@ pub(crate) fn run<K: Kernel, const D: usize>(job: Job<'_, '_>) {
                 value += values.token_stride;
             }
         }
+        if r + tokens < rows.len() {
+            prefetch_row_start::<K>(&shared, &rows, r + tokens);
+        }
         let q_rows = &q[r * row_len..(r + tokens) * row_len];
         let out_rows = &mut out[r * row_len..(r + tokens) * row_len];
         if tokens > 1 {
@@ -147,6 +150,36 @@ fn run_length(
         }
     }
     best
+}
+
+/// Asks for row `r`'s first tile of keys and values (every kv head) towards L2, while the row
+/// before it runs: nothing else prefetches a row's start, and a row of one or two tiles (a
+/// 16-token window in decode) would otherwise wait on memory for most of its keys.
+#[inline(always)]
+fn prefetch_row_start<K: Kernel>(
+    shared: &block::Shared<'_, '_>,
+    rows: &crate::layout::QueryRows<'_>,
+    r: usize,
+) {
+    let (keys, values) = (shared.keys, shared.values);
+    let all_heads = |cache: &PagedCache| (shared.num_kv_heads - 1) * cache.head_stride + shared.d;
+    let (mut key_at, mut value_at) = ([0usize; TILE], [0usize; TILE]);
+    let mut count = 0;
+    for (block, offsets, _) in rows.blocks(rows.span(r), keys.block_size) {
+        for token in offsets {
+            key_at[count] = keys.head_start(block, 0) + token * keys.token_stride;
+            value_at[count] = values.head_start(block, 0) + token * values.token_stride;
+            count += 1;
+            if count == TILE {
+                break;
+            }
+        }
+        if count == TILE {
+            break;
+        }
+    }
+    K::prefetch::<false>(keys.data, &key_at[..count], all_heads(keys));
+    K::prefetch::<false>(values.data, &value_at[..count], all_heads(values));
 }
 
 /// One row (its visible tokens' offsets listed in `key_at` / `value_at`): tile by tile
