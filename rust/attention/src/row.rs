@@ -71,7 +71,9 @@ pub(crate) fn run<K: Kernel, const D: usize>(job: Job<'_, '_>) {
                 value += values.token_stride;
             }
         }
-        if r + tokens < rows.len() {
+        // The next row's start, when it is another sequence's (a prefill row's keys are
+        // mostly the previous row's, already in the cache).
+        if r + tokens < rows.len() && rows.sequence[r + tokens] != rows.sequence[r] {
             prefetch_row_start::<K>(&shared, &rows, r + tokens);
         }
         let q_rows = &q[r * row_len..(r + tokens) * row_len];
@@ -154,7 +156,8 @@ fn run_length(
 
 /// Asks for row `r`'s first tile of keys and values (every kv head) towards L2, while the row
 /// before it runs: nothing else prefetches a row's start, and a row of one or two tiles (a
-/// 16-token window in decode) would otherwise wait on memory for most of its keys.
+/// 16-token window in decode) would otherwise wait on memory for most of its keys. For a row
+/// of another sequence than the one before it.
 #[inline(always)]
 fn prefetch_row_start<K: Kernel>(
     shared: &block::Shared<'_, '_>,
