@@ -177,6 +177,17 @@ def paged_attention_cpu(
     `InvalidBlockError` when a visible position is in the null block or out of range; `out` is
     untouched then."""
 
+def write_cache_cpu(
+    cache: npt.NDArray[np.float32],
+    new: npt.NDArray[np.float32],
+    slots: npt.NDArray[np.int64],
+) -> None:
+    """Stores row t of `new` [tokens, Hkv, D] (C-contiguous) at slot `slots[t]` (token
+    `slot % block_size` of block `slot / block_size`) of `cache` [num_blocks, block_size, Hkv, D]
+    (writable, any non-negative strides, unit last stride: the K or V view of a slot tensor).
+    `InvalidBlockError` for a slot outside the cache, `InvalidArgumentError` for shapes, strides
+    and overlaps; nothing is written then."""
+
 def rotary_neox_cpu(
     x: npt.NDArray[np.float32],
     cos: npt.NDArray[np.float32],

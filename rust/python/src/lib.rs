@@ -3,6 +3,7 @@
 use pyo3::prelude::*;
 
 mod attention;
+mod cache_write;
 mod convert;
 mod coordinator;
 mod elementwise;
@@ -19,6 +20,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<table_view::TableView>()?;
     m.add_function(wrap_pyfunction!(attention::paged_attention_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_write::write_cache_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise::rms_norm_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise::gelu_tanh_mul_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise::silu_mul_cpu, m)?)?;
