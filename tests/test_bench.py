@@ -263,3 +263,12 @@ def test_pair_ratios_need_both_modes_and_two_repeats() -> None:
     ratios = pair_ratios({"hybrid": [1.0, 2.0, 4.0], "uniform": [2.0, 3.0, 4.0]})
     assert ratios == [2.0, 1.5, 1.0]
     assert "median 1.50x (from 1.00x to 2.00x over 3 pairs)" in format_pair_ratios(ratios)
+
+
+def test_warm_up_meets_every_split_count_on_cuda_only() -> None:
+    from hybrid_cache.bench.engine_run import warm_up_batches
+
+    assert warm_up_batches("cpu", 64, 256) == [1]
+    assert warm_up_batches("cuda", 64, 256) == [1, 2, 4, 8, 16, 32, 64]
+    assert warm_up_batches("cuda", 100, 48) == [1, 2, 4, 8, 16, 32, 48]
+    assert warm_up_batches("cuda", 1, 256) == [1]

@@ -212,10 +212,25 @@ class ModeRun:
 
 
 def warm_up(llm: Any, settings: BenchSettings) -> None:
-    """One short untimed request, so one-time costs (first torch calls, allocator setup) fall
-    outside the measurement; the prefix cache is emptied afterwards."""
+    """Short untimed requests, so one-time costs (first torch calls, allocator setup, Triton
+    compiles) fall outside the measurement; the prefix cache is emptied afterwards."""
     from hybrid_cache.engine.sampling_params import SamplingParams
 
     prompt = {"prompt_token_ids": [FIRST_ORDINARY_ID] * min(settings.input_len, WARM_UP_LEN)}
-    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
-    assert llm.reset_prefix_cache(), "the warm-up request must have given its blocks back"
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    for batch in warm_up_batches(llm.device.type, settings.num_prompts, settings.max_num_seqs):
+        llm.generate([prompt] * batch, params, use_tqdm=False)
+    assert llm.reset_prefix_cache(), "the warm-up requests must have given their blocks back"
+
+
+def warm_up_batches(device_type: str, num_prompts: int, max_num_seqs: int) -> list[int]:
+    """Batch sizes of the warm-up: one request on the CPU; on CUDA 1, 2, 4, ... up to the run's
+    largest batch, because the Triton kernels compile a variant per number of KV splits, which a
+    decode step picks from its batch size (fewer sequences, more splits), and a variant first met
+    inside the timed run cost seconds there (session 11-12 GPU runs: a first hybrid run of a tiny
+    preset took 6.8-8.1 s against 1.4 s warm)."""
+    if device_type != "cuda":
+        return [1]
+    largest = max(1, min(num_prompts, max_num_seqs))
+    batches = [1 << power for power in range(largest.bit_length()) if 1 << power < largest]
+    return [*batches, largest]
