@@ -7,6 +7,7 @@ One job per file:
     workload.py      seeded random prompts with an optional shared prefix
     metrics.py       RunResult: throughput, peak blocks, preemptions, concurrency, per-step series
     engine_run.py    runs one mode on the real engine (model forward timed apart from the step)
+    interleaved.py   both modes' engines side by side in one process, time slices by turns
     cost_model.py    step time of a GPU-sized model from bytes read and FLOPs (H100-like constants)
     simulate.py      the real scheduler + Rust allocator with the cost model instead of a model
     report.py        the printed summary and the JSON document

@@ -1,5 +1,6 @@
 """One mode of the benchmark on the real engine: `LLM` with the bench flags, the workload added
-at once, then `LLMEngine.step()` until done, each step timed.
+at once, then `LLMEngine.step()` until done, each step timed (`ModeRun`; `run_engine_mode` runs
+one alone, `interleaved.py` two side by side).
 
 Engine overhead is measured by timing the model apart from the step: a forward pre-hook and a
 forward hook on the model (`torch.nn.Module` hooks, no change to the engine) take
