@@ -6,7 +6,8 @@
 # Timings on a shared machine are noisy: both engines run side by side in one process, time
 # slices by turns (`--interleave`), 5 times; the fastest run per mode counts, and the median of
 # the 5 side-by-side pairs is printed too.
-# Usage: scripts/bench_cpu.sh [OUT_DIR]   (figures: OUT_DIR/*.json, plots: OUT_DIR/*.png)
+# Usage: scripts/bench_cpu.sh [OUT_DIR]   (figures: OUT_DIR/*.json, plots: OUT_DIR/*.png,
+# the noise floor: OUT_DIR/noise-floor.txt)
 set -euo pipefail
 out=${1:-bench-results}
 mkdir -p "$out"
@@ -23,3 +24,5 @@ hybrid-cache bench --model tiny-llama --input-len 512 --output-len 128 --num-pro
 hybrid-cache bench --model tiny-gemma2 --input-len 512 --output-len 128 --num-prompts 64 \
     --kv-cache-memory 64MiB --kv-cache-mode hybrid --num-threads 1 --compare-hf \
     --output-json "$out/vs-hf.json"
+# The noise floor of the ratios above, in the same run: one mode against itself, side by side.
+python "$(dirname "$0")/bench_noise_floor.py" --repeat 5 | tee "$out/noise-floor.txt"
