@@ -272,3 +272,29 @@ def test_warm_up_meets_every_split_count_on_cuda_only() -> None:
     assert warm_up_batches("cuda", 64, 256) == [1, 2, 4, 8, 16, 32, 64]
     assert warm_up_batches("cuda", 100, 48) == [1, 2, 4, 8, 16, 32, 48]
     assert warm_up_batches("cuda", 1, 256) == [1]
+
+
+def test_timers_synchronise_the_device_before_reading_the_clock() -> None:
+    """On CUDA the model's kernels run asynchronously: the hooks synchronise first, so model
+    time is the kernels' time (a counting stand-in here; the CPU needs none)."""
+    import torch
+    from hybrid_cache.bench import engine_run
+
+    calls = []
+
+    class Model(torch.nn.Linear):
+        def compute_logits(self, hidden):
+            return hidden.sum()
+
+    model = Model(4, 4)
+    forward = engine_run.ForwardTimer(model, lambda: calls.append("forward"))
+    logits = engine_run.LogitsTimer(model, lambda: calls.append("logits"))
+    model.compute_logits(model(torch.ones(2, 4)))
+    assert calls == ["forward", "forward", "logits", "logits"]
+    assert forward.take() > 0 and logits.take() > 0 and forward.take() == 0
+    forward.remove()
+    logits.remove()
+    model(torch.ones(2, 4))
+    assert len(calls) == 4
+    assert engine_run.synchronizer("cpu") is engine_run._no_sync
+    assert engine_run.synchronizer(torch.device("cuda", 0)) is not engine_run._no_sync
