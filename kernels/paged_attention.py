@@ -56,9 +56,11 @@ from .errors import KernelArgumentError
 LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
-# `num_seqs` changes every engine step: unspecialised, so a new batch size never compiles a new
-# variant (Triton would otherwise specialise an int argument on == 1 and on divisibility by 16).
-@triton.jit(do_not_specialize=["num_seqs"])
+# `num_seqs` changes every engine step, and the block table's row stride with it (the engine
+# passes only the columns the step's longest sequence reaches): both unspecialised, so a new
+# batch or table width never compiles a new variant (Triton would otherwise specialise an int
+# argument on == 1 and on divisibility by 16).
+@triton.jit(do_not_specialize=["num_seqs", "stride_block_table_seq"])
 def _unified_attention_kernel(
     query_ptr,
     key_cache_ptr,
