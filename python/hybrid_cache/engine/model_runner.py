@@ -4,7 +4,8 @@ KV memory: one tensor per *layer slot*. The planner puts layers into groups of e
 slot j holds the j-th layer of every group, so all groups draw blocks from one pool and a block id
 means the same bytes in every slot. Each layer views its slot with its own group's block size:
 
-    slot tensor  [num_blocks, page_bytes / element size]     (the planner's one page size)
+    slot tensor  [num_blocks, page_bytes / element size]     (the planner's one page size; on
+                 the CPU on transparent huge pages where offered: `host_memory.py`)
     layer view   [num_blocks, 2, block_size_g, kv_heads, head_dim] -> k = [:, 0], v = [:, 1]
                  (the first 2 * block_size_g * kv_heads * head_dim elements of each page; the
                  rest, if any, is the page padding the planner reports)
@@ -38,6 +39,7 @@ from hybrid_cache.attention.selector import (
     describe_attention_backends,
     select_attention_backends,
 )
+from hybrid_cache.engine import host_memory
 from hybrid_cache.engine.kv_cache import KVCacheManager
 from hybrid_cache.engine.request import Request
 from hybrid_cache.engine.sampler import Sampler
@@ -55,8 +57,11 @@ def allocate_kv_caches(
     element_size = torch.empty((), dtype=dtype).element_size()
     assert layout.page_bytes % element_size == 0, "a page must hold whole elements"
     page_elements = layout.page_bytes // element_size
+    shape = (layout.num_blocks, page_elements)
     slots = [
-        torch.zeros(layout.num_blocks, page_elements, dtype=dtype, device=device)
+        host_memory.zeros(shape, dtype)
+        if device.type == "cpu"
+        else torch.zeros(shape, dtype=dtype, device=device)
         for _ in range(layout.layers_per_group)
     ]
     kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
