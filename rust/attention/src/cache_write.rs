@@ -4,33 +4,7 @@
 //! written, so a bad slot changes nothing.
 
 use crate::error::{ensure, AttentionError};
-use crate::layout::{HeadShape, PagedCache};
-
-/// One layer's keys (or values), writable: the layout of `PagedCache` over a mutable buffer.
-#[derive(Debug)]
-pub struct PagedCacheMut<'a> {
-    pub data: &'a mut [f32],
-    pub offset: usize,
-    pub num_blocks: usize,
-    pub block_size: usize,
-    pub block_stride: usize,
-    pub token_stride: usize,
-    pub head_stride: usize,
-}
-
-impl PagedCacheMut<'_> {
-    fn as_cache(&self) -> PagedCache<'_> {
-        PagedCache {
-            data: self.data,
-            offset: self.offset,
-            num_blocks: self.num_blocks,
-            block_size: self.block_size,
-            block_stride: self.block_stride,
-            token_stride: self.token_stride,
-            head_stride: self.head_stride,
-        }
-    }
-}
+use crate::layout::{HeadShape, PagedCacheMut};
 
 /// Writes row `t` of `new` to slot `slots[t]` of `cache` for every `t`. Errors (and writes
 /// nothing) when a length does not fit the shape, the strides reach past the buffer, or a slot
@@ -48,7 +22,7 @@ pub fn write_cache(
         head_dim,
     };
     shape.check()?;
-    cache.as_cache().check("cache", &shape)?;
+    cache.with_data(&*cache.data).check("cache", &shape)?;
     let row_len = num_kv_heads * head_dim;
     ensure(new.len() == slots.len() * row_len, || {
         format!(

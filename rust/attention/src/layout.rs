@@ -38,17 +38,39 @@ impl HeadShape {
     }
 }
 
-/// One layer's keys (or values) inside a flat f32 buffer: element (block, token, head, d) is at
-/// `offset + block * block_stride + token * token_stride + head * head_stride + d`.
+/// One layer's keys (or values) inside a flat f32 buffer `data`: element (block, token, head,
+/// d) is at `offset + block * block_stride + token * token_stride + head * head_stride + d`.
+/// Read through `PagedCache`, written through `PagedCacheMut` (`cache_write.rs`).
 #[derive(Clone, Copy, Debug)]
-pub struct PagedCache<'a> {
-    pub data: &'a [f32],
+pub struct Paged<D> {
+    pub data: D,
     pub offset: usize,
     pub num_blocks: usize,
     pub block_size: usize,
     pub block_stride: usize,
     pub token_stride: usize,
     pub head_stride: usize,
+}
+
+/// A paged cache the kernel reads.
+pub type PagedCache<'a> = Paged<&'a [f32]>;
+
+/// A paged cache written in place (new keys or values stored at their slots).
+pub type PagedCacheMut<'a> = Paged<&'a mut [f32]>;
+
+impl<D> Paged<D> {
+    /// The same layout over other data (e.g. a read-only view of a writable cache).
+    pub(crate) fn with_data<E>(&self, data: E) -> Paged<E> {
+        Paged {
+            data,
+            offset: self.offset,
+            num_blocks: self.num_blocks,
+            block_size: self.block_size,
+            block_stride: self.block_stride,
+            token_stride: self.token_stride,
+            head_stride: self.head_stride,
+        }
+    }
 }
 
 impl PagedCache<'_> {

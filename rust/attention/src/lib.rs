@@ -43,10 +43,10 @@ mod row;
 mod simd;
 mod softmax;
 
-pub use cache_write::{write_cache, PagedCacheMut};
+pub use cache_write::write_cache;
 pub use decode::paged_attention;
 pub use elementwise::{gelu_tanh_mul, rms_norm, silu_mul};
 pub use error::AttentionError;
-pub use layout::{AttentionParams, HeadShape, PagedCache, QueryRows};
+pub use layout::{AttentionParams, HeadShape, Paged, PagedCache, PagedCacheMut, QueryRows};
 pub use rotary::rotate_neox;
 pub use simd::{force_portable, use_avx2_fma};
