@@ -175,18 +175,8 @@ class ModeRun:
         sync = synchronizer(llm.device)
         self._timer = ForwardTimer(llm.model, sync)
         self._logits_timer = LogitsTimer(llm.model, sync)
-        self.result = RunResult(
-            mode=mode,
-            simulated=False,
-            elapsed_s=0.0,
-            num_requests=0,
-            num_prompt_tokens=0,
-            num_output_tokens=0,
-            num_blocks=llm.layout.num_blocks,
-            group_kinds=group_names(llm.layout),
-            num_preemptions=0,
-            prefix_cache_hit_rate=0.0,
-            peak_blocks_per_group=[],
+        self.result = RunResult.starting(
+            mode, False, llm.layout.num_blocks, group_names(llm.layout)
         )
 
     @property

@@ -40,6 +40,25 @@ class RunResult:
     # Generated tokens per request, in prompt order (real engine only; not in the JSON).
     output_token_ids: list[list[int]] = field(default_factory=list)
 
+    @classmethod
+    def starting(
+        cls, mode: str, simulated: bool, num_blocks: int, group_kinds: list[str]
+    ) -> RunResult:
+        """A run before its first step: every count and figure at zero."""
+        return cls(
+            mode=mode,
+            simulated=simulated,
+            elapsed_s=0.0,
+            num_requests=0,
+            num_prompt_tokens=0,
+            num_output_tokens=0,
+            num_blocks=num_blocks,
+            group_kinds=group_kinds,
+            num_preemptions=0,
+            prefix_cache_hit_rate=0.0,
+            peak_blocks_per_group=[0] * len(group_kinds),
+        )
+
     @property
     def num_steps(self) -> int:
         return len(self.running_per_step)

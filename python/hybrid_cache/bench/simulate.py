@@ -109,19 +109,7 @@ def simulate_mode(
                 f"the {mode} KV cache ({layout.num_blocks - 1} blocks); raise --kv-cache-memory"
             ) from error
 
-    result = RunResult(
-        mode=mode,
-        simulated=True,
-        elapsed_s=0.0,
-        num_requests=0,
-        num_prompt_tokens=0,
-        num_output_tokens=0,
-        num_blocks=layout.num_blocks,
-        group_kinds=group_names(layout),
-        num_preemptions=0,
-        prefix_cache_hit_rate=0.0,
-        peak_blocks_per_group=[0] * layout.num_groups,
-    )
+    result = RunResult.starting(mode, True, layout.num_blocks, group_names(layout))
     while engine.has_unfinished_requests():
         finished = engine.step()
         failed = [request for request in finished if request.error is not None]
