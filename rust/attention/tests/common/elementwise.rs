@@ -1,6 +1,19 @@
 //! Naive f64 versions of the fused element-wise ops and the checks the test files share.
 
 use hybrid_cache_attention::{gelu_tanh_mul, rms_norm, silu_mul};
+use proptest::prelude::*;
+
+/// Random RMSNorm inputs: (dim 1..80, 0..6 rows of x in -4..4, weight in -2..2); dims that are
+/// not multiples of 8 exercise the tails.
+pub fn rms_norm_rows() -> impl Strategy<Value = (usize, Vec<f32>, Vec<f32>)> {
+    (1usize..80, 0usize..6).prop_flat_map(|(dim, rows)| {
+        (
+            Just(dim),
+            prop::collection::vec(-4.0f32..4.0, rows * dim),
+            prop::collection::vec(-2.0f32..2.0, dim),
+        )
+    })
+}
 
 /// `x / sqrt(mean(x^2) + eps) * (offset + weight)` per row, in f64.
 pub fn naive_rms_norm(x: &[f32], dim: usize, weight: &[f32], offset: f32, eps: f32) -> Vec<f64> {
