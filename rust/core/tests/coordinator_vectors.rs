@@ -166,6 +166,37 @@ fn cache_hit_across_two_requests_full_and_window() {
 }
 
 #[test]
+fn decode_steps_cache_the_block_they_fill_and_only_move_counters_inside_one() {
+    // Full B = 4 and window B = 4, W = 8. A 5-token prompt, then decode steps one token at a
+    // time: the steps inside a block change no entry; the step that fills block 1 (token 7)
+    // releases and allocates nothing but caches the block, so a later request with those 8
+    // tokens hits all of them.
+    let mut c = coordinator(64, vec![full(4), window(4, 8)]);
+    let prompt = tokens(5);
+    add(&mut c, 1, &prompt);
+    assert!(allocate(&mut c, 1, 0, 5));
+    let rows_before = [0, 1].map(|g| c.request_blocks(1, g).unwrap().to_vec());
+    let free_before = c.pool().num_free_blocks();
+    for (computed, token) in [(5, 7), (6, 8)] {
+        c.append_token_ids(1, &[token]).unwrap();
+        assert!(allocate(&mut c, 1, computed, 1));
+        for (group, row) in rows_before.iter().enumerate() {
+            assert_eq!(c.request_blocks(1, group).unwrap(), &row[..], "c = {computed}");
+        }
+        assert_eq!(c.pool().num_free_blocks(), free_before);
+    }
+    c.append_token_ids(1, &[9]).unwrap();
+    assert!(allocate(&mut c, 1, 7, 1));
+    for group in [0, 1] {
+        assert_eq!(c.request_blocks(1, group).unwrap(), &rows_before[group][..]);
+    }
+    let mut second: Vec<u32> = prompt.clone();
+    second.extend([7, 8, 9, 1]);
+    add(&mut c, 2, &second);
+    assert_eq!(c.find_cache_hit(2).unwrap(), 8);
+}
+
+#[test]
 fn hybrid_hit_is_aligned_to_the_lcm_and_shortened_by_the_full_group() {
     // Full B = 4, window B = 2 W = 4: hits are multiples of 4.
     let mut c = coordinator(64, vec![full(4), window(2, 4)]);

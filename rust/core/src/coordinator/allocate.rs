@@ -17,7 +17,10 @@ use super::CoordinatorConfig;
 use super::{Coordinator, RowRef};
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
-use crate::manager::{cache_full_blocks, pending_release, release_skipped, CacheContext};
+use crate::manager::{
+    cache_full_blocks, pending_release, release_skipped, AttentionManager, CacheContext,
+    GroupBlocks,
+};
 use crate::types::{BlockId, CacheKey, GroupId, NULL_BLOCK};
 
 /// One `allocate` call's arguments.
@@ -83,6 +86,23 @@ impl<P: BlockAllocator> Coordinator<P> {
             Some(hit) if computed == hit.num_tokens && state.num_allocated == 0 => Some(hit),
             _ => None,
         };
+
+        // The common decode step changes no block (no new one, none leaves the window, none
+        // fills up): only the counters move.
+        let num_known = total.min(state.tokens.len());
+        if hit.is_none()
+            && blocks_unchanged(
+                &self.managers,
+                &state.groups,
+                computed,
+                total,
+                self.config.enable_prefix_caching.then_some(num_known),
+            )
+        {
+            state.num_computed = computed;
+            state.num_allocated = state.num_allocated.max(total);
+            return Ok(true);
+        }
 
         // 1. Plan.
         let mut num_new = 0;
@@ -221,6 +241,26 @@ impl<P: BlockAllocator> Coordinator<P> {
         }
         Ok(true)
     }
+}
+
+/// Whether an `allocate` without a hit to `total` tokens, `computed` of them computed, would
+/// leave every group's blocks as they are: nothing to release (`pending_release`), no new block
+/// (`num_new_blocks`) and, when caching (`num_known` tokens known), no block newly full
+/// (`cache_full_blocks` would start and stop at `num_cached`).
+fn blocks_unchanged(
+    managers: &[Box<dyn AttentionManager>],
+    groups: &[GroupBlocks],
+    computed: usize,
+    total: usize,
+    num_known: Option<usize>,
+) -> bool {
+    managers.iter().zip(groups).all(|(manager, blocks)| {
+        let len = blocks.blocks.len();
+        pending_release(manager.as_ref(), blocks, computed).is_empty()
+            && manager.num_new_blocks(len, total) == 0
+            && num_known
+                .is_none_or(|known| (known / manager.block_size()).min(len) <= blocks.num_cached)
+    })
 }
 
 /// Takes one reference on every block of the hit (keys from the request's hash chains); when
