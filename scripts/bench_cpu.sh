@@ -7,7 +7,7 @@
 # slices by turns (`--interleave`), 5 times; the fastest run per mode counts, and the median of
 # the 5 side-by-side pairs is printed too.
 # Usage: scripts/bench_cpu.sh [OUT_DIR]   (figures: OUT_DIR/*.json, plots: OUT_DIR/*.png,
-# the noise floor: OUT_DIR/noise-floor.txt)
+# the noise floor: OUT_DIR/noise-floor.txt, what grouping costs: OUT_DIR/hybrid-cost.txt)
 set -euo pipefail
 out=${1:-bench-results}
 mkdir -p "$out"
@@ -26,3 +26,6 @@ hybrid-cache bench --model tiny-gemma2 --input-len 512 --output-len 128 --num-pr
     --output-json "$out/vs-hf.json"
 # The noise floor of the ratios above, in the same run: one mode against itself, side by side.
 python "$(dirname "$0")/bench_noise_floor.py" --repeat 5 | tee "$out/noise-floor.txt"
+# What grouping costs hybrid (tiny-gemma3): against a uniform engine given the memory to run
+# hybrid's schedule, side by side with the uniform engine of the real budget.
+python "$(dirname "$0")/bench_hybrid_cost.py" --repeat 4 | tee "$out/hybrid-cost.txt"
