@@ -181,7 +181,11 @@ fn decode_steps_cache_the_block_they_fill_and_only_move_counters_inside_one() {
         c.append_token_ids(1, &[token]).unwrap();
         assert!(allocate(&mut c, 1, computed, 1));
         for (group, row) in rows_before.iter().enumerate() {
-            assert_eq!(c.request_blocks(1, group).unwrap(), &row[..], "c = {computed}");
+            assert_eq!(
+                c.request_blocks(1, group).unwrap(),
+                &row[..],
+                "c = {computed}"
+            );
         }
         assert_eq!(c.pool().num_free_blocks(), free_before);
     }

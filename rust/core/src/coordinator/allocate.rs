@@ -1,7 +1,8 @@
 //! `allocate` and `allocate_batch`: window release, taking the pending hit, new blocks and
 //! caching, all-or-nothing per request.
 //!
-//! Order inside one `allocate` (after validation):
+//! Order inside one `allocate` (after validation); a step that changes no block (no hit, nothing
+//! to release, no new block, no block newly full: most decode steps) only moves the counters:
 //!
 //! ```text
 //!   1. plan    per group: entries the window skips now, hit blocks to touch, new blocks;
@@ -227,7 +228,6 @@ impl<P: BlockAllocator> Coordinator<P> {
         if self.config.enable_prefix_caching {
             // Cache the blocks that are full once the scheduled tokens are computed.
             Self::extend_hashes(&self.hasher, &self.chain_block_sizes, state);
-            let num_known = total.min(state.tokens.len());
             for (group, manager) in self.managers.iter().enumerate() {
                 let context = CacheContext {
                     pool: &self.pool,
