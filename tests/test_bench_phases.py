@@ -1,10 +1,9 @@
-"""`bench.phases`: a run's step time split by kind of step and by where it went."""
+"""`RunResult.phase_times`: a run's step time split by kind of step and by where it went."""
 
 from __future__ import annotations
 
 import pytest
 from hybrid_cache.bench.metrics import RunResult
-from hybrid_cache.bench.phases import phase_times
 
 
 def run_with(tokens, running, step, forward, logits) -> RunResult:
@@ -23,7 +22,7 @@ def test_steps_with_prompt_tokens_are_prefill_the_rest_decode() -> None:
         forward=[0.25, 0.125, 0.0625, 0.0625, 0.03125],
         logits=[0.0, 0.0, 0.03125, 0.03125, 0.0],
     )
-    phases = phase_times(result)
+    phases = result.phase_times()
     assert phases["prefill"].steps == 2
     assert phases["prefill"].step_s == 0.75
     assert phases["prefill"].forward_s == 0.375
@@ -36,4 +35,4 @@ def test_a_run_without_timings_is_refused() -> None:
     # A simulated run has no forward/LM-head series: nothing to split.
     result = run_with([4], [4], [0.1], [], [])
     with pytest.raises(ValueError, match="same length"):
-        phase_times(result)
+        result.phase_times()

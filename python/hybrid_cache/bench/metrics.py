@@ -11,6 +11,26 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+def is_decode_step(running: int, tokens: int) -> bool:
+    """A pure decode step: one token for each request in the batch."""
+    return running == tokens and running > 0
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """Sums over one kind of step (seconds), from `RunResult.phase_times`."""
+
+    steps: int
+    step_s: float
+    forward_s: float
+    logits_s: float
+
+    @property
+    def engine_s(self) -> float:
+        """Step time outside the model forward and the LM head."""
+        return self.step_s - self.forward_s - self.logits_s
+
+
 @dataclass
 class RunResult:
     """One mode's run. `group_kinds[g]` names group g (e.g. `sliding_window(W=16)`)."""
@@ -114,7 +134,7 @@ class RunResult:
             for running, tokens, step in zip(
                 self.running_per_step, self.tokens_per_step, self.step_time_s
             )
-            if running == tokens and running > 0
+            if is_decode_step(running, tokens)
         ]
         if len({running for running, _ in points}) < 2:
             return None
@@ -124,6 +144,32 @@ class RunResult:
         spread = sum((x - mean_x) ** 2 for x, _ in points)
         slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
         return mean_y - slope * mean_x, slope
+
+    def phase_times(self) -> dict[str, PhaseTimes]:
+        """{"prefill": ..., "decode": ...}: the step time of pure decode steps
+        (`is_decode_step`) and of every other step (prompt tokens in it, with or without
+        decodes riding along), each split into forward, LM head and engine time. Needs a
+        measured run (every per-step series of the same length)."""
+        series = (
+            self.tokens_per_step,
+            self.running_per_step,
+            self.step_time_s,
+            self.forward_time_s,
+            self.logits_time_s,
+        )
+        if len({len(values) for values in series}) != 1:
+            raise ValueError(
+                "phase_times needs a measured run: every per-step series of the same length, "
+                f"got {[len(values) for values in series]}"
+            )
+        sums = {kind: [0, 0.0, 0.0, 0.0] for kind in ("prefill", "decode")}
+        for tokens, running, step_s, forward_s, logits_s in zip(*series):
+            total = sums["decode" if is_decode_step(running, tokens) else "prefill"]
+            total[0] += 1
+            total[1] += step_s
+            total[2] += forward_s
+            total[3] += logits_s
+        return {kind: PhaseTimes(*values) for kind, values in sums.items()}
 
     def throughput_line(self) -> str:
         return (
