@@ -9,7 +9,7 @@ layout's per-step costs: one group, one block table, every layer's blocks in a t
 own. So uniform/oracle is the ratio hybrid would reach if grouping cost nothing, and
 hybrid/oracle - 1 is what grouping costs (per-group bookkeeping, allocation and release of
 window blocks, the kernel on blocks recycled from the windows). Each run's steps are split
-into prefill and decode steps, and those into forward and engine time (`bench/phases.py`).
+into prefill and decode steps, and those into forward and engine time (`RunResult.phase_times`).
 
     python scripts/bench_hybrid_cost.py [--model tiny-gemma3] [--kv-cache-memory 15.25MiB] \\
         [--oracle-kv-cache-memory 64MiB] [--repeat 4]
@@ -21,24 +21,16 @@ import argparse
 import statistics
 
 import torch
-from hybrid_cache.bench.engine_run import ModeRun
-from hybrid_cache.bench.interleaved import step_side_by_side
-from hybrid_cache.bench.phases import phase_times
+from hybrid_cache.bench.interleaved import run_labelled
 from hybrid_cache.bench.settings import BenchSettings
 
 LABELS = ("hybrid", "uniform", "uniform-oracle")
 
 
-def one_round(settings: dict[str, BenchSettings], expected: dict | None) -> tuple[dict, dict]:
-    """(seconds per label, RunResult per label) of one side-by-side run of the three."""
+def one_round(settings: dict[str, BenchSettings], expected: dict | None) -> dict:
+    """The RunResult of each label, from one side-by-side run of the three."""
     modes = {"hybrid": "hybrid", "uniform": "uniform", "uniform-oracle": "uniform"}
-    runs = {label: ModeRun(settings[label], modes[label]) for label in LABELS}
-    try:
-        spent, cpu = step_side_by_side(runs, expected)
-    finally:
-        for run in runs.values():
-            run.close()
-    return spent, {label: runs[label].finish(spent[label], cpu[label]) for label in LABELS}
+    return run_labelled({label: (settings[label], modes[label]) for label in LABELS}, expected)
 
 
 def main() -> None:
@@ -70,7 +62,8 @@ def main() -> None:
     gain, oracle_gain, cost = [], [], []
     expected = None
     for repeat in range(args.repeat):
-        spent, results = one_round(settings, expected)
+        results = one_round(settings, expected)
+        spent = {label: result.elapsed_s for label, result in results.items()}
         expected = spent
         hybrid, oracle = results["hybrid"], results["uniform-oracle"]
         if oracle.running_per_step != hybrid.running_per_step:
@@ -86,7 +79,7 @@ def main() -> None:
             f"run {repeat + 1}: {seconds}; hybrid/uniform {gain[-1]:.3f}x, "
             f"oracle/uniform {oracle_gain[-1]:.3f}x, hybrid's own cost {100 * cost[-1]:+.1f}%"
         )
-        ours, theirs = phase_times(hybrid), phase_times(oracle)
+        ours, theirs = hybrid.phase_times(), oracle.phase_times()
         for kind in ("prefill", "decode"):
             a, b = ours[kind], theirs[kind]
             print(

@@ -37,15 +37,27 @@ def run_interleaved(
 ) -> dict[str, RunResult]:
     """Runs `modes` (in this order when their shares tie) side by side; returns each mode's
     figures. `progress` (one bar for all modes) is advanced by every finished request."""
+    return run_labelled({mode: (settings, mode) for mode in modes}, expected_s, progress, clock)
+
+
+def run_labelled(
+    engines: Mapping[str, tuple[BenchSettings, str]],
+    expected_s: Optional[Mapping[str, float]] = None,
+    progress: Any = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, RunResult]:
+    """`run_interleaved` for engines of any (settings, mode) under labels of their own, built
+    in this order (`scripts/bench_hybrid_cost.py` runs two uniform engines of different
+    budgets); returns each label's figures, `elapsed_s` the sum of its own slices."""
     runs: dict[str, ModeRun] = {}
     try:
-        for mode in modes:
-            runs[mode] = ModeRun(settings, mode, progress)
+        for label, (settings, mode) in engines.items():
+            runs[label] = ModeRun(settings, mode, progress)
         spent, cpu = step_side_by_side(runs, expected_s, clock)
     finally:
         for run in runs.values():
             run.close()
-    return {mode: runs[mode].finish(spent[mode], cpu[mode]) for mode in modes}
+    return {label: runs[label].finish(spent[label], cpu[label]) for label in engines}
 
 
 def step_side_by_side(
