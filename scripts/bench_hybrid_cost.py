@@ -1,8 +1,10 @@
 """What hybrid's own costs take from its gain: hybrid against uniform with enough memory to run
 hybrid's schedule, side by side with the uniform engine of the real budget.
 
-Three engines run side by side in one process (`bench/interleaved.py`, time slices by turns):
-hybrid and uniform on the budget of the benchmark, and "uniform-oracle", a uniform engine whose
+Four engines run side by side in one process (`bench/interleaved.py`, time slices by turns):
+hybrid and uniform on the budget of the benchmark, "hybrid-equal", hybrid with vLLM's
+equal-size groups instead of the planner's default (`--kv-group-layout equal`: for Gemma-3, six
+one-layer groups instead of one group per layer type), and "uniform-oracle", a uniform engine whose
 budget (`--oracle-kv-cache-memory`) holds as many requests as hybrid does. The oracle runs the
 same steps with the same batches as hybrid (checked, step by step) but with the uniform
 layout's per-step costs: one group, one block table, every layer's blocks in a tensor of its
@@ -24,12 +26,17 @@ import torch
 from hybrid_cache.bench.interleaved import run_labelled
 from hybrid_cache.bench.settings import BenchSettings
 
-LABELS = ("hybrid", "uniform", "uniform-oracle")
+LABELS = ("hybrid", "hybrid-equal", "uniform", "uniform-oracle")
 
 
 def one_round(settings: dict[str, BenchSettings], expected: dict | None) -> dict:
     """The RunResult of each label, from one side-by-side run of the three."""
-    modes = {"hybrid": "hybrid", "uniform": "uniform", "uniform-oracle": "uniform"}
+    modes = {
+        "hybrid": "hybrid",
+        "hybrid-equal": "hybrid",
+        "uniform": "uniform",
+        "uniform-oracle": "uniform",
+    }
     return run_labelled({label: (settings[label], modes[label]) for label in LABELS}, expected)
 
 
@@ -45,21 +52,23 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    def settings_for(memory: str) -> BenchSettings:
+    def settings_for(memory: str, group_layout: str = "auto") -> BenchSettings:
         return BenchSettings(
             args.model,
             args.input_len,
             args.output_len,
             args.num_prompts,
             kv_cache_memory=memory,
+            kv_group_layout=group_layout,
         )
 
     settings = {
         "hybrid": settings_for(args.kv_cache_memory),
+        "hybrid-equal": settings_for(args.kv_cache_memory, "equal"),
         "uniform": settings_for(args.kv_cache_memory),
         "uniform-oracle": settings_for(args.oracle_kv_cache_memory),
     }
-    gain, oracle_gain, cost = [], [], []
+    gain, equal_gain, oracle_gain, cost = [], [], [], []
     expected = None
     for repeat in range(args.repeat):
         results = one_round(settings, expected)
@@ -72,12 +81,13 @@ def main() -> None:
                 f"vs {len(hybrid.running_per_step)} steps): raise --oracle-kv-cache-memory"
             )
         gain.append(spent["uniform"] / spent["hybrid"])
+        equal_gain.append(spent["uniform"] / spent["hybrid-equal"])
         oracle_gain.append(spent["uniform"] / spent["uniform-oracle"])
         cost.append(spent["hybrid"] / spent["uniform-oracle"] - 1)
         seconds = ", ".join(f"{label} {spent[label]:.3f} s" for label in LABELS)
         print(
             f"run {repeat + 1}: {seconds}; hybrid/uniform {gain[-1]:.3f}x, "
-            f"oracle/uniform {oracle_gain[-1]:.3f}x, hybrid's own cost {100 * cost[-1]:+.1f}%"
+            f"hybrid-equal/uniform {equal_gain[-1]:.3f}x, oracle/uniform {oracle_gain[-1]:.3f}x, hybrid's own cost {100 * cost[-1]:+.1f}%"
         )
         ours, theirs = hybrid.phase_times(), oracle.phase_times()
         for kind in ("prefill", "decode"):
@@ -89,7 +99,8 @@ def main() -> None:
             )
     print(
         f"{args.model}, {args.repeat} runs side by side (medians): hybrid/uniform "
-        f"{statistics.median(gain):.3f}x, oracle/uniform {statistics.median(oracle_gain):.3f}x, "
+        f"{statistics.median(gain):.3f}x, hybrid-equal/uniform {statistics.median(equal_gain):.3f}x, "
+        f"oracle/uniform {statistics.median(oracle_gain):.3f}x, "
         f"hybrid's own cost {100 * statistics.median(cost):+.1f}% of the oracle's time "
         f"(from {100 * min(cost):+.1f}% to {100 * max(cost):+.1f}%)"
     )

@@ -113,8 +113,13 @@ def hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
 
 
 class TinyModel:
-    def __init__(self, architecture: str, folder) -> None:
+    """A tiny transformers model saved to `folder`, and engines over it. `group_layout` is the
+    planner's ("auto": one group per layer type where that is exact, as for this Gemma-3's 3:1
+    pattern; "equal": equal-size groups, one layer each here)."""
+
+    def __init__(self, architecture: str, folder, group_layout: str = "auto") -> None:
         self.architecture = architecture
+        self.group_layout = group_layout
         self.hf = hf_model(architecture)
         self.hf.save_pretrained(folder)
         self.folder = str(folder)
@@ -126,14 +131,19 @@ class TinyModel:
             block_size=4,
             max_num_batched_tokens=16,
             max_num_seqs=4,
+            kv_group_layout=self.group_layout,
         )
         options.update(overrides)
         return LLM(self.folder, **options)
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "gemma2", "gemma3", "gpt_oss"])
+@pytest.fixture(
+    scope="module", params=["llama", "mistral", "gemma2", "gemma3", "gemma3-equal", "gpt_oss"]
+)
 def tiny(request, tmp_path_factory) -> TinyModel:
-    return TinyModel(request.param, tmp_path_factory.mktemp(request.param))
+    architecture, _, layout = request.param.partition("-")
+    folder = tmp_path_factory.mktemp(request.param)
+    return TinyModel(architecture, folder, group_layout=layout or "auto")
 
 
 def generate_ids(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
@@ -168,13 +178,18 @@ def test_hybrid_and_uniform_modes_give_the_same_tokens(tiny):
         == hf_greedy(tiny.hf, prompts)
     )
     assert uniform.layout.num_groups == 1
-    # Windowed groups release what slid out: their peak use stays below the full group's.
+    if tiny.architecture == "gemma3":  # 3 windowed layers + 1 full, blocks of 4 tokens
+        per_type = [(len(g.layer_indices), g.block_size) for g in hybrid.layout.groups]
+        assert per_type == ([(3, 4), (1, 12)] if tiny.group_layout == "auto" else [(1, 4)] * 4)
+    # Windowed groups release what slid out: their peak (tokens per layer) stays below the
+    # full group's.
     kinds = [group.kind for group in hybrid.layout.groups]
     peaks = hybrid.stats.max_used_blocks_per_group
     assert len(peaks) == len(kinds) == len(hybrid.step_stats[-1].num_used_blocks_per_group)
+    tokens = [peak * group.block_size for peak, group in zip(peaks, hybrid.layout.groups)]
     if "full" in kinds and "sliding_window" in kinds:
-        full_peak = max(p for p, kind in zip(peaks, kinds) if kind == "full")
-        assert max(p for p, kind in zip(peaks, kinds) if kind != "full") < full_peak
+        full_peak = max(t for t, kind in zip(tokens, kinds) if kind == "full")
+        assert max(t for t, kind in zip(tokens, kinds) if kind != "full") < full_peak
     assert_all_blocks_free(hybrid)
     assert_all_blocks_free(uniform)
 
@@ -203,6 +218,7 @@ def small_pool_bytes(
         block_size=4,
         max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_dtype="float32",
+        group_layout=tiny.group_layout,
     )
     layout = plan_kv_cache(spec, options, mode=mode)
     need = sum(g.max_blocks_per_request(largest, max_num_batched_tokens) for g in layout.groups)

@@ -12,7 +12,14 @@ from hybrid_cache.errors import (
     PlanError,
     WindowTooLargeError,
 )
-from hybrid_cache.planner import GroupLayout, PlanOptions, plan_kv_cache, report_plan
+from hybrid_cache.planner import (
+    GROUP_LAYOUTS,
+    PER_TYPE_MAX_BLOCK_RATIO,
+    GroupLayout,
+    PlanOptions,
+    plan_kv_cache,
+    report_plan,
+)
 from hybrid_cache.presets import preset_names
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -58,7 +65,7 @@ def test_design_check_one_full_one_windowed_share_one_tensor():
     assert layout.page_bytes == page == 2048
     assert layout.layers_per_group == 1
     assert layout.num_blocks == 64
-    assert layout.tensor_slots == ((0, 1),), "both groups' layers live in the one slot tensor"
+    assert layout.tensor_slots == (((0,), (1,)),), "both groups' layers live in the one slot tensor"
     assert layout.tensor_bytes * layout.layers_per_group == page * 64
     assert layout.to_group_specs() == [("full", 16, None, None), ("sliding_window", 16, 32, None)]
     assert layout.layer_slot(0) == (0, 0) and layout.layer_slot(1) == (1, 0)
@@ -70,7 +77,7 @@ def test_gemma2_like_alternating_layout_by_hand():
     layout = plan_kv_cache(model, options)
     assert [g.layer_indices for g in layout.groups] == [(0, 2, 4), (1, 3, 5)]
     assert layout.layers_per_group == 3 and layout.num_blocks == 10
-    assert layout.tensor_slots == ((0, 1), (2, 3), (4, 5))
+    assert layout.tensor_slots == (((0,), (1,)), ((2,), (3,)), ((4,), (5,)))
     report = report_plan(layout, model)
     # window: cdiv(min(63 + 32, 1024), 16) + 1 = 7; full: 1024 / 16 = 64
     assert report.blocks_per_request == 7 + 64
@@ -125,7 +132,7 @@ def test_uneven_counts_pick_a_group_size_and_pad_within_the_limit():
     layout = plan_kv_cache(model, PlanOptions(40 * GiB, max_model_len=32768))
     assert layout.layers_per_group == 5
     assert [len(g.layer_indices) for g in layout.groups] == [5] * 10 + [2] + [5, 5]
-    assert layout.tensor_slots[4][10] is None, "slot 4 of the short group is padding"
+    assert layout.tensor_slots[4][10] == (), "slot 4 of the short group is padding"
     report = report_plan(layout, model)
     assert 0 < report.group_padding_bytes_per_request <= 0.02 * report.allocated_bytes_per_request
     assert report.blocks_per_request == 11 * 193 + 2 * 2048
@@ -136,8 +143,10 @@ def test_uneven_counts_pick_a_group_size_and_pad_within_the_limit():
 
 def test_layer_counts_that_are_multiples_use_the_smallest_count():
     model = model_of([sliding(32)] * 6 + [full()] * 2)
-    layout = plan_kv_cache(model, PlanOptions(GiB, max_model_len=512))
+    layout = plan_kv_cache(model, PlanOptions(GiB, max_model_len=512, group_layout="equal"))
     assert layout.layers_per_group == 2 and layout.num_groups == 4
+    auto = plan_kv_cache(model, PlanOptions(GiB, max_model_len=512))
+    assert [g.block_size for g in auto.groups] == [16, 48], "auto: one group per type, 6:2"
 
 
 def test_uniform_puts_every_layer_in_one_full_group():
@@ -226,16 +235,69 @@ def test_every_preset_plans(name, mode):
     assert report_plan(layout, model).max_concurrency >= 1
 
 
+def test_per_type_layout_one_group_per_layer_type_sharing_pages():
+    """Gemma-3's 5:1 pattern: the five windowed layers share a page of 16-token blocks, the full
+    layer gets the same page as one 80-token block; "auto" takes it (2 groups instead of 6)."""
+    model = load_model_spec("tiny-gemma3")  # 5 sliding (W=16) + 1 full, 1 kv head x 32, fp32
+    per_token = 2 * 1 * 32 * 4
+    layout = plan_kv_cache(model, PlanOptions("15.25MiB", max_model_len=1024))
+    assert [(g.kind, g.layer_indices, g.block_size) for g in layout.groups] == [
+        ("sliding_window", (0, 1, 2, 3, 4), 16),
+        ("full", (5,), 80),
+    ]
+    assert [g.layers_per_page for g in layout.groups] == [5, 1]
+    assert layout.page_bytes == 16 * 5 * per_token == 80 * per_token
+    assert layout.layers_per_group == 1 and layout.tensor_slots == (((0, 1, 2, 3, 4), (5,)),)
+    assert layout.num_blocks == int(15.25 * 2**20) // layout.page_bytes
+    assert layout.layer_slot(3) == (0, 0) and layout.layer_slot(5) == (1, 0)
+    check_invariants(model, layout)
+    equal = plan_kv_cache(model, PlanOptions("15.25MiB", 1024, group_layout="equal"))
+    assert [len(g.layer_indices) for g in equal.groups] == [1] * 6
+    assert [g.block_size for g in equal.groups] == [16] * 6
+    ours, theirs = report_plan(layout, model), report_plan(equal, model)
+    assert ours.page_padding_bytes_per_request == ours.group_padding_bytes_per_request == 0
+    # Same budget, same bytes per token: the full layer's coarser blocks cost at most one block.
+    assert ours.allocated_bytes_per_request <= theirs.allocated_bytes_per_request + 80 * per_token
+    assert ours.max_concurrency >= theirs.max_concurrency - 1
+
+
+def test_auto_keeps_equal_groups_when_per_type_pads_or_gains_nothing():
+    gemma3_27b = load_model_spec("gemma-3-27b")  # 52 sliding, 10 full: 16 x 52 / 10 is no integer
+    options = PlanOptions(40 * GiB, max_model_len=32768)
+    assert plan_kv_cache(gemma3_27b, options).layers_per_group == 5, "auto: equal groups"
+    forced = plan_kv_cache(
+        gemma3_27b, PlanOptions(40 * GiB, max_model_len=32768, group_layout="per-type")
+    )
+    assert [g.block_size for g in forced.groups] == [16, 16 * 52 // 10]
+    assert any("pad their pages" in note for note in forced.notes)
+    assert report_plan(forced, gemma3_27b).page_padding_bytes_per_request > 0
+    check_invariants(gemma3_27b, forced)
+    # 1:1 patterns already have one group per type: auto changes nothing.
+    gemma2 = load_model_spec("gemma-2-27b")
+    assert plan_kv_cache(gemma2, PlanOptions(40 * GiB, 8192)).layers_per_group == 23
+    # One full layer among nine windowed: a 144-token full block is over the ratio.
+    nine = model_of([sliding(64)] * 9 + [full()])
+    assert PER_TYPE_MAX_BLOCK_RATIO * 16 < 9 * 16
+    assert plan_kv_cache(nine, PlanOptions(GiB, 4096)).num_groups == 10
+    forced_nine = plan_kv_cache(nine, PlanOptions(GiB, 4096, group_layout="per-type"))
+    assert [g.block_size for g in forced_nine.groups] == [16, 144]
+
+
+def test_group_layout_must_be_known():
+    with pytest.raises(PlanError, match="group_layout must be one of auto, equal, per-type"):
+        PlanOptions(GiB, 1024, group_layout="sideways")
+
+
 def check_invariants(model, layout):
-    placed = [layer for slot in layout.tensor_slots for layer in slot if layer is not None]
+    placed = [layer for slot in layout.tensor_slots for members in slot for layer in members]
     assert sorted(placed) == list(range(model.num_layers)), "every layer in exactly one slot"
-    assert all(len(g.layer_indices) <= layout.layers_per_group for g in layout.groups)
+    assert all(g.num_slots <= layout.layers_per_group for g in layout.groups)
     assert all(g.used_page_bytes <= g.page_bytes == layout.page_bytes for g in layout.groups)
     budget = layout.options.kv_cache_memory
     assert layout.num_blocks * layout.page_bytes * layout.layers_per_group <= budget
     for layer in range(model.num_layers):
         group_id, slot = layout.layer_slot(layer)
-        assert layout.tensor_slots[slot][group_id] == layer
+        assert layer in layout.tensor_slots[slot][group_id]
 
 
 layer_strategy = st.builds(
@@ -261,10 +323,11 @@ layer_strategy = st.builds(
     block_size=st.sampled_from([1, 8, 16, 64]),
     max_model_len=st.integers(1, 40000),
     mode=st.sampled_from(["hybrid", "uniform"]),
+    group_layout=st.sampled_from(GROUP_LAYOUTS),
 )
-def test_random_models_plan_consistently(layers, block_size, max_model_len, mode):
+def test_random_models_plan_consistently(layers, block_size, max_model_len, mode, group_layout):
     model = model_of(layers)
-    options = PlanOptions(4 * GiB, max_model_len, block_size=block_size)
+    options = PlanOptions(4 * GiB, max_model_len, block_size=block_size, group_layout=group_layout)
     layout = plan_kv_cache(model, options, mode)
     check_invariants(model, layout)
     report = report_plan(layout, model)

@@ -16,6 +16,14 @@ Why this shape (DESIGN.md "Planning", docs/PLANNER.md for the worked examples):
   empty slots (their pages are allocated and unused). The group size is the largest one, at most
   the smallest layer count, whose padding costs at most `max_padding_waste` of a max-length
   request's memory (group size 1 never pads, so one always qualifies).
+* `group_layout="per-type"` instead makes **one group per spec**, all its layers side by side in
+  one page of a single slot tensor: the spec with the most bytes per token over all its layers
+  gets the requested block size, the others `block_size = page_bytes // (layers x bytes per
+  token)` (Gemma-3's 5:1 pattern: windowed layers in blocks of 16 tokens, full layers of 80).
+  Fewer groups means fewer block tables, allocations and kernel plans per step; the price is
+  coarser blocks for the lighter specs (prefix hits align to the blocks' least common multiple).
+  `"auto"` (the default) takes it when it has fewer groups than the equal-size layout, wastes
+  no page bytes, and no block exceeds `PER_TYPE_MAX_BLOCK_RATIO` x the requested size.
 """
 
 from __future__ import annotations
@@ -29,11 +37,15 @@ from hybrid_cache.config import AttentionKind, LayerSpec, ModelSpec, normalize_d
 from hybrid_cache.sizes import format_memory_size, parse_memory_size
 
 PlanMode = Literal["hybrid", "uniform"]
+GroupLayoutChoice = Literal["auto", "equal", "per-type"]
+GROUP_LAYOUTS: tuple[str, ...] = ("auto", "equal", "per-type")
 GroupSpecTuple = tuple[AttentionKind, int, Optional[int], Optional[int]]
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_PADDING_WASTE = 0.02
+# "auto" keeps per-type blocks within this many times the requested block size.
+PER_TYPE_MAX_BLOCK_RATIO = 8
 
 
 class PlanError(HybridCacheError, ValueError):
@@ -61,7 +73,9 @@ class PlanOptions:
     """Everything a plan depends on besides the model. `kv_cache_memory` takes bytes or a size
     string (`"40GiB"`); `kv_cache_dtype="auto"` uses the model's dtype. A window or chunk of at
     least `max_model_len` never slides, so its layers are planned as full attention (exact, no
-    waste) unless `strict_windows` asks for a `WindowTooLargeError` instead."""
+    waste) unless `strict_windows` asks for a `WindowTooLargeError` instead. `group_layout`:
+    "equal" (equal-size groups), "per-type" (one group per memory spec) or "auto" (see the
+    module docstring)."""
 
     kv_cache_memory: Union[int, str]
     max_model_len: int
@@ -70,8 +84,13 @@ class PlanOptions:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_padding_waste: float = DEFAULT_MAX_PADDING_WASTE
     strict_windows: bool = False
+    group_layout: GroupLayoutChoice = "auto"
 
     def __post_init__(self) -> None:
+        if self.group_layout not in GROUP_LAYOUTS:
+            raise PlanError(
+                f"group_layout must be one of {', '.join(GROUP_LAYOUTS)}, got {self.group_layout!r}"
+            )
         object.__setattr__(self, "kv_cache_memory", parse_memory_size(self.kv_cache_memory))
         block_size = self.block_size
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
@@ -105,7 +124,9 @@ class _MemorySpec:
 @dataclass(frozen=True)
 class GroupLayout:
     """One group: its layers (padded slots hold nothing), attention kind and block size.
-    `used_page_bytes` of each `page_bytes` page hold KV; the rest is page padding."""
+    `layers_per_page` of its layers share each page of a slot tensor (1, or all of them in the
+    per-type layout); they use `used_page_bytes` of each `page_bytes` page, the rest is page
+    padding."""
 
     group_id: int
     layer_indices: tuple[int, ...]
@@ -115,6 +136,12 @@ class GroupLayout:
     block_size: int
     page_bytes: int
     used_page_bytes: int
+    layers_per_page: int = 1
+
+    @property
+    def num_slots(self) -> int:
+        """Slot tensors this group's layers occupy."""
+        return cdiv(len(self.layer_indices), self.layers_per_page)
 
     def max_blocks_per_request(self, num_tokens: int, max_num_batched_tokens: int) -> int:
         """Worst-case blocks a request of `num_tokens` tokens holds at once in this group: the
@@ -130,15 +157,17 @@ class GroupLayout:
 @dataclass(frozen=True)
 class KVCacheLayout:
     """The plan the engine allocates: `layers_per_group` tensors (slots) of `num_blocks` pages of
-    `page_bytes` each; `tensor_slots[j][k]` is the layer of group k stored in slot j (None: a
-    padded slot). Block 0 is the null block, so `num_blocks - 1` blocks are usable."""
+    `page_bytes` each; `tensor_slots[j][k]` are the layers of group k stored side by side in
+    each page of slot j (one layer, or none for a padded slot; all of the group's layers in the
+    per-type layout, which has one slot). Block 0 is the null block, so `num_blocks - 1` blocks
+    are usable."""
 
     mode: PlanMode
     groups: tuple[GroupLayout, ...]
     page_bytes: int
     num_blocks: int
     layers_per_group: int
-    tensor_slots: tuple[tuple[Optional[int], ...], ...]
+    tensor_slots: tuple[tuple[tuple[int, ...], ...], ...]
     kv_cache_dtype: str
     options: PlanOptions
     notes: tuple[str, ...] = field(default=())
@@ -160,8 +189,8 @@ class KVCacheLayout:
     def layer_slot(self, layer_index: int) -> tuple[int, int]:
         """(group id, slot) of a layer: which block table it reads and which tensor it writes."""
         for slot, layers in enumerate(self.tensor_slots):
-            for group_id, layer in enumerate(layers):
-                if layer == layer_index:
+            for group_id, members in enumerate(layers):
+                if layer_index in members:
                     return group_id, slot
         raise PlanError(f"layer {layer_index} is not in this layout")
 
@@ -234,6 +263,16 @@ def plan_kv_cache(
     layers_by_spec: dict[_MemorySpec, list[int]] = {}
     for index, spec in enumerate(specs):
         layers_by_spec.setdefault(spec, []).append(index)
+    if options.group_layout != "equal" and len(layers_by_spec) > 1:
+        per_type = _per_type_layout(layers_by_spec, options)
+        if options.group_layout == "per-type" or _per_type_pays(per_type, layers_by_spec, options):
+            sizes = ", ".join(f"{group.kind} B={group.block_size}" for group in per_type)
+            notes.append(f"per-type layout: one group per layer type ({sizes})")
+            if any(group.used_page_bytes < group.page_bytes for group in per_type):
+                notes.append(
+                    "page sizes do not divide: some groups pad their pages (see page waste)"
+                )
+            return _finish_layout(model, options, mode, per_type, 1, notes)
     widest = max(spec.bytes_per_token for spec in layers_by_spec)
     page_bytes = options.block_size * widest
     block_size_by_spec = {spec: page_bytes // spec.bytes_per_token for spec in layers_by_spec}
@@ -252,13 +291,69 @@ def plan_kv_cache(
             groups.append(
                 _group_for(spec, members, len(groups), block_size_by_spec[spec], page_bytes)
             )
-    tensor_slots = tuple(
-        tuple(g.layer_indices[j] if j < len(g.layer_indices) else None for g in groups)
-        for j in range(layers_per_group)
-    )
     if any(spec.bytes_per_token * block_size_by_spec[spec] < page_bytes for spec in layers_by_spec):
         notes.append("page sizes do not divide: some groups pad their pages (see page waste)")
+    return _finish_layout(model, options, mode, groups, layers_per_group, notes)
 
+
+def _per_type_layout(
+    layers_by_spec: dict[_MemorySpec, list[int]], options: PlanOptions
+) -> list[GroupLayout]:
+    """One group per spec, its layers side by side in one page: the spec with the most bytes per
+    token over all its layers gets the requested block size, every other the most tokens that
+    fit the page."""
+    weight = {spec: len(layers) * spec.bytes_per_token for spec, layers in layers_by_spec.items()}
+    page_bytes = options.block_size * max(weight.values())
+    groups = []
+    for spec, layers in layers_by_spec.items():
+        block_size = page_bytes // weight[spec]
+        groups.append(
+            GroupLayout(
+                group_id=len(groups),
+                layer_indices=tuple(layers),
+                kind=spec.kind,
+                window=spec.window,
+                chunk=spec.chunk,
+                block_size=block_size,
+                page_bytes=page_bytes,
+                used_page_bytes=block_size * weight[spec],
+                layers_per_page=len(layers),
+            )
+        )
+    return groups
+
+
+def _per_type_pays(
+    per_type: list[GroupLayout], layers_by_spec: dict[_MemorySpec, list[int]], options: PlanOptions
+) -> bool:
+    """Whether "auto" takes the per-type layout: fewer groups than equal-size groups can have
+    (at best one group per spec and per smallest layer count), no page padding, and no block
+    above `PER_TYPE_MAX_BLOCK_RATIO` x the requested size."""
+    smallest = min(len(layers) for layers in layers_by_spec.values())
+    fewest_equal_groups = sum(cdiv(len(layers), smallest) for layers in layers_by_spec.values())
+    return (
+        len(per_type) < fewest_equal_groups
+        and all(group.used_page_bytes == group.page_bytes for group in per_type)
+        and max(group.block_size for group in per_type)
+        <= PER_TYPE_MAX_BLOCK_RATIO * options.block_size
+    )
+
+
+def _finish_layout(
+    model: ModelSpec,
+    options: PlanOptions,
+    mode: PlanMode,
+    groups: list[GroupLayout],
+    layers_per_group: int,
+    notes: list[str],
+) -> KVCacheLayout:
+    """The layout of `groups` over `layers_per_group` slot tensors: slot j holds each group's
+    j-th page of layers; the budget sets the number of blocks."""
+    page_bytes = groups[0].page_bytes
+    tensor_slots = tuple(
+        tuple(g.layer_indices[j * g.layers_per_page : (j + 1) * g.layers_per_page] for g in groups)
+        for j in range(layers_per_group)
+    )
     num_blocks = options.kv_cache_memory // page_bytes // layers_per_group
     if num_blocks < len(groups) + 1:
         minimum = (len(groups) + 1) * page_bytes * layers_per_group
@@ -349,13 +444,11 @@ def report_plan(
     blocks_per_request = allocated = group_padding = page_padding = 0
     for group in layout.groups:
         num_blocks = group.max_blocks_per_request(context_len, batched)
-        num_empty_slots = layout.layers_per_group - len(group.layer_indices)
+        num_empty_slots = layout.layers_per_group - group.num_slots
         blocks_per_request += num_blocks
         allocated += num_blocks * layout.layers_per_group * layout.page_bytes
         group_padding += num_blocks * num_empty_slots * layout.page_bytes
-        page_padding += (
-            num_blocks * len(group.layer_indices) * (layout.page_bytes - group.used_page_bytes)
-        )
+        page_padding += num_blocks * group.num_slots * (layout.page_bytes - group.used_page_bytes)
     usable_blocks = layout.num_blocks - 1
     return PlanReport(
         mode=layout.mode,

@@ -117,6 +117,7 @@ def build_llm(settings: BenchSettings, mode: str) -> Any:
         max_model_len=settings.context_len,
         block_size=settings.block_size,
         kv_cache_mode=mode,
+        kv_group_layout=settings.kv_group_layout,
         enable_prefix_caching=settings.enable_prefix_caching,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hybrid_cache.bench.errors import BenchConfigError
+from hybrid_cache.planner import GROUP_LAYOUTS
 
 KV_CACHE_MODES = ("hybrid", "uniform")
 
@@ -24,6 +25,7 @@ class BenchSettings:
     max_model_len: Optional[int] = None
     kv_cache_memory: Optional[str] = None
     block_size: int = 16
+    kv_group_layout: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
@@ -47,6 +49,11 @@ class BenchSettings:
             raise BenchConfigError(
                 f"--prefix-len must be between 0 and --input-len ({self.input_len}), "
                 f"got {self.prefix_len}"
+            )
+        if self.kv_group_layout not in GROUP_LAYOUTS:
+            raise BenchConfigError(
+                f"--kv-group-layout must be one of {', '.join(GROUP_LAYOUTS)}, "
+                f"got {self.kv_group_layout!r}"
             )
         if self.load_format not in ("auto", "dummy"):
             raise BenchConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")

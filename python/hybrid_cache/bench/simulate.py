@@ -56,6 +56,7 @@ def plan_for_simulation(
         max_model_len=settings.context_len,
         block_size=settings.block_size,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        group_layout=settings.kv_group_layout,
     )
     return plan_kv_cache(spec, options, mode=mode)
 

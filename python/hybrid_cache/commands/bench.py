@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hybrid_cache.bench.errors import BenchConfigError
+from hybrid_cache.planner import GROUP_LAYOUTS
 
 MODES = {"hybrid": ("hybrid",), "uniform": ("uniform",), "both": ("hybrid", "uniform")}
 
@@ -36,6 +37,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-model-len", type=int, help="default: input + output length")
     parser.add_argument("--kv-cache-memory", help="KV budget, e.g. 28MiB or 40GB")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--kv-group-layout",
+        choices=GROUP_LAYOUTS,
+        default="auto",
+        help="KV-cache groups: equal-size groups, one per layer type, or auto (per type when exact)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument(
@@ -194,6 +201,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,
+        kv_group_layout=args.kv_group_layout,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -14,6 +14,7 @@ import random
 from typing import Any
 
 from hybrid_cache.config import ConfigError
+from hybrid_cache.planner import GROUP_LAYOUTS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,6 +41,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-mode", choices=("hybrid", "uniform"), default="hybrid")
+    parser.add_argument(
+        "--kv-group-layout",
+        choices=GROUP_LAYOUTS,
+        default="auto",
+        help="KV-cache groups: equal-size groups, one per layer type, or auto (per type when exact)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -66,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         kv_cache_mode=args.kv_cache_mode,
+        kv_group_layout=args.kv_group_layout,
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -14,6 +14,7 @@ from hybrid_cache.planner import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_PADDING_WASTE,
+    GROUP_LAYOUTS,
     KVCacheLayout,
     PlanOptions,
     PlanReport,
@@ -45,6 +46,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS
     )
+    parser.add_argument(
+        "--kv-group-layout",
+        choices=GROUP_LAYOUTS,
+        default="auto",
+        help="KV-cache groups: equal-size groups, one per layer type, or auto (per type when exact)",
+    )
     parser.add_argument("--max-padding-waste", type=float, default=DEFAULT_MAX_PADDING_WASTE)
     parser.add_argument(
         "--strict-windows",
@@ -69,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_padding_waste=args.max_padding_waste,
         strict_windows=args.strict_windows,
+        group_layout=args.kv_group_layout,
     )
     modes = ("hybrid", "uniform") if args.kv_cache_mode == "both" else (args.kv_cache_mode,)
     plans = {}

@@ -39,7 +39,7 @@ from hybrid_cache.engine.request import FinishReason, Request
 from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.engine.tokenizer import load_tokenizer
 from hybrid_cache.models import load_model
-from hybrid_cache.planner import KVCacheLayout, PlanOptions, plan_kv_cache
+from hybrid_cache.planner import GROUP_LAYOUTS, KVCacheLayout, PlanOptions, plan_kv_cache
 from hybrid_cache.sizes import MemorySize
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class LLM:
         max_model_len: Optional[int] = None,
         block_size: int = 16,
         kv_cache_mode: str = "hybrid",
+        kv_group_layout: str = "auto",
         enable_prefix_caching: bool = True,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -75,11 +76,14 @@ class LLM:
         CUDA and float32 on the CPU; `device` to CUDA when available. `max_model_len` defaults to
         the model's `max_position_embeddings`. Without `kv_cache_memory` the budget is profiled
         on CUDA (`gpu_memory_utilization` of the device) and 512 MiB on the CPU.
+        `kv_group_layout`: the planner's `group_layout` ("auto", "equal" or "per-type": equal-size
+        KV-cache groups as vLLM makes them, or one group per layer type; see `planner`).
         `attention_backend`: "auto" (per KV-cache group, the fastest backend that can run it;
         always the vectorised torch backend on the CPU), or "torch" / "reference" / "triton" /
         "flash_attn" forced."""
         check_choice("load_format", load_format, ("auto", "dummy"))
         check_choice("kv_cache_mode", kv_cache_mode, ("hybrid", "uniform"))
+        check_choice("kv_group_layout", kv_group_layout, GROUP_LAYOUTS)
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -125,6 +129,7 @@ class LLM:
             block_size=block_size,
             kv_cache_dtype=str(self.dtype).removeprefix("torch."),
             max_num_batched_tokens=max_num_batched_tokens,
+            group_layout=kv_group_layout,
         )
         self.layout: KVCacheLayout = plan_kv_cache(self.spec, options, mode=kv_cache_mode)
         log_plan(self.layout, self.spec)

@@ -2,13 +2,15 @@
 
 KV memory: one tensor per *layer slot*. The planner puts layers into groups of equal size;
 slot j holds the j-th layer of every group, so all groups draw blocks from one pool and a block id
-means the same bytes in every slot. Each layer views its slot with its own group's block size:
+means the same bytes in every slot (in the per-type layout there is one slot, and each group's n
+layers share its pages). Each layer views its slot with its own group's block size:
 
     slot tensor  [num_blocks, page_bytes / element size]     (the planner's one page size; on
                  the CPU on transparent huge pages where offered: `host_memory.py`)
+    page         [2, n, block_size_g, kv_heads, head_dim]    (keys of the group's n layers in
+                 this slot, then their values; n = 1 but in the per-type layout; the rest of
+                 the page, if any, is the page padding the planner reports)
     layer view   [num_blocks, 2, block_size_g, kv_heads, head_dim] -> k = [:, 0], v = [:, 1]
-                 (the first 2 * block_size_g * kv_heads * head_dim elements of each page; the
-                 rest, if any, is the page padding the planner reports)
 
 The grouped block table is the core's memory (see `kv_cache.py`); per step the runner gathers the
 scheduled rows (only the columns the batch can reach), and every per-token array (input ids,
@@ -29,6 +31,7 @@ from torch import nn
 
 from hybrid_cache.attention import (
     AttentionMetadata,
+    AttentionSpec,
     assign_layer_groups,
     attention_specs,
     build_attention_metadata,
@@ -66,17 +69,31 @@ def allocate_kv_caches(
     ]
     kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for slot, layers in enumerate(layout.tensor_slots):
-        for group, layer_index in zip(layout.groups, layers):
-            if layer_index is None:
-                continue  # a padded slot of a short group
-            spec = specs[layer_index]
-            shape = (layout.num_blocks, 2, group.block_size, spec.num_kv_heads, spec.head_dim)
-            used = 2 * group.block_size * spec.num_kv_heads * spec.head_dim
-            assert used <= page_elements, f"layer {layer_index} does not fit its page"
-            view = slots[slot][:, :used].view(shape)
-            kv_caches[layer_index] = (view[:, 0], view[:, 1])
+        for group, members in zip(layout.groups, layers):
+            for part, layer_index in enumerate(members):  # none: a padded slot of a short group
+                kv_caches[layer_index] = _layer_view(
+                    slots[slot], specs[layer_index], group.block_size, part, len(members)
+                )
     assert sorted(kv_caches) == sorted(specs), "every attention layer needs a place in the layout"
     return slots, [kv_caches[index] for index in sorted(kv_caches)]
+
+
+def _layer_view(
+    slot: torch.Tensor, spec: AttentionSpec, block_size: int, part: int, parts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache) [num_blocks, block_size, kv_heads, head_dim] of the `part`-th of the
+    `parts` layers sharing each page of `slot` [num_blocks, page elements]: keys of all parts,
+    then values (see the module docstring)."""
+    num_blocks, page_elements = slot.shape
+    token = spec.num_kv_heads * spec.head_dim
+    layer = block_size * token
+    assert 2 * parts * layer <= page_elements, f"layer {spec.layer_index} does not fit its page"
+    view = slot.as_strided(
+        (num_blocks, 2, block_size, spec.num_kv_heads, spec.head_dim),
+        (page_elements, parts * layer, token, spec.head_dim, 1),
+        slot.storage_offset() + part * layer,
+    )
+    return view[:, 0], view[:, 1]
 
 
 class ModelRunner:
