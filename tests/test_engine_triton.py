@@ -91,21 +91,35 @@ def test_triton_backend_generates_the_reference_tokens(preset, overrides, weight
 @pytest.mark.skipif(
     not hasattr(_core, "Coordinator"), reason="the Rust Coordinator binding is not built"
 )
-def test_llm_with_the_triton_backend_generates_the_reference_tokens():
+@pytest.mark.parametrize(
+    "preset, layer_types, block_sizes, weight_scale",
+    [
+        pytest.param(
+            "tiny-gpt-oss", ["sliding_attention", "full_attention"], [4, 4], 12.0, id="gpt-oss"
+        ),
+        # 3:1, planned per type: the full layer's blocks are 3 x 4 = 12 tokens (no power of two).
+        pytest.param(
+            "tiny-gemma3", ["sliding_attention"] * 3 + ["full_attention"], [4, 12], 1.0, id="gemma3"
+        ),
+    ],
+)
+def test_llm_with_the_triton_backend_generates_the_reference_tokens(
+    preset, layer_types, block_sizes, weight_scale
+):
     """Through the engine: `LLM(..., attention_backend="triton")` against "reference" on a tiny
     preset whose 6-token window is crossed by prompts and generation."""
     from hybrid_cache import LLM, SamplingParams
 
     overrides = {
-        "num_hidden_layers": 2,
-        "layer_types": ["sliding_attention", "full_attention"],
+        "num_hidden_layers": len(layer_types),
+        "layer_types": layer_types,
         "sliding_window": WINDOW,
     }
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     tokens = {}
     for backend in ("reference", "triton"):
         llm = LLM(
-            "tiny-gpt-oss",
+            preset,
             load_format="dummy",
             hf_overrides=overrides,
             kv_cache_memory="1MiB",
@@ -118,9 +132,10 @@ def test_llm_with_the_triton_backend_generates_the_reference_tokens():
             attention_backend=backend,
         )
         assert attention_backends_by_group(llm.model) == {0: backend, 1: backend}
+        assert [group.block_size for group in llm.layout.groups] == block_sizes
         with torch.no_grad():
             for parameter in llm.model.parameters():
-                parameter.mul_(12.0)  # sharper logits, as in the harness test above
+                parameter.mul_(weight_scale)  # sharper logits where needed (as above)
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         tokens[backend] = [output.token_ids for output in outputs]
     assert tokens["triton"] == tokens["reference"]

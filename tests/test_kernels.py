@@ -162,6 +162,9 @@ CASES = [
     pytest.param(1, 2, 128, 16, torch.bfloat16, 33, None, None, False, id="bf16-hd128"),
     pytest.param(8, 1, 256, 256, torch.float16, 40, None, None, True, id="fp16-hd256-block256"),
     pytest.param(2, 1, 80, 64, torch.float32, 9, None, None, False, id="hd80-padded"),
+    # Blocks that are not a power of two: the per-type layout's longer blocks (Gemma-3: 80).
+    pytest.param(4, 1, 32, 80, torch.float32, None, None, None, False, id="block80-full"),
+    pytest.param(2, 1, 32, 12, torch.float32, 7, None, None, False, id="block12-window7"),
 ]
 
 
