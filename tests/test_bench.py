@@ -230,6 +230,11 @@ def test_bad_flags_give_typed_errors(extra, message, capsys) -> None:
     assert message in capsys.readouterr().err
 
 
+def test_settings_reject_an_unknown_group_layout() -> None:
+    with pytest.raises(BenchConfigError, match="--kv-group-layout must be one of auto, equal"):
+        BenchSettings("tiny-llama", 8, 4, 1, kv_group_layout="sideways")
+
+
 def test_settings_reject_non_positive_lengths() -> None:
     with pytest.raises(BenchConfigError, match="--output-len must be a positive integer"):
         BenchSettings("tiny-llama", 8, 0, 1)
@@ -298,3 +303,20 @@ def test_timers_synchronise_the_device_before_reading_the_clock() -> None:
     assert len(calls) == 4
     assert engine_run.synchronizer("cpu") is engine_run._no_sync
     assert engine_run.synchronizer(torch.device("cuda", 0)) is not engine_run._no_sync
+
+
+def test_the_group_layout_flag_reaches_the_engine() -> None:
+    import argparse
+
+    from hybrid_cache.bench.engine_run import build_llm
+    from hybrid_cache.commands import bench as bench_command
+
+    parser = argparse.ArgumentParser()
+    bench_command.register(parser.add_subparsers())
+    flags = ["bench", "--model", "tiny-gemma3", "--input-len", "8", "--output-len", "4"]
+    flags += ["--num-prompts", "1", "--kv-cache-memory", "1MiB", "--max-model-len", "64"]
+    for layout, groups in (("equal", 6), ("auto", 2)):
+        args = parser.parse_args([*flags, "--kv-group-layout", layout])
+        settings = bench_command.settings_from_args(args)
+        assert settings.kv_group_layout == layout
+        assert build_llm(settings, "hybrid").layout.num_groups == groups

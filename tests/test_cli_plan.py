@@ -117,3 +117,25 @@ def test_python_dash_m_runs_the_cli():
     )
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout)["hybrid"]["layers_per_group"] == 5
+
+
+def test_group_layout_flag_chooses_per_type_or_equal_groups(capsys):
+    base = ["plan", "--model", "gemma-3-12b", "--kv-cache-memory", "40GiB"]
+    base += ["--max-model-len", "32768", "--kv-cache-mode", "hybrid"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "40/8 (per type)" in out and "per-type layout" in out
+    equal = run_json_of(capsys, [*base, "--kv-group-layout", "equal"])["hybrid"]
+    auto = run_json_of(capsys, base)["hybrid"]
+    assert [g["block_size"] for g in equal["groups"]] == [16] * 6
+    assert [(g["block_size"], g["layers_per_page"]) for g in auto["groups"]] == [(16, 40), (80, 8)]
+    assert auto["layers_per_group"] == 1 and len(auto["tensor_slots"]) == 1
+    # Same bytes either way: the per-type pool holds the same tokens.
+    assert auto["num_blocks"] * auto["page_bytes"] == equal["num_blocks"] * equal["page_bytes"] * 8
+    with pytest.raises(SystemExit):
+        main([*base, "--kv-group-layout", "sideways"])
+
+
+def run_json_of(capsys, args):
+    assert main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)

@@ -158,6 +158,7 @@ def test_abort_returns_every_block(llm):
     "kwargs",
     [
         {"kv_cache_mode": "paged"},
+        {"kv_group_layout": "by-size"},
         {"load_format": "pt"},
         {"max_num_seqs": 0},
         {"max_num_batched_tokens": -4},

@@ -132,7 +132,7 @@ def _as_text(
     ]
     rows = [
         ("groups", lambda lay, rep: lay.num_groups),
-        ("layers per group", lambda lay, rep: lay.layers_per_group),
+        ("layers per group", lambda lay, rep: _group_sizes(lay)),
         ("page bytes", lambda lay, rep: f"{lay.page_bytes} ({format_memory_size(lay.page_bytes)})"),
         ("num blocks", lambda lay, rep: lay.num_blocks),
         (f"blocks per request @{length}", lambda lay, rep: rep.blocks_per_request),
@@ -167,6 +167,13 @@ def _as_text(
             )
         lines += [f"  note: {note}" for note in layout.notes]
     return "\n".join(lines)
+
+
+def _group_sizes(layout: KVCacheLayout) -> str:
+    """`layers_per_group`, or each group's layer count where groups share pages per type."""
+    if all(group.layers_per_page == 1 for group in layout.groups):
+        return str(layout.layers_per_group)
+    return "/".join(str(len(group.layer_indices)) for group in layout.groups) + " (per type)"
 
 
 def _as_json(
