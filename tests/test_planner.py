@@ -262,16 +262,28 @@ def test_per_type_layout_one_group_per_layer_type_sharing_pages():
 
 
 def test_auto_keeps_equal_groups_when_per_type_pads_or_gains_nothing():
-    gemma3_27b = load_model_spec("gemma-3-27b")  # 52 sliding, 10 full: 16 x 52 / 10 is no integer
-    options = PlanOptions(40 * GiB, max_model_len=32768)
-    assert plan_kv_cache(gemma3_27b, options).layers_per_group == 5, "auto: equal groups"
+    # 52 sliding, 10 full: 16 x 52 / 10 = 83.2 tokens fit a full layer's share of the page; the
+    # block is rounded down to 80 (a multiple of 16: prefix hits align to 80, not lcm(16, 83)),
+    # so the full group's pages pad 3.8%.
+    gemma3_27b = load_model_spec("gemma-3-27b")
     forced = plan_kv_cache(
         gemma3_27b, PlanOptions(40 * GiB, max_model_len=32768, group_layout="per-type")
     )
-    assert [g.block_size for g in forced.groups] == [16, 16 * 52 // 10]
+    assert [g.block_size for g in forced.groups] == [16, 80]
+    assert forced.groups[1].used_page_bytes * 52 == forced.page_bytes * 50
     assert any("pad their pages" in note for note in forced.notes)
-    assert report_plan(forced, gemma3_27b).page_padding_bytes_per_request > 0
+    report = report_plan(forced, gemma3_27b)
+    assert 0.02 < report.page_padding_bytes_per_request / report.allocated_bytes_per_request
     check_invariants(gemma3_27b, forced)
+    # Auto weighs that padding like the equal-size rule weighs empty slots (max_padding_waste of
+    # a max-length request): over 2% at 32k (full layers hold most of a request), under at 8k.
+    assert plan_kv_cache(gemma3_27b, PlanOptions(40 * GiB, 32768)).layers_per_group == 5
+    short = plan_kv_cache(gemma3_27b, PlanOptions(40 * GiB, 8192))
+    assert [g.block_size for g in short.groups] == [16, 80]
+    padding = report_plan(short, gemma3_27b)
+    assert 0 < padding.page_padding_bytes_per_request <= 0.02 * padding.allocated_bytes_per_request
+    strict = PlanOptions(40 * GiB, 8192, max_padding_waste=0.0)
+    assert plan_kv_cache(gemma3_27b, strict).num_groups == 31
     # 1:1 patterns already have one group per type: auto changes nothing.
     gemma2 = load_model_spec("gemma-2-27b")
     assert plan_kv_cache(gemma2, PlanOptions(40 * GiB, 8192)).layers_per_group == 23
@@ -281,6 +293,10 @@ def test_auto_keeps_equal_groups_when_per_type_pads_or_gains_nothing():
     assert plan_kv_cache(nine, PlanOptions(GiB, 4096)).num_groups == 10
     forced_nine = plan_kv_cache(nine, PlanOptions(GiB, 4096, group_layout="per-type"))
     assert [g.block_size for g in forced_nine.groups] == [16, 144]
+    # Blocks stay multiples of the requested size when pages do not divide (7:2 -> 56 / 16 * 16).
+    seven = model_of([sliding(64)] * 7 + [full()] * 2)
+    forced_seven = plan_kv_cache(seven, PlanOptions(GiB, 4096, group_layout="per-type"))
+    assert [g.block_size for g in forced_seven.groups] == [16, 48]
 
 
 def test_group_layout_must_be_known():

@@ -22,8 +22,10 @@ Why this shape (DESIGN.md "Planning", docs/PLANNER.md for the worked examples):
   token)` (Gemma-3's 5:1 pattern: windowed layers in blocks of 16 tokens, full layers of 80).
   Fewer groups means fewer block tables, allocations and kernel plans per step; the price is
   coarser blocks for the lighter specs (prefix hits align to the blocks' least common multiple).
-  `"auto"` (the default) takes it when it has fewer groups than the equal-size layout, wastes
-  no page bytes, and no block exceeds `PER_TYPE_MAX_BLOCK_RATIO` x the requested size.
+  Blocks are multiples of the requested size, so prefix hits align to the largest one.
+  `"auto"` (the default) takes it when it has fewer groups than the equal-size layout, its page
+  padding stays within `max_padding_waste` (as for equal groups), and no block exceeds
+  `PER_TYPE_MAX_BLOCK_RATIO` x the requested size.
 """
 
 from __future__ import annotations
@@ -300,13 +302,14 @@ def _per_type_layout(
     layers_by_spec: dict[_MemorySpec, list[int]], options: PlanOptions
 ) -> list[GroupLayout]:
     """One group per spec, its layers side by side in one page: the spec with the most bytes per
-    token over all its layers gets the requested block size, every other the most tokens that
-    fit the page."""
+    token over all its layers gets the requested block size, every other the largest multiple
+    of it that fits the page (so prefix hits align to the largest block, not to an odd least
+    common multiple: Gemma-3-27B's 52:10 gives 80, not 83, and 1328-token alignment)."""
     weight = {spec: len(layers) * spec.bytes_per_token for spec, layers in layers_by_spec.items()}
     page_bytes = options.block_size * max(weight.values())
     groups = []
     for spec, layers in layers_by_spec.items():
-        block_size = page_bytes // weight[spec]
+        block_size = page_bytes // weight[spec] // options.block_size * options.block_size
         groups.append(
             GroupLayout(
                 group_id=len(groups),
@@ -327,13 +330,19 @@ def _per_type_pays(
     per_type: list[GroupLayout], layers_by_spec: dict[_MemorySpec, list[int]], options: PlanOptions
 ) -> bool:
     """Whether "auto" takes the per-type layout: fewer groups than equal-size groups can have
-    (at best one group per spec and per smallest layer count), no page padding, and no block
-    above `PER_TYPE_MAX_BLOCK_RATIO` x the requested size."""
+    (at best one group per spec and per smallest layer count), page padding within
+    `max_padding_waste` of a max-length request's pages (the equal-size rule's bound), and no
+    block above `PER_TYPE_MAX_BLOCK_RATIO` x the requested size."""
     smallest = min(len(layers) for layers in layers_by_spec.values())
     fewest_equal_groups = sum(cdiv(len(layers), smallest) for layers in layers_by_spec.values())
+    allocated = padded = 0
+    for group in per_type:
+        blocks = group.max_blocks_per_request(options.max_model_len, options.max_num_batched_tokens)
+        allocated += blocks * group.page_bytes
+        padded += blocks * (group.page_bytes - group.used_page_bytes)
     return (
         len(per_type) < fewest_equal_groups
-        and all(group.used_page_bytes == group.page_bytes for group in per_type)
+        and padded <= options.max_padding_waste * allocated
         and max(group.block_size for group in per_type)
         <= PER_TYPE_MAX_BLOCK_RATIO * options.block_size
     )
