@@ -14,6 +14,19 @@ import importlib
 COMMAND_MODULES: tuple[str, ...] = ("plan", "generate", "bench")
 
 
+def add_group_layout_argument(parser: argparse.ArgumentParser) -> None:
+    """`--kv-group-layout`, the planner's `group_layout`, for every command that plans."""
+    from hybrid_cache.planner import GROUP_LAYOUTS
+
+    parser.add_argument(
+        "--kv-group-layout",
+        choices=GROUP_LAYOUTS,
+        default="auto",
+        help="KV-cache groups: equal-size ('equal'), one per layer type ('per-type'), or 'auto' "
+        "(per type where that makes fewer groups with little page padding; docs/PLANNER.md)",
+    )
+
+
 def register_all(subparsers: argparse._SubParsersAction) -> None:
     """Adds every subcommand's parser."""
     for name in COMMAND_MODULES:

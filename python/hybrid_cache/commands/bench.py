@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hybrid_cache.bench.errors import BenchConfigError
-from hybrid_cache.planner import GROUP_LAYOUTS
+from hybrid_cache.commands import add_group_layout_argument
 
 MODES = {"hybrid": ("hybrid",), "uniform": ("uniform",), "both": ("hybrid", "uniform")}
 
@@ -37,12 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-model-len", type=int, help="default: input + output length")
     parser.add_argument("--kv-cache-memory", help="KV budget, e.g. 28MiB or 40GB")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument(
-        "--kv-group-layout",
-        choices=GROUP_LAYOUTS,
-        default="auto",
-        help="KV-cache groups: equal-size groups, one per layer type, or auto (per type when exact)",
-    )
+    add_group_layout_argument(parser)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument(

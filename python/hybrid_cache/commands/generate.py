@@ -13,8 +13,8 @@ import logging
 import random
 from typing import Any
 
+from hybrid_cache.commands import add_group_layout_argument
 from hybrid_cache.config import ConfigError
-from hybrid_cache.planner import GROUP_LAYOUTS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,12 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-mode", choices=("hybrid", "uniform"), default="hybrid")
-    parser.add_argument(
-        "--kv-group-layout",
-        choices=GROUP_LAYOUTS,
-        default="auto",
-        help="KV-cache groups: equal-size groups, one per layer type, or auto (per type when exact)",
-    )
+    add_group_layout_argument(parser)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)

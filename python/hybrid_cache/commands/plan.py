@@ -9,12 +9,12 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any, Optional
 
+from hybrid_cache.commands import add_group_layout_argument
 from hybrid_cache.config import ConfigError, ModelSpec, load_model_spec
 from hybrid_cache.planner import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_PADDING_WASTE,
-    GROUP_LAYOUTS,
     KVCacheLayout,
     PlanOptions,
     PlanReport,
@@ -46,12 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS
     )
-    parser.add_argument(
-        "--kv-group-layout",
-        choices=GROUP_LAYOUTS,
-        default="auto",
-        help="KV-cache groups: equal-size groups, one per layer type, or auto (per type when exact)",
-    )
+    add_group_layout_argument(parser)
     parser.add_argument("--max-padding-waste", type=float, default=DEFAULT_MAX_PADDING_WASTE)
     parser.add_argument(
         "--strict-windows",
