@@ -18,11 +18,10 @@ Why this shape (DESIGN.md "Planning", docs/PLANNER.md for the worked examples):
   request's memory (group size 1 never pads, so one always qualifies).
 * `group_layout="per-type"` instead makes **one group per spec**, all its layers side by side in
   one page of a single slot tensor: the spec with the most bytes per token over all its layers
-  gets the requested block size, the others `block_size = page_bytes // (layers x bytes per
-  token)` (Gemma-3's 5:1 pattern: windowed layers in blocks of 16 tokens, full layers of 80).
-  Fewer groups means fewer block tables, allocations and kernel plans per step; the price is
-  coarser blocks for the lighter specs (prefix hits align to the blocks' least common multiple).
-  Blocks are multiples of the requested size, so prefix hits align to the largest one.
+  gets the requested block size, the others the largest multiple of it that fits the page
+  (Gemma-3's 5:1 pattern: windowed layers in blocks of 16 tokens, full layers of 80). Fewer
+  groups means fewer block tables, allocations and kernel plans per step; the price is coarser
+  blocks for the lighter specs (prefix hits align to the largest block).
   `"auto"` (the default) takes it when it has fewer groups than the equal-size layout, its page
   padding stays within `max_padding_waste` (as for equal groups), and no block exceeds
   `PER_TYPE_MAX_BLOCK_RATIO` x the requested size.
@@ -270,10 +269,6 @@ def plan_kv_cache(
         if options.group_layout == "per-type" or _per_type_pays(per_type, layers_by_spec, options):
             sizes = ", ".join(f"{group.kind} B={group.block_size}" for group in per_type)
             notes.append(f"per-type layout: one group per layer type ({sizes})")
-            if any(group.used_page_bytes < group.page_bytes for group in per_type):
-                notes.append(
-                    "page sizes do not divide: some groups pad their pages (see page waste)"
-                )
             return _finish_layout(model, options, mode, per_type, 1, notes)
     widest = max(spec.bytes_per_token for spec in layers_by_spec)
     page_bytes = options.block_size * widest
@@ -293,8 +288,6 @@ def plan_kv_cache(
             groups.append(
                 _group_for(spec, members, len(groups), block_size_by_spec[spec], page_bytes)
             )
-    if any(spec.bytes_per_token * block_size_by_spec[spec] < page_bytes for spec in layers_by_spec):
-        notes.append("page sizes do not divide: some groups pad their pages (see page waste)")
     return _finish_layout(model, options, mode, groups, layers_per_group, notes)
 
 
@@ -307,23 +300,17 @@ def _per_type_layout(
     common multiple: Gemma-3-27B's 52:10 gives 80, not 83, and 1328-token alignment)."""
     weight = {spec: len(layers) * spec.bytes_per_token for spec, layers in layers_by_spec.items()}
     page_bytes = options.block_size * max(weight.values())
-    groups = []
-    for spec, layers in layers_by_spec.items():
-        block_size = page_bytes // weight[spec] // options.block_size * options.block_size
-        groups.append(
-            GroupLayout(
-                group_id=len(groups),
-                layer_indices=tuple(layers),
-                kind=spec.kind,
-                window=spec.window,
-                chunk=spec.chunk,
-                block_size=block_size,
-                page_bytes=page_bytes,
-                used_page_bytes=block_size * weight[spec],
-                layers_per_page=len(layers),
-            )
+    return [
+        _group_for(
+            spec,
+            tuple(layers),
+            group_id,
+            page_bytes // weight[spec] // options.block_size * options.block_size,
+            page_bytes,
+            layers_per_page=len(layers),
         )
-    return groups
+        for group_id, (spec, layers) in enumerate(layers_by_spec.items())
+    ]
 
 
 def _per_type_pays(
@@ -359,6 +346,8 @@ def _finish_layout(
     """The layout of `groups` over `layers_per_group` slot tensors: slot j holds each group's
     j-th page of layers; the budget sets the number of blocks."""
     page_bytes = groups[0].page_bytes
+    if any(group.used_page_bytes < page_bytes for group in groups):
+        notes.append("page sizes do not divide: some groups pad their pages (see page waste)")
     tensor_slots = tuple(
         tuple(g.layer_indices[j * g.layers_per_page : (j + 1) * g.layers_per_page] for g in groups)
         for j in range(layers_per_group)
@@ -387,7 +376,12 @@ def _finish_layout(
 
 
 def _group_for(
-    spec: _MemorySpec, layers: tuple[int, ...], group_id: int, block_size: int, page_bytes: int
+    spec: _MemorySpec,
+    layers: tuple[int, ...],
+    group_id: int,
+    block_size: int,
+    page_bytes: int,
+    layers_per_page: int = 1,
 ) -> GroupLayout:
     return GroupLayout(
         group_id=group_id,
@@ -397,7 +391,8 @@ def _group_for(
         chunk=spec.chunk,
         block_size=block_size,
         page_bytes=page_bytes,
-        used_page_bytes=block_size * spec.bytes_per_token,
+        used_page_bytes=block_size * spec.bytes_per_token * layers_per_page,
+        layers_per_page=layers_per_page,
     )
 
 
