@@ -30,7 +30,7 @@ LABELS = ("hybrid", "hybrid-equal", "uniform", "uniform-oracle")
 
 
 def one_round(settings: dict[str, BenchSettings], expected: dict | None) -> dict:
-    """The RunResult of each label, from one side-by-side run of the three."""
+    """The RunResult of each label, from one side-by-side run of the four."""
     modes = {
         "hybrid": "hybrid",
         "hybrid-equal": "hybrid",

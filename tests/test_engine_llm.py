@@ -114,7 +114,7 @@ def hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
 
 class TinyModel:
     """A tiny transformers model saved to `folder`, and engines over it. `group_layout` is the
-    planner's ("auto": one group per layer type where that is exact, as for this Gemma-3's 3:1
+    planner's ("auto": one group per layer type where that pays, as for this Gemma-3's exact 3:1
     pattern; "equal": equal-size groups, one layer each here)."""
 
     def __init__(self, architecture: str, folder, group_layout: str = "auto") -> None:
