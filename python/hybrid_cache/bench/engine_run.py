@@ -1,5 +1,6 @@
-"""One mode of the benchmark on the real engine: `LLM` with the bench flags, the workload added
-at once, then `LLMEngine.step()` until done, each step timed (`ModeRun`; `run_engine_mode` runs
+"""One mode of the benchmark on the real engine: `LLM` with the bench flags, the workload's
+prompts added as its feed hands them out (all at once, or a multi-turn wave after the previous
+one finished), then `LLMEngine.step()` until done, each step timed (`ModeRun`; `run_engine_mode` runs
 one alone, `interleaved.py` two side by side).
 
 Engine overhead is measured by timing the model apart from the step: a forward pre-hook and a
@@ -19,10 +20,10 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
-from hybrid_cache.bench.metrics import RunResult
+from hybrid_cache.bench.metrics import RunResult, counter_deltas
 from hybrid_cache.bench.settings import BenchSettings
 from hybrid_cache.bench.simulate import group_names
-from hybrid_cache.bench.workload import FIRST_ORDINARY_ID, make_prompts
+from hybrid_cache.bench.workload import FIRST_ORDINARY_ID, make_feed
 
 WARM_UP_LEN = 32
 
@@ -141,38 +142,26 @@ def run_engine_mode(settings: BenchSettings, mode: str, progress: Any = None) ->
 
 
 class ModeRun:
-    """One mode's engine with the workload added, stepped from outside (`step` until `done`,
+    """One mode's engine fed by the workload, stepped from outside (`step` until `done`,
     then `finish`): `run_engine_mode` steps one alone, `interleaved.py` two side by side. The
     engine is built and warmed up (untimed) by the constructor; each `step` is timed on its
     own (`step_time_s`), with the model forward and LM head apart (hooks)."""
 
     def __init__(self, settings: BenchSettings, mode: str, progress: Any = None) -> None:
-        from hybrid_cache.bench.errors import BenchConfigError
-        from hybrid_cache.engine.errors import InvalidRequestError
         from hybrid_cache.engine.sampling_params import SamplingParams
 
         self.mode, self._progress = mode, progress
         self._llm = llm = build_llm(settings, mode)
         self._engine = engine = llm.engine
-        prompts = make_prompts(
-            settings.num_prompts,
-            settings.input_len,
-            settings.prefix_len,
-            llm.spec.vocab_size,
-            settings.seed,
+        self._feed = make_feed(settings, llm.spec.vocab_size)
+        self._params = SamplingParams(
+            max_tokens=settings.output_len, temperature=0.0, ignore_eos=True
         )
-        params = SamplingParams(max_tokens=settings.output_len, temperature=0.0, ignore_eos=True)
         warm_up(llm, settings)
         self._core_before = engine.kv_cache.stats()  # the core's cumulative prefix-cache counters
         engine.reset_step_stats()
-        self._requests = []
-        try:
-            for index, prompt in enumerate(prompts):
-                self._requests.append(engine.add_request(f"bench-{index}", prompt, params))
-        except InvalidRequestError as error:
-            raise BenchConfigError(
-                f"the workload does not fit the {mode} engine: {error}"
-            ) from error
+        self._requests: list[Any] = []
+        self._add_prompts()
         sync = synchronizer(llm.device)
         self._timer = ForwardTimer(llm.model, sync)
         self._logits_timer = LogitsTimer(llm.model, sync)
@@ -180,9 +169,23 @@ class ModeRun:
             mode, False, llm.layout.num_blocks, group_names(llm.layout)
         )
 
+    def _add_prompts(self) -> None:
+        """Adds what the feed hands out now. Raises `BenchConfigError` when a request does not
+        fit the engine."""
+        from hybrid_cache.bench.errors import BenchConfigError
+        from hybrid_cache.engine.errors import InvalidRequestError
+
+        for request_id, prompt in self._feed.next_prompts():
+            try:
+                self._requests.append(self._engine.add_request(request_id, prompt, self._params))
+            except InvalidRequestError as error:
+                raise BenchConfigError(
+                    f"the workload does not fit the {self.mode} engine: {error}"
+                ) from error
+
     @property
     def done(self) -> bool:
-        return not self._engine.has_unfinished_requests()
+        return not self._engine.has_unfinished_requests() and self._feed.exhausted
 
     def step(self) -> float:
         """One engine step, timed; returns its seconds. Raises `BenchConfigError` when a request
@@ -202,6 +205,9 @@ class ModeRun:
             result.num_requests += 1
             result.num_prompt_tokens += request.num_prompt_tokens
             result.num_output_tokens += request.num_output_tokens
+            self._feed.record(request)
+        if finished:
+            self._add_prompts()
         if self._progress is not None and finished:
             self._progress.update(len(finished))
         return step_s
@@ -224,11 +230,11 @@ class ModeRun:
         result.peak_blocks_per_group = [
             max(per_group) for per_group in zip(*result.blocks_per_group_per_step)
         ]
-        core_after = self._engine.kv_cache.stats()
-        core_before = self._core_before
-        queries = core_after.get("prefix_queries", 0) - core_before.get("prefix_queries", 0)
-        hits = core_after.get("prefix_hits", 0) - core_before.get("prefix_hits", 0)
+        counters = counter_deltas(self._core_before, self._engine.kv_cache.stats())
+        queries, hits = counters.get("prefix_queries", 0), counters.get("prefix_hits", 0)
         result.prefix_cache_hit_rate = hits / queries if queries else 0.0
+        result.reuse = self._feed.reuse
+        result.cache_counters = counters
         return result
 
 

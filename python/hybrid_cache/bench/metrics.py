@@ -10,6 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from hybrid_cache.bench.multi_turn import ReuseFigures
+
+
+def counter_deltas(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The core's cumulative counters (`KVCacheManager.stats()`) over a stretch of a run."""
+    return {
+        name: value - before.get(name, 0)
+        for name, value in after.items()
+        if isinstance(value, int)
+    }
+
 
 def is_decode_step(running: int, tokens: int) -> bool:
     """A pure decode step: one token for each request in the batch."""
@@ -59,6 +70,11 @@ class RunResult:
     logits_time_s: list[float] = field(default_factory=list)
     # Generated tokens per request, in prompt order (real engine only; not in the JSON).
     output_token_ids: list[list[int]] = field(default_factory=list)
+    # The multi-turn workload's reusable-token hit rates (None for the random workload).
+    reuse: Optional[ReuseFigures] = None
+    # The core's cumulative counters over the timed run (after minus before): prefix queries,
+    # hits, evictions, and the miss reasons (`Coordinator.stats`).
+    cache_counters: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def starting(
@@ -208,6 +224,8 @@ class RunResult:
                 max(self.running_per_step, default=0), lm_head_is_model=False
             ),
             "decode_step_cost_s": self.decode_step_cost(),
+            "reuse": None if self.reuse is None else self.reuse.to_dict(),
+            "cache_counters": self.cache_counters,
         }
 
     def to_dict(self) -> dict[str, Any]:

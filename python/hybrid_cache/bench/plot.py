@@ -7,7 +7,7 @@ modes are not comparable, while shares of the same KV budget are."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hybrid_cache.bench.metrics import RunResult
@@ -68,6 +68,44 @@ def plot_runs(results: Mapping[str, RunResult], path: str, title: str) -> None:
     running_axis.set_xlabel("engine step")
     running_axis.legend(fontsize=8, loc="upper right")
     running_axis.grid(alpha=0.3)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_sweep(points: Sequence[tuple[str, Mapping[str, RunResult]]], path: str, title: str) -> None:
+    """Writes a two-panel PNG of a budget sweep: top, each mode's reusable-token hit rate
+    (multi-turn) against the budget; bottom, total tokens/s against the budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hybrid_cache.sizes import parse_memory_size
+
+    figure, (hit_axis, speed_axis) = plt.subplots(
+        2, 1, figsize=(8, 7), sharex=True, constrained_layout=True
+    )
+    budgets_mib = [parse_memory_size(budget) / 2**20 for budget, _ in points]
+    modes = list(points[0][1]) if points else []
+    for mode in modes:
+        style = MODE_STYLES.get(mode, ":")
+        rates = []
+        for _, results in points:
+            reuse = results[mode].reuse
+            rate = None if reuse is None else reuse.hit_rate
+            rates.append(float("nan") if rate is None else 100.0 * rate)
+        hit_axis.plot(budgets_mib, rates, style, marker="o", label=mode)
+        speeds = [results[mode].total_tokens_per_s for _, results in points]
+        speed_axis.plot(budgets_mib, speeds, style, marker="o", label=mode)
+    hit_axis.set_ylabel("reusable-token hit rate (%)")
+    hit_axis.set_ylim(0, 100)
+    hit_axis.legend()
+    hit_axis.grid(alpha=0.3)
+    speed_axis.set_ylabel("total tokens/s")
+    speed_axis.set_xlabel("KV cache budget (MiB)")
+    speed_axis.grid(alpha=0.3)
+    hit_axis.set_title(title)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)

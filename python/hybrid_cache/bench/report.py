@@ -64,12 +64,82 @@ def format_mode(result: RunResult) -> list[str]:
             f"all steps, {at_largest:.1%} of steps with {largest} requests "
             f"({head_as_engine:.1%} counting the LM head as engine time)"
         )
+    if result.reuse is not None:
+        lines.append(format_reuse(result))
+    misses = format_misses(result.cache_counters)
+    if misses:
+        lines.append(misses)
     fit = result.decode_step_cost()
     if fit is not None:
         lines.append(
             f"Decode step time fit: {fit[0] * 1e3:.2f} ms + {fit[1] * 1e3:.3f} ms per request"
         )
     return lines
+
+
+def format_reuse(result: RunResult) -> str:
+    """The multi-turn reuse line: overall reusable-token hit rate and per turn."""
+    reuse = result.reuse
+    assert reuse is not None
+    per_turn = ", ".join(
+        f"t{turn.turn} {turn.hit_rate:.0%}"
+        for turn in reuse.turns
+        if turn.hit_rate is not None
+    )
+    overall = "n/a (one turn)" if reuse.hit_rate is None else f"{reuse.hit_rate:.1%}"
+    first = reuse.turns[0].hit_tokens if reuse.turns else 0
+    return (
+        f"Reusable-token hit rate: {overall} ({reuse.hit_tokens} of {reuse.reusable_tokens} "
+        f"tokens an earlier turn computed; per turn: {per_turn or '-'}); turn 0 hit {first} "
+        "system-prompt tokens"
+    )
+
+
+MISS_REASONS = (
+    ("miss_tokens_never_cached", "never cached"),
+    ("miss_tokens_evicted", "evicted"),
+    ("miss_tokens_window_tail", "window tail missing"),
+    ("miss_tokens_alignment", "hit alignment"),
+)
+
+
+def format_misses(counters: Mapping[str, int]) -> Optional[str]:
+    """Where the prompt tokens that could have hit went (the core's miss counters), or None
+    when the core reports none."""
+    if "miss_tokens_never_cached" not in counters:
+        return None
+    parts = ", ".join(f"{label} {counters.get(name, 0)}" for name, label in MISS_REASONS)
+    evicted_early = counters.get("evictions_with_uncached_free", 0)
+    return (
+        f"Prompt tokens missed by reason: {parts}; cached blocks evicted while uncached free "
+        f"blocks existed: {evicted_early}"
+    )
+
+
+def format_sweep(points: Sequence[tuple[str, Mapping[str, RunResult]]]) -> str:
+    """One row per budget: each mode's reusable-token hit rate (multi-turn runs) and total
+    tokens/s, and hybrid over uniform where both ran."""
+    modes = list(points[0][1]) if points else []
+    header = ["budget"]
+    for mode in modes:
+        header += [f"{mode} hit", f"{mode} tok/s"]
+    if len(modes) == 2:
+        header.append("tok/s ratio")
+    rows = [header]
+    for budget, results in points:
+        row = [budget]
+        for mode in modes:
+            result = results[mode]
+            rate = None if result.reuse is None else result.reuse.hit_rate
+            row += ["-" if rate is None else f"{rate:.1%}", f"{result.total_tokens_per_s:.0f}"]
+        ratio = ratios(results)
+        if ratio is not None:
+            row.append(f"{ratio['total_tokens_per_s']:.2f}x")
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["== budget sweep =="]
+    lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
 
 
 def collapse_runs(pairs: list[tuple[str, int]]) -> list[tuple[str, int, int]]:

@@ -6,16 +6,21 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hybrid_cache.bench.errors import BenchConfigError
+from hybrid_cache.bench.multi_turn import MultiTurnShape
 from hybrid_cache.planner import GROUP_LAYOUTS
 
 KV_CACHE_MODES = ("hybrid", "uniform")
+WORKLOADS = ("random", "multi-turn")
 
 
 @dataclass(frozen=True)
 class BenchSettings:
     """The workload (prompts and lengths) and the engine flags shared by every mode of a run.
     `None` for `max_model_len` means `input_len + output_len`; for `kv_cache_memory` the
-    engine's default (CPU) or, with `--simulate`, the GPU budget of `cost_model`."""
+    engine's default (CPU) or, with `--simulate`, the GPU budget of `cost_model`.
+
+    `multi_turn` set means the multi-turn workload (`multi_turn.py`); build such settings with
+    `for_multi_turn`, which derives the per-request fields from the shape."""
 
     model: str
     input_len: int
@@ -33,6 +38,25 @@ class BenchSettings:
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     attention_backend: str = "auto"
+    multi_turn: Optional[MultiTurnShape] = None
+
+    @classmethod
+    def for_multi_turn(cls, model: str, shape: MultiTurnShape, **flags: Any) -> BenchSettings:
+        """Settings of a multi-turn run: `input_len` is a turn's new user tokens, `num_prompts`
+        sessions x turns; `flags` are the engine flags (no `input_len`, `output_len`,
+        `num_prompts` or `prefix_len`)."""
+        return cls(
+            model,
+            input_len=shape.turn_input_len,
+            output_len=shape.output_len,
+            num_prompts=shape.num_requests,
+            multi_turn=shape,
+            **flags,
+        )
+
+    @property
+    def workload(self) -> str:
+        return "random" if self.multi_turn is None else "multi-turn"
 
     def __post_init__(self) -> None:
         for name in ("input_len", "output_len", "num_prompts", "block_size", "max_num_seqs"):
@@ -40,10 +64,16 @@ class BenchSettings:
         check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_model_len is not None:
             check_positive("max_model_len", self.max_model_len)
-            if self.max_model_len < self.input_len + self.output_len:
+            if self.max_model_len < self.longest_request:
+                what = (
+                    "--input-len + --output-len"
+                    if self.multi_turn is None
+                    else "a session's last turn (--system-len + --num-turns x "
+                    "(--turn-input-len + --output-len))"
+                )
                 raise BenchConfigError(
-                    f"--max-model-len {self.max_model_len} is shorter than --input-len + "
-                    f"--output-len ({self.input_len + self.output_len}); raise it"
+                    f"--max-model-len {self.max_model_len} is shorter than {what} "
+                    f"({self.longest_request}); raise it"
                 )
         if not 0 <= self.prefix_len <= self.input_len:
             raise BenchConfigError(
@@ -59,8 +89,15 @@ class BenchSettings:
             raise BenchConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
 
     @property
+    def longest_request(self) -> int:
+        """Prompt plus output tokens of the workload's longest request."""
+        if self.multi_turn is not None:
+            return self.multi_turn.max_total_tokens
+        return self.input_len + self.output_len
+
+    @property
     def context_len(self) -> int:
-        return self.max_model_len or self.input_len + self.output_len
+        return self.max_model_len or self.longest_request
 
 
 def check_positive(name: str, value: Any) -> None:

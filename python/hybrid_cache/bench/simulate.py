@@ -14,9 +14,9 @@ from typing import Any, Optional
 
 from hybrid_cache.bench.cost_model import CostModel, Hardware
 from hybrid_cache.bench.errors import BenchConfigError
-from hybrid_cache.bench.metrics import RunResult
+from hybrid_cache.bench.metrics import RunResult, counter_deltas
 from hybrid_cache.bench.settings import BenchSettings
-from hybrid_cache.bench.workload import FIRST_ORDINARY_ID, make_prompts
+from hybrid_cache.bench.workload import FIRST_ORDINARY_ID, make_feed
 from hybrid_cache.config import ModelSpec, load_model_spec
 from hybrid_cache.engine.errors import InsufficientKVCacheError
 from hybrid_cache.engine.llm_engine import LLMEngine, SchedulerLimits
@@ -94,24 +94,23 @@ def simulate_mode(
     runner = SimulatedRunner(cost)
     engine = simulated_engine(settings, spec, layout, runner)
     params = SamplingParams(max_tokens=settings.output_len, temperature=0.0, ignore_eos=True)
-    prompts = make_prompts(
-        settings.num_prompts,
-        settings.input_len,
-        settings.prefix_len,
-        spec.vocab_size,
-        settings.seed,
-    )
-    for index, prompt in enumerate(prompts):
-        try:
-            engine.add_request(str(index), prompt, params)
-        except InsufficientKVCacheError as error:
-            raise BenchConfigError(
-                f"one request of {settings.input_len}+{settings.output_len} tokens does not fit "
-                f"the {mode} KV cache ({layout.num_blocks - 1} blocks); raise --kv-cache-memory"
-            ) from error
+    feed = make_feed(settings, spec.vocab_size)
+    core_before = engine.kv_cache.stats()
 
+    def add_prompts() -> None:
+        for request_id, prompt in feed.next_prompts():
+            try:
+                engine.add_request(request_id, prompt, params)
+            except InsufficientKVCacheError as error:
+                raise BenchConfigError(
+                    f"one request of {len(prompt)}+{settings.output_len} tokens does not fit "
+                    f"the {mode} KV cache ({layout.num_blocks - 1} blocks); raise "
+                    "--kv-cache-memory"
+                ) from error
+
+    add_prompts()
     result = RunResult.starting(mode, True, layout.num_blocks, group_names(layout))
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() or not feed.exhausted:
         finished = engine.step()
         failed = [request for request in finished if request.error is not None]
         if failed:
@@ -126,11 +125,16 @@ def simulate_mode(
             result.num_requests += 1
             result.num_prompt_tokens += request.num_prompt_tokens
             result.num_output_tokens += request.num_output_tokens
+            feed.record(request)
+        if finished:
+            add_prompts()
         if progress is not None and finished:
             progress.update(len(finished))
     result.num_preemptions = engine.stats.num_preemptions
     result.peak_blocks_per_group = list(engine.stats.max_used_blocks_per_group)
     result.prefix_cache_hit_rate = engine.stats.prefix_cache_hit_rate
+    result.reuse = feed.reuse
+    result.cache_counters = counter_deltas(core_before, engine.kv_cache.stats())
     return result
 
 

@@ -1,5 +1,7 @@
 """Seeded random prompts: `num_prompts` prompts of `input_len` token ids whose first
-`prefix_len` ids are shared by every prompt (a system prompt for the prefix cache to hit).
+`prefix_len` ids are shared by every prompt (a system prompt for the prefix cache to hit), fed
+to the engine all at once by `RandomFeed`. `make_feed` picks the feed of a run (this one, or the
+multi-turn workload of `multi_turn.py`).
 
 Ids are drawn from `[FIRST_ORDINARY_ID, vocab_size)` so they avoid the usual pad/bos/eos ids
 (0, 1, 2) of the presets; benchmarks also set `ignore_eos` so every request generates exactly
@@ -9,6 +11,7 @@ Ids are drawn from `[FIRST_ORDINARY_ID, vocab_size)` so they avoid the usual pad
 from __future__ import annotations
 
 import random
+from typing import Any, Optional
 
 from hybrid_cache.bench.errors import BenchConfigError
 
@@ -36,3 +39,35 @@ def make_prompts(
         ]
         for _ in range(num_prompts)
     ]
+
+
+class RandomFeed:
+    """The random workload's prompts, all at once (the bench's default workload)."""
+
+    def __init__(self, prompts: list[list[int]]) -> None:
+        self._prompts: Optional[list[list[int]]] = prompts
+        self.reuse: Optional[ReuseFigures] = None
+
+    @property
+    def exhausted(self) -> bool:
+        return self._prompts is None
+
+    def next_prompts(self) -> list[tuple[str, list[int]]]:
+        prompts, self._prompts = self._prompts, None
+        return [(f"bench-{index}", prompt) for index, prompt in enumerate(prompts or [])]
+
+    def record(self, request: Any) -> None:
+        pass
+
+
+def make_feed(settings: Any, vocab_size: int) -> Any:
+    """The prompt feed of a benchmark run: `RandomFeed` or, for `--workload multi-turn`,
+    `MultiTurnFeed` (both have `next_prompts`, `record`, `exhausted` and `reuse`)."""
+    if settings.multi_turn is not None:
+        from hybrid_cache.bench.multi_turn import MultiTurnFeed
+
+        return MultiTurnFeed(settings.multi_turn, vocab_size, settings.seed)
+    prompts = make_prompts(
+        settings.num_prompts, settings.input_len, settings.prefix_len, vocab_size, settings.seed
+    )
+    return RandomFeed(prompts)

@@ -4,10 +4,16 @@
         --kv-cache-memory 30.5MiB --num-threads 1 --plot bench.png --output-json bench.json
     hybrid-cache bench --simulate --model gemma-2-27b --input-len 6144 --output-len 1024 \
         --num-prompts 50 --kv-cache-mode both
+    hybrid-cache bench --model tiny-gemma3 --workload multi-turn --num-sessions 12 \
+        --num-turns 4 --system-len 64 --turn-input-len 96 --output-len 32 \
+        --kv-cache-memory 2MiB,3MiB,4MiB --plot reuse.png
 
 Flags follow vLLM's throughput benchmark where they overlap. The workload is `--num-prompts`
 seeded random token-id prompts of `--input-len` (the first `--prefix-len` shared), greedy,
-EOS ignored, exactly `--output-len` tokens each. See `hybrid_cache.bench` for the parts.
+EOS ignored, exactly `--output-len` tokens each; or (`--workload multi-turn`) chat sessions whose
+every turn resends the history (`bench/multi_turn.py`), reporting the reusable-token hit rate.
+A comma-separated `--kv-cache-memory` runs every budget and prints the hit rate and throughput
+against the budget. See `hybrid_cache.bench` for the parts.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hybrid_cache.bench.errors import BenchConfigError
+from hybrid_cache.bench.settings import WORKLOADS
 from hybrid_cache.commands import add_group_layout_argument
 
 MODES = {"hybrid": ("hybrid",), "uniform": ("uniform",), "both": ("hybrid", "uniform")}
@@ -30,12 +37,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Runs a fixed random workload and prints requests/s and tokens/s per mode.",
     )
     parser.add_argument("--model", required=True, help="model folder with config.json, or preset")
-    parser.add_argument("--input-len", type=int, required=True, help="prompt tokens per request")
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="random",
+        help="random: --num-prompts prompts at once; multi-turn: chat sessions resending their "
+        "history every turn (--num-sessions, --num-turns, --system-len, --turn-input-len)",
+    )
+    parser.add_argument("--input-len", type=int, help="random: prompt tokens per request")
     parser.add_argument("--output-len", type=int, required=True, help="generated tokens each")
-    parser.add_argument("--num-prompts", type=int, required=True)
+    parser.add_argument("--num-prompts", type=int, help="random: number of requests")
     parser.add_argument("--prefix-len", type=int, default=0, help="shared prefix of every prompt")
-    parser.add_argument("--max-model-len", type=int, help="default: input + output length")
-    parser.add_argument("--kv-cache-memory", help="KV budget, e.g. 28MiB or 40GB")
+    parser.add_argument("--num-sessions", type=int, default=12, help="multi-turn: chat sessions")
+    parser.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per session")
+    parser.add_argument(
+        "--system-len", type=int, default=0, help="multi-turn: system prompt shared by sessions"
+    )
+    parser.add_argument(
+        "--turn-input-len", type=int, help="multi-turn: new user tokens per turn"
+    )
+    parser.add_argument("--max-model-len", type=int, help="default: the longest request")
+    parser.add_argument(
+        "--kv-cache-memory",
+        help="KV budget, e.g. 28MiB or 40GB; a comma-separated list runs each (a budget sweep)",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     add_group_layout_argument(parser)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -82,12 +107,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
     check_flags(args)
+    budgets = split_budgets(args.kv_cache_memory)
     if args.num_threads is not None:
         import torch
 
         torch.set_num_threads(args.num_threads)
+    if len(budgets) > 1:
+        return run_sweep(args, budgets)
+    settings = settings_from_args(args, budgets[0])
+    print_workload(settings)
     results, elapsed_all = run_modes(args, settings)
 
     from hybrid_cache.bench.report import (
@@ -133,6 +162,73 @@ def run(args: argparse.Namespace) -> int:
         )
         plot_runs(results, args.plot, title)
     return 0
+
+
+def run_sweep(args: argparse.Namespace, budgets: list[str]) -> int:
+    """Every mode at every budget: each budget's report, then one table of the reusable-token
+    hit rate (multi-turn) and throughput against the budget; `--plot` draws that curve."""
+    from hybrid_cache.bench.report import format_report, format_sweep, json_document
+
+    print_workload(settings_from_args(args, budgets[0]))
+    how = "interleaved" if args.interleave else "alternating"
+    points: list[tuple[str, dict[str, Any]]] = []
+    documents = []
+    for budget in budgets:
+        settings = settings_from_args(args, budget)
+        print(f"=== --kv-cache-memory {budget} ===")
+        results, elapsed_all = run_modes(args, settings)
+        print(format_report(results, args.repeat, how))
+        points.append((budget, results))
+        documents.append(
+            json_document(settings, results, {"elapsed_s_of_every_run": elapsed_all})
+        )
+    print(format_sweep(points))
+    if args.output_json:
+        Path(args.output_json).write_text(
+            json.dumps({"sweep": documents}, indent=2) + "\n", encoding="utf-8"
+        )
+    if args.plot:
+        from hybrid_cache.bench.plot import plot_sweep
+
+        plot_sweep(points, args.plot, f"{args.model}: {args.workload} workload, budget sweep")
+    return 0
+
+
+def split_budgets(text: Optional[str]) -> list[Optional[str]]:
+    """`--kv-cache-memory` as a list of budgets (`[None]` when not given); each is parsed here,
+    so a bad size is a typed `MemorySizeError` before any work."""
+    from hybrid_cache.sizes import parse_memory_size
+
+    if text is None:
+        return [None]
+    budgets = [part.strip() for part in text.split(",")]
+    if any(not budget for budget in budgets):
+        raise BenchConfigError(
+            f"--kv-cache-memory {text!r} has an empty entry; give sizes separated by commas, "
+            "e.g. 2MiB,4MiB,8MiB"
+        )
+    for budget in budgets:
+        parse_memory_size(budget)
+    return budgets
+
+
+def print_workload(settings: Any) -> None:
+    """For the multi-turn workload: its size and what uniform would need to keep every history
+    (the yardstick budgets are read against)."""
+    if settings.multi_turn is None:
+        return
+    from hybrid_cache.bench.multi_turn import uniform_history_bytes
+    from hybrid_cache.config import load_model_spec
+    from hybrid_cache.sizes import format_memory_size
+
+    shape = settings.multi_turn
+    spec = load_model_spec(settings.model, settings.hf_overrides)
+    print(
+        f"Multi-turn workload: {shape.num_sessions} sessions x {shape.num_turns} turns, system "
+        f"prompt {shape.system_len}, {shape.turn_input_len} user + {shape.output_len} generated "
+        f"tokens per turn (last turn {shape.max_total_tokens} tokens); a uniform cache keeping "
+        f"every history needs {format_memory_size(uniform_history_bytes(spec, shape))}"
+    )
 
 
 def run_modes(args: argparse.Namespace, settings: Any) -> tuple[dict[str, Any], dict[str, list]]:
@@ -181,20 +277,13 @@ def run_mode(args: argparse.Namespace, settings: Any, mode: str) -> Any:
         progress.close()
 
 
-def settings_from_args(args: argparse.Namespace) -> Any:
+def settings_from_args(args: argparse.Namespace, kv_cache_memory: Optional[str]) -> Any:
+    from hybrid_cache.bench.multi_turn import MultiTurnShape
     from hybrid_cache.bench.settings import BenchSettings
-    from hybrid_cache.sizes import parse_memory_size
 
-    if args.kv_cache_memory is not None:
-        parse_memory_size(args.kv_cache_memory)  # a typed MemorySizeError before any work
-    return BenchSettings(
-        model=args.model,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        num_prompts=args.num_prompts,
-        prefix_len=args.prefix_len,
+    flags = dict(
         max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory=kv_cache_memory,
         block_size=args.block_size,
         kv_group_layout=args.kv_group_layout,
         max_num_seqs=args.max_num_seqs,
@@ -205,9 +294,27 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         seed=args.seed,
         attention_backend=args.attention_backend,
     )
+    if args.workload == "multi-turn":
+        shape = MultiTurnShape(
+            num_sessions=args.num_sessions,
+            num_turns=args.num_turns,
+            system_len=args.system_len,
+            turn_input_len=args.turn_input_len,
+            output_len=args.output_len,
+        )
+        return BenchSettings.for_multi_turn(args.model, shape, **flags)
+    return BenchSettings(
+        model=args.model,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        prefix_len=args.prefix_len,
+        **flags,
+    )
 
 
 def check_flags(args: argparse.Namespace) -> None:
+    check_workload_flags(args)
     if args.simulate and args.compare_hf:
         raise BenchConfigError("--compare-hf runs real models; it cannot be used with --simulate")
     if args.plot is not None and not args.plot.lower().endswith(".png"):
@@ -227,6 +334,33 @@ def check_flags(args: argparse.Namespace) -> None:
         )
     if args.simulate:
         hardware_from_args(args)
+
+
+def check_workload_flags(args: argparse.Namespace) -> None:
+    """Each workload's own flags are given, and the other's are not."""
+    if args.workload == "random":
+        for flag in ("input_len", "num_prompts"):
+            if getattr(args, flag) is None:
+                raise BenchConfigError(f"--{flag.replace('_', '-')} is required (random workload)")
+        if args.turn_input_len is not None:
+            raise BenchConfigError(
+                "--turn-input-len belongs to the multi-turn workload: add --workload multi-turn"
+            )
+        return
+    if args.turn_input_len is None:
+        raise BenchConfigError("--workload multi-turn needs --turn-input-len (user tokens a turn)")
+    for flag in ("input_len", "num_prompts"):
+        if getattr(args, flag) is not None:
+            raise BenchConfigError(
+                f"--{flag.replace('_', '-')} belongs to the random workload; the multi-turn one "
+                "is sized by --num-sessions, --num-turns, --system-len and --turn-input-len"
+            )
+    if args.prefix_len:
+        raise BenchConfigError(
+            "--prefix-len belongs to the random workload; the multi-turn one shares --system-len"
+        )
+    if args.compare_hf:
+        raise BenchConfigError("--compare-hf runs the random workload only; drop it")
 
 
 def hardware_from_args(args: argparse.Namespace) -> Any:
