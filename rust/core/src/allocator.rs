@@ -7,6 +7,33 @@
 use crate::error::CoreError;
 use crate::types::{BlockId, CacheKey, PoolStats};
 
+/// Where a freed block that still carries a cache key waits for reuse. Allocation takes free
+/// blocks without a key first (they hold nothing anyone can hit), then `Low` ones, then
+/// `Normal` ones; oldest first within each. A block freed without a key always joins the first
+/// queue, whatever the tier asked for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum FreeTier {
+    /// Worth less than the rest: e.g. a windowed block no hit point near the request's end needs.
+    Low,
+    /// The default.
+    #[default]
+    Normal,
+}
+
+impl FreeTier {
+    /// Index of the free queue a block joins: 0 without a key, 1 `Low`, 2 `Normal`.
+    pub(crate) fn queue(self, cached: bool) -> usize {
+        match (cached, self) {
+            (false, _) => 0,
+            (true, FreeTier::Low) => 1,
+            (true, FreeTier::Normal) => 2,
+        }
+    }
+}
+
+/// Free queues of a pool, in eviction order (see [`FreeTier`]).
+pub(crate) const NUM_FREE_QUEUES: usize = 3;
+
 pub trait BlockAllocator: Send + Sync {
     /// Blocks in the pool, the null block included.
     fn num_blocks(&self) -> usize;
@@ -14,18 +41,25 @@ pub trait BlockAllocator: Send + Sync {
     /// Blocks `get_new_blocks` may hand out now.
     fn num_free_blocks(&self) -> usize;
 
-    /// All-or-nothing: takes `count` blocks from the front of the free queue (least recently
-    /// freed first), each with ref count 1, and appends them to `out`. A block taken that still
+    /// All-or-nothing: takes `count` blocks from the front of the free queues (blocks without a
+    /// key first, then [`FreeTier::Low`], then [`FreeTier::Normal`]; least recently freed first
+    /// within each), each with ref count 1, and appends them to `out`. A block taken that still
     /// carries a cache key loses it (lazy eviction). Asking for more than are free returns
     /// `CoreError::NoFreeBlocks` and takes nothing.
     fn get_new_blocks(&self, count: usize, out: &mut Vec<BlockId>) -> Result<(), CoreError>;
 
     /// Drops one reference from each block, in the order given. A block whose count reaches 0 is
-    /// appended to the free-queue tail, keeping its cache key (still hittable until reused).
-    /// Callers pass a request's blocks newest first so the tail of a prefix chain is evicted
-    /// before its head. Every id is validated first (not the null block, in range, enough
-    /// references for the number of times it appears): a rejected call changes nothing.
-    fn free_blocks(&self, blocks: &[BlockId]) -> Result<(), CoreError>;
+    /// appended to the tail of its free queue: the [`FreeTier::Normal`] one when it carries a
+    /// cache key (still hittable until reused), the keyless one otherwise. Callers pass a
+    /// request's blocks newest first so the tail of a prefix chain is evicted before its head.
+    /// Every id is validated first (not the null block, in range, enough references for the
+    /// number of times it appears): a rejected call changes nothing.
+    fn free_blocks(&self, blocks: &[BlockId]) -> Result<(), CoreError> {
+        self.free_blocks_to(blocks, FreeTier::Normal)
+    }
+
+    /// `free_blocks`, cached blocks joining the `tier` queue.
+    fn free_blocks_to(&self, blocks: &[BlockId], tier: FreeTier) -> Result<(), CoreError>;
 
     /// The block cached under `key`, if any. Does not take a reference.
     fn cached_block(&self, key: CacheKey) -> Option<BlockId>;
@@ -35,9 +69,11 @@ pub trait BlockAllocator: Send + Sync {
     /// `key` (it was evicted in between): the caller treats that as a miss.
     fn touch_cached(&self, block: BlockId, key: CacheKey) -> bool;
 
-    /// Records that `block`, held by the caller, now holds the full block `key`. Returns
-    /// `Ok(false)` when `key` is already cached by another block (the first one stays cached;
-    /// this one stays uncached) or when `block` already carries a key.
+    /// Records that `block`, held by the caller, now holds the full block `key`. When another
+    /// block already holds `key`, this one becomes its spare: it keeps the key, `cached_block`
+    /// still finds the first one, and when the first is evicted the spare takes its place, so
+    /// the content stays findable while either copy survives. Returns `Ok(false)` (nothing
+    /// changes) when `block` already carries a key or `key` already has a spare.
     fn cache_block(&self, block: BlockId, key: CacheKey) -> Result<bool, CoreError>;
 
     /// Forgets every cache key. Refused (returns false, changes nothing) while any block is in

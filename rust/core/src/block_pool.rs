@@ -5,29 +5,35 @@
 //! - `blocks`: one `BlockSlot` per block (state word + cache key in atomics, see
 //!   `block_state`). Block 0, the null block, has a slot that is never queued, claimed, touched,
 //!   cached or freed.
-//! - `free_queue`: the LRU free queue with lazy deletion and the reservation counter (see
-//!   `free_queue`).
+//! - `free_queue`: the LRU free queues (keyless, `Low`, `Normal`: evicted in that order) with
+//!   lazy deletion and the reservation counter (see `free_queue`).
 //! - `cache`: a concurrent map `CacheKey -> BlockId` (`papaya` in the std build).
+//! - `spares`: the same kind of map for a key's second copy (a block that computed a key another
+//!   block already held), promoted into `cache` when the first copy is evicted.
 //!
 //! # Protocol
 //!
 //! - `get_new_blocks(k)`: reserve `k` units from the free counter (all or nothing), then pop
 //!   entries and claim each valid one by CAS `(0, g, c) -> (1, g+1, 0)`, skipping stale entries.
 //!   A claimed block that was cached loses its key: the map entry is removed only if it still
-//!   maps that key to this block, and an eviction is counted.
-//! - `free_blocks`: validate every id against a snapshot, then release each; the release that
-//!   reaches 0 pushes `(block, g)` at the tail and then adds one unit to the counter.
+//!   maps that key to this block (then the key's spare, if any, is inserted in its place and
+//!   taken out again if it turns out evicted meanwhile), or else its spare entry is removed;
+//!   an eviction is counted.
+//! - `free_blocks_to(tier)`: validate every id against a snapshot, then release each; the
+//!   release that reaches 0 pushes `(block, g)` at the tail of the keyless queue when the state
+//!   word had no cached bit, else of `tier`'s queue, and then adds one unit to the counter.
 //! - `touch_cached`: CAS `(r, g, 1) -> (r+1, g', 1)` from a snapshot under which the block's key
 //!   slots equal the key looked up (so a block evicted and re-cached in between is a miss); when
 //!   `r == 0` it first reserves one unit (no unit: miss) and bumps the generation, which makes the
 //!   block's queue entry stale.
 //! - `cache_block`: take the block's key slots (`pending` bit, block must be held and
-//!   uncached), insert `key -> block` into the map if absent, write the key, then publish it by
-//!   setting the cached bit (Release).
+//!   uncached), insert `key -> block` into the map if absent (else into `spares` if absent
+//!   there; else give the slots back), write the key, then publish it by setting the cached
+//!   bit (Release).
 //!
 //! Invariants: a block is held (ref count > 0) or free with exactly one valid queue entry (or its
-//! release is between the CAS and the push); `cache[key] == b` and `b` cached imply `b`'s key
-//! slots hold `key`; a cached bit is cleared before its map entry is removed and set after its
+//! release is between the CAS and the push); `cache[key] == b` (or `spares[key] == b`) and `b`
+//! cached imply `b`'s key slots hold `key`; a cached bit is cleared before its map entry is removed and set after its
 //! map entry is inserted, so a lookup may find a block that is not (or no longer) cached, which
 //! `touch_cached` reports as a miss.
 //!
@@ -67,7 +73,7 @@ use std::fmt;
 #[cfg(not(loom))]
 use std::hash::{BuildHasher, Hasher};
 
-use crate::allocator::BlockAllocator;
+use crate::allocator::{BlockAllocator, FreeTier};
 use crate::block_state::{BlockSlot, Claim, NotHeld, Release, Touch};
 use crate::error::CoreError;
 use crate::free_queue::{Entry, FreeQueue};
@@ -142,8 +148,12 @@ impl CacheMap {
         self.0.pin().try_insert(key, block).is_ok()
     }
 
-    fn remove_if_maps_to(&self, key: CacheKey, block: BlockId) {
-        let _ = self.0.pin().remove_if(&key, |_, value| *value == block);
+    /// Removes `key` if it maps to `block`; true when it did.
+    fn remove_if_maps_to(&self, key: CacheKey, block: BlockId) -> bool {
+        matches!(
+            self.0.pin().remove_if(&key, |_, value| *value == block),
+            Ok(Some(_))
+        )
     }
 }
 
@@ -172,11 +182,13 @@ impl CacheMap {
         true
     }
 
-    fn remove_if_maps_to(&self, key: CacheKey, block: BlockId) {
+    fn remove_if_maps_to(&self, key: CacheKey, block: BlockId) -> bool {
         let mut map = self.0.lock().unwrap();
         if map.get(&key) == Some(&block) {
             map.remove(&key);
+            return true;
         }
+        false
     }
 }
 
@@ -188,9 +200,14 @@ pub struct BlockPool {
     free_queue: FreeQueue,
     /// `key -> block` for cached blocks (and, transiently, blocks being cached or evicted).
     cache: CacheMap,
+    /// `key -> block` for the one spare copy of a key `cache` maps to another block: promoted
+    /// into `cache` when that block is evicted.
+    spares: CacheMap,
     /// Blocks whose cached bit is set, plus those between map insert and publishing; exact
     /// whenever no `cache_block` is in flight.
     num_cached: AtomicUsize,
+    /// Entries in `spares` (exact whenever no cache call is in flight).
+    num_spares: AtomicUsize,
     /// Cached blocks claimed for reuse (keys dropped by lazy eviction).
     num_evictions: AtomicU64,
 }
@@ -211,15 +228,18 @@ impl BlockPool {
         // Compact once stale entries outnumber the blocks: the FIFO stays O(num_blocks).
         let free_queue = FreeQueue::new(num_blocks);
         for block in 1..num_blocks as BlockId {
-            free_queue.push(Entry {
+            let entry = Entry {
                 block,
                 generation: blocks[block as usize].load().generation(),
-            });
+            };
+            free_queue.push(entry, FreeTier::Normal.queue(false));
         }
         Ok(BlockPool {
             blocks,
             free_queue,
             cache: CacheMap::new(),
+            spares: CacheMap::new(),
+            num_spares: AtomicUsize::new(0),
             num_cached: AtomicUsize::new(0),
             num_evictions: AtomicU64::new(0),
         })
@@ -239,14 +259,44 @@ impl BlockPool {
         })
     }
 
-    /// Drops the key of a block this thread just claimed while it was cached.
+    /// Drops the key of a block this thread just claimed while it was cached; when it was the
+    /// key's first copy, its spare (if any) takes its place.
     fn evict(&self, block: BlockId) {
         // The claimer holds the block and the cached bit is clear, so nobody rewrites the slots.
         let key = self.blocks[block as usize].key();
-        self.cache.remove_if_maps_to(key, block);
+        if self.cache.remove_if_maps_to(key, block) {
+            self.promote_spare(key);
+        } else {
+            self.remove_spare(key, block);
+        }
         // Relaxed: statistics only.
         self.num_cached.fetch_sub(1, Ordering::Relaxed);
         self.num_evictions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Moves the spare of `key` (if any) into the cache map. The spare may be evicted at any
+    /// moment: if it no longer holds `key` once inserted, the entry is taken out again (its own
+    /// eviction, if it ran before the insert, could not remove it).
+    fn promote_spare(&self, key: CacheKey) {
+        let Some(spare) = self.spares.get(key) else {
+            return;
+        };
+        if !self.cache.insert_if_absent(key, spare) {
+            return; // a new first copy was cached meanwhile; the spare stays a spare
+        }
+        self.remove_spare(key, spare);
+        let slot = &self.blocks[spare as usize];
+        if !(slot.load().is_cached() && slot.key() == key) {
+            self.cache.remove_if_maps_to(key, spare);
+        }
+    }
+
+    /// Removes the spare entry `key -> block`, if it is there.
+    fn remove_spare(&self, key: CacheKey, block: BlockId) {
+        if self.spares.remove_if_maps_to(key, block) {
+            // Relaxed: statistics only.
+            self.num_spares.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     /// Checks a whole `free_blocks` call before anything changes; same order and errors as
@@ -309,14 +359,14 @@ impl BlockAllocator for BlockPool {
         Ok(())
     }
 
-    fn free_blocks(&self, blocks: &[BlockId]) -> Result<(), CoreError> {
+    fn free_blocks_to(&self, blocks: &[BlockId], tier: FreeTier) -> Result<(), CoreError> {
         self.validate_free(blocks)?;
         let mut raced = None;
         for &block in blocks {
             match self.blocks[block as usize].release() {
-                Release::NowFree { generation } => {
-                    self.free_queue.push(Entry { block, generation })
-                }
+                Release::NowFree { generation, cached } => self
+                    .free_queue
+                    .push(Entry { block, generation }, tier.queue(cached)),
                 Release::StillHeld => {}
                 Release::NotHeld => {
                     raced.get_or_insert(CoreError::DoubleFree { block });
@@ -364,20 +414,33 @@ impl BlockAllocator for BlockPool {
             Ok(None) => return Ok(false),
             Ok(Some(generation)) => generation,
         };
-        if !self.cache.insert_if_absent(key, block) {
+        let spare = if self.cache.insert_if_absent(key, block) {
+            false
+        } else if self.spares.insert_if_absent(key, block) {
+            // Relaxed: statistics only.
+            self.num_spares.fetch_add(1, Ordering::Relaxed);
+            true
+        } else {
             slot.abort_caching(generation);
             return Ok(false);
-        }
+        };
         // Counted before the bit is published so a concurrent eviction never underflows it.
         // Relaxed: statistics only.
         self.num_cached.fetch_add(1, Ordering::Relaxed);
-        if slot.finish_caching(generation, key) {
-            Ok(true)
-        } else {
-            self.cache.remove_if_maps_to(key, block);
+        if !slot.finish_caching(generation, key) {
+            if spare {
+                self.remove_spare(key, block);
+            } else {
+                self.cache.remove_if_maps_to(key, block);
+            }
             self.num_cached.fetch_sub(1, Ordering::Relaxed);
-            Ok(false)
+            return Ok(false);
         }
+        if spare && self.cache.get(key).is_none() {
+            // The first copy was evicted while this one became its spare: take its place.
+            self.promote_spare(key);
+        }
+        Ok(true)
     }
 
     fn reset_prefix_cache(&self) -> bool {
@@ -386,7 +449,9 @@ impl BlockAllocator for BlockPool {
         }
         for (block, slot) in self.blocks.iter().enumerate().skip(1) {
             if let Some(key) = slot.forget_key() {
-                self.cache.remove_if_maps_to(key, block as BlockId);
+                if !self.cache.remove_if_maps_to(key, block as BlockId) {
+                    self.remove_spare(key, block as BlockId);
+                }
                 // Relaxed: statistics only.
                 self.num_cached.fetch_sub(1, Ordering::Relaxed);
             }
@@ -421,6 +486,7 @@ impl BlockAllocator for BlockPool {
             num_free_blocks: self.free_queue.num_countable(),
             // Relaxed: statistics only.
             num_cached_blocks: self.num_cached.load(Ordering::Relaxed),
+            num_spare_blocks: self.num_spares.load(Ordering::Relaxed),
             num_evictions: self.num_evictions.load(Ordering::Relaxed),
         }
     }

@@ -117,8 +117,9 @@ pub(crate) enum Claim {
 pub(crate) enum Release {
     /// Other references remain.
     StillHeld,
-    /// This was the last reference: the caller must queue `(block, generation)`.
-    NowFree { generation: u64 },
+    /// This was the last reference: the caller must queue `(block, generation)`; `cached` says
+    /// whether it still carries a cache key (which picks its free queue).
+    NowFree { generation: u64, cached: bool },
     /// The block was not held (a concurrent caller freed the same reference).
     NotHeld,
 }
@@ -272,6 +273,7 @@ impl BlockSlot {
                 Ok(_) if released.ref_count() == 0 => {
                     return Release::NowFree {
                         generation: released.generation(),
+                        cached: released.is_cached(),
                     }
                 }
                 Ok(_) => return Release::StillHeld,
@@ -379,7 +381,13 @@ mod tests {
         assert_eq!(slot.begin_caching(), Ok(None));
         assert!(slot.finish_caching(generation, key(u128::MAX - 5)));
         assert_eq!(slot.key(), key(u128::MAX - 5));
-        assert_eq!(slot.release(), Release::NowFree { generation: 1 });
+        assert_eq!(
+            slot.release(),
+            Release::NowFree {
+                generation: 1,
+                cached: true
+            }
+        );
         assert_eq!(slot.release(), Release::NotHeld);
         assert_eq!(slot.touch(key(7), || true, || ()), Touch::Miss);
         assert_eq!(
@@ -388,7 +396,13 @@ mod tests {
         );
         // The queued entry (block, 1) is stale now.
         assert_eq!(slot.claim(1), Claim::Stale);
-        assert_eq!(slot.release(), Release::NowFree { generation: 2 });
+        assert_eq!(
+            slot.release(),
+            Release::NowFree {
+                generation: 2,
+                cached: true
+            }
+        );
         assert_eq!(slot.claim(2), Claim::Claimed { was_cached: true });
         assert!(!slot.load().is_cached());
     }

@@ -1,15 +1,17 @@
-//! The LRU free queue: a lock-free FIFO of `(block, generation)` entries with lazy deletion, and
-//! a counter of the free blocks that may be handed out.
+//! The LRU free queue: lock-free FIFOs of `(block, generation)` entries with lazy deletion, one
+//! per eviction tier (keyless blocks, then `FreeTier::Low`, then `FreeTier::Normal`), and a
+//! counter of the free blocks that may be handed out.
 //!
 //! # Algorithm
 //!
-//! - Releasing a block's last reference pushes `(block, generation)` at the tail, *then*
-//!   increments `num_countable` (Release). Pushing first means every counted unit has its entry
-//!   already in the FIFO.
+//! - Releasing a block's last reference pushes `(block, generation)` at the tail of its tier's
+//!   FIFO, *then* increments `num_countable` (Release). Pushing first means every counted unit
+//!   has its entry already in one of the FIFOs.
 //! - Allocating `count` blocks first reserves `count` units from `num_countable` by CAS (all or
 //!   nothing: this is what makes `get_new_blocks` atomic with respect to capacity), then pops
-//!   entries from the head, skipping stale ones (see `block_state`), until it has claimed
-//!   `count` valid ones.
+//!   entries from the head of the first non-empty FIFO in tier order, skipping stale ones (see
+//!   `block_state`), until it has claimed `count` valid ones. The tiers only choose *which*
+//!   valid entry a pop returns; the counting argument below is over all FIFOs together.
 //! - Touching a free cached block removes it from the middle *logically*: it reserves one unit
 //!   (failing that, the touch is a miss) and bumps the block's generation, which turns its entry
 //!   stale in place.
@@ -17,13 +19,13 @@
 //! # Invariant: reservations are always backed
 //!
 //! At every moment `num_countable + outstanding reservations <= valid entries` (valid entries
-//! counted whether in the FIFO or popped by an allocator that has not yet claimed them). A push
+//! counted over all FIFOs, whether queued or popped by an allocator that has not yet claimed them). A push
 //! adds a valid entry before its unit; a claim or a touch consumes a reservation together with
 //! one valid entry (a touch racing with the release it follows may consume a unit whose entry is
 //! then pushed stale: the release's own unit restores the balance). Hence a thread holding a
-//! reservation always finds a valid entry in the FIFO: pops never wait on an empty queue except
+//! reservation always finds a valid entry in some FIFO: pops never wait on empty queues except
 //! for the instant between another thread's push and that entry becoming visible, for which
-//! [`FreeQueue::pop`] retries.
+//! [`FreeQueue::pop`] retries (all FIFOs again, in tier order).
 //!
 //! # Stale entries and compaction
 //!
@@ -32,7 +34,7 @@
 //! toucher adds one, whoever drops a stale entry subtracts one. Allocators drop the stale
 //! entries they pop. So that a workload that hits in the cache without allocating cannot grow
 //! the FIFO forever, the touch that lifts `num_stale` above `stale_limit` (the pool's block
-//! count) *compacts*: one thread at a time (a try-flag; nobody waits for it) rotates the FIFO
+//! count) *compacts*: one thread at a time (a try-flag; nobody waits for it) rotates each FIFO
 //! once under a one-unit reservation, dropping stale entries and re-pushing valid ones at the
 //! tail. Like an allocator, the compactor holds at most one popped entry at a time, so its one
 //! unit keeps the invariant above and no allocator ever waits for it. With no concurrent pushes
@@ -50,6 +52,7 @@
 //! loom a `loom::sync::Mutex<VecDeque>` stands in: the models check the state-word and counter
 //! protocol around a linearizable FIFO, which is exactly what `SegQueue` provides.
 
+use crate::allocator::NUM_FREE_QUEUES;
 use crate::primitive::{spin_wait, AtomicBool, AtomicUsize, Ordering};
 use crate::types::BlockId;
 
@@ -98,11 +101,12 @@ impl Fifo {
     }
 }
 
-/// The FIFO plus the count of blocks allocators may reserve. See the module docs.
+/// The FIFOs plus the count of blocks allocators may reserve. See the module docs.
 #[derive(Debug)]
 pub(crate) struct FreeQueue {
-    /// Entries in release order; valid ones are the free blocks in eviction order.
-    fifo: Fifo,
+    /// Per tier (eviction order), entries in release order; the valid ones of all tiers, tier by
+    /// tier, are the free blocks in eviction order.
+    fifos: [Fifo; NUM_FREE_QUEUES],
     /// Free blocks not reserved by anyone; never more than the valid entries (module docs).
     num_countable: AtomicUsize,
     /// Stale entries in the FIFO (or about to be pushed), as a wrapping count: a drop may be
@@ -118,7 +122,7 @@ impl FreeQueue {
     /// An empty queue that compacts once more than `stale_limit` stale entries pile up.
     pub(crate) fn new(stale_limit: usize) -> Self {
         FreeQueue {
-            fifo: Fifo::default(),
+            fifos: Default::default(),
             num_countable: AtomicUsize::new(0),
             num_stale: AtomicUsize::new(0),
             compacting: AtomicBool::new(false),
@@ -126,9 +130,10 @@ impl FreeQueue {
         }
     }
 
-    /// Queues a block whose last reference was just released, and makes it countable.
-    pub(crate) fn push(&self, entry: Entry) {
-        self.fifo.push(entry);
+    /// Queues a block whose last reference was just released at the tail of FIFO `queue`
+    /// (`FreeTier::queue`), and makes it countable.
+    pub(crate) fn push(&self, entry: Entry, queue: usize) {
+        self.fifos[queue].push(entry);
         // Release: a reserver that sees this unit (Acquire) also sees the entry pushed above.
         self.num_countable.fetch_add(1, Ordering::Release);
     }
@@ -161,12 +166,15 @@ impl FreeQueue {
         self.num_countable.fetch_add(count, Ordering::Release);
     }
 
-    /// Pops the head entry. Only called by a thread holding a reservation, for which the module
-    /// invariant guarantees an entry is (about to be) there.
+    /// Pops the head entry of the first non-empty FIFO in tier order. Only called by a thread
+    /// holding a reservation, for which the module invariant guarantees an entry is (about to
+    /// be) in one of them.
     pub(crate) fn pop(&self) -> Entry {
         loop {
-            if let Some(entry) = self.fifo.pop() {
-                return entry;
+            for fifo in &self.fifos {
+                if let Some(entry) = fifo.pop() {
+                    return entry;
+                }
             }
             spin_wait();
         }
@@ -206,14 +214,16 @@ impl FreeQueue {
         // popped entry at a time, so one reservation keeps every other reserver's entries in the
         // FIFO (module invariant). No unit free: nothing to compact safely now, try later.
         if self.try_reserve(1).is_ok() {
-            for _ in 0..self.fifo.len() {
-                let Some(entry) = self.fifo.pop() else {
-                    break;
-                };
-                if is_valid(entry) {
-                    self.fifo.push(entry);
-                } else {
-                    self.dropped_stale();
+            for fifo in &self.fifos {
+                for _ in 0..fifo.len() {
+                    let Some(entry) = fifo.pop() else {
+                        break;
+                    };
+                    if is_valid(entry) {
+                        fifo.push(entry);
+                    } else {
+                        self.dropped_stale();
+                    }
                 }
             }
             self.unreserve(1);
@@ -222,10 +232,10 @@ impl FreeQueue {
         self.compacting.store(false, Ordering::Release);
     }
 
-    /// Queued entries, stale ones included (tests).
+    /// Queued entries of all FIFOs, stale ones included (tests).
     #[cfg(all(test, not(loom)))]
     pub(crate) fn len(&self) -> usize {
-        self.fifo.len()
+        self.fifos.iter().map(Fifo::len).sum()
     }
 
     /// Free blocks that may be reserved now.
@@ -233,21 +243,24 @@ impl FreeQueue {
         self.num_countable.load(Ordering::Acquire)
     }
 
-    /// The queued entries that `is_valid` accepts, in FIFO order. Stale entries are kept in the
-    /// queue (dropping them here would hide from the tests the state the hot path really works
+    /// The queued entries that `is_valid` accepts, in eviction order (FIFO by FIFO in tier
+    /// order). Stale entries are kept in the queue (dropping them here would hide from the tests the state the hot path really works
     /// on). Drains and re-pushes the FIFO, so it is meant for a quiescent pool (tests,
     /// debugging): concurrent pushes would interleave with the re-pushed entries, and a
     /// concurrent allocator waits until they are back.
     pub(crate) fn valid_entries(&self, mut is_valid: impl FnMut(Entry) -> bool) -> Vec<Entry> {
-        let mut drained = Vec::new();
-        while let Some(entry) = self.fifo.pop() {
-            drained.push(entry);
+        let mut valid = Vec::new();
+        for fifo in &self.fifos {
+            let mut drained = Vec::new();
+            while let Some(entry) = fifo.pop() {
+                drained.push(entry);
+            }
+            for &entry in &drained {
+                fifo.push(entry);
+            }
+            valid.extend(drained.into_iter().filter(|&entry| is_valid(entry)));
         }
-        for &entry in &drained {
-            self.fifo.push(entry);
-        }
-        drained.retain(|&entry| is_valid(entry));
-        drained
+        valid
     }
 }
 
@@ -259,10 +272,13 @@ mod tests {
     fn reservations_are_all_or_nothing() {
         let queue = FreeQueue::new(8);
         for block in 1..=3 {
-            queue.push(Entry {
-                block,
-                generation: 0,
-            });
+            queue.push(
+                Entry {
+                    block,
+                    generation: 0,
+                },
+                2,
+            );
         }
         assert_eq!(queue.try_reserve(4), Err(3));
         assert_eq!(queue.try_reserve(2), Ok(()));
@@ -280,10 +296,13 @@ mod tests {
     fn compaction_drops_stale_entries_and_keeps_order() {
         let queue = FreeQueue::new(2);
         for block in 1..=6 {
-            queue.push(Entry {
-                block,
-                generation: 0,
-            });
+            queue.push(
+                Entry {
+                    block,
+                    generation: 0,
+                },
+                2,
+            );
         }
         // Blocks 2, 4 and 5 were touched: their entries are stale.
         let valid = |entry: Entry| ![2, 4, 5].contains(&entry.block);
@@ -303,5 +322,28 @@ mod tests {
             .map(|e| e.block)
             .collect();
         assert_eq!(order, vec![1, 3, 6]);
+    }
+
+    #[test]
+    fn pops_take_the_first_tier_first() {
+        let queue = FreeQueue::new(8);
+        let entry = |block| Entry {
+            block,
+            generation: 0,
+        };
+        queue.push(entry(1), 2);
+        queue.push(entry(2), 1);
+        queue.push(entry(3), 0);
+        queue.push(entry(4), 2);
+        queue.push(entry(5), 0);
+        let order: Vec<BlockId> = queue
+            .valid_entries(|_| true)
+            .iter()
+            .map(|e| e.block)
+            .collect();
+        assert_eq!(order, vec![3, 5, 2, 1, 4]);
+        assert_eq!(queue.try_reserve(5), Ok(()));
+        let popped: Vec<BlockId> = (0..5).map(|_| queue.pop().block).collect();
+        assert_eq!(popped, order, "pops follow the eviction order");
     }
 }

@@ -14,7 +14,7 @@ pub mod mutex_pool;
 mod primitive;
 pub mod types;
 
-pub use allocator::BlockAllocator;
+pub use allocator::{BlockAllocator, FreeTier};
 pub use block_pool::BlockPool;
 pub use coordinator::{
     AllocateStep, AttentionKind, Coordinator, CoordinatorConfig, CoordinatorStats, GroupSpec,

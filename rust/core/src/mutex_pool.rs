@@ -1,19 +1,21 @@
 //! `MutexPool`: a sequential block pool behind one `Mutex`.
 //!
 //! It is the baseline the lock-free [`crate::BlockPool`] is measured against and the reference
-//! model the property tests compare it with, so it favours obviousness over speed: an intrusive
-//! doubly-linked list over block ids as the LRU free queue (O(1) append, pop-front and removal
-//! from the middle) and a `HashMap` for the prefix cache.
+//! model the property tests compare it with, so it favours obviousness over speed: intrusive
+//! doubly-linked lists over block ids as the LRU free queues, one per tier (O(1) append,
+//! pop-front and removal from the middle), and `HashMap`s for the prefix cache and the spare
+//! copies.
 //!
 //! Invariants (checked by `debug_assert!`s and by the tests in `tests/pool_contract.rs` and
 //! `tests/pool_model.rs`):
-//! - a block is in the free list iff its ref count is 0 and it is not the null block;
-//! - `cache[key] == b` iff `key_of[b] == Some(key)`.
+//! - a block is in exactly one free list iff its ref count is 0 and it is not the null block;
+//! - `key_of[b] == Some(key)` iff `cache[key] == b` or `spares[key] == b`, and a key in
+//!   `spares` is in `cache` (mapped to another block).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use crate::allocator::BlockAllocator;
+use crate::allocator::{BlockAllocator, FreeTier, NUM_FREE_QUEUES};
 use crate::error::CoreError;
 use crate::types::{BlockId, CacheKey, PoolStats, NULL_BLOCK};
 
@@ -25,13 +27,16 @@ struct Sequential {
     ref_count: Vec<u32>,
     /// The cache key a block carries, if it holds a full cached block.
     key_of: Vec<Option<CacheKey>>,
-    /// Free-list links (`NIL` when absent). `head` is evicted first.
+    /// Free-list links (`NIL` when absent); `queue_of[b]` is the list a free block is in. The
+    /// head of the first non-empty list is evicted first.
     prev: Vec<u32>,
     next: Vec<u32>,
-    head: u32,
-    tail: u32,
+    queue_of: Vec<u8>,
+    head: [u32; NUM_FREE_QUEUES],
+    tail: [u32; NUM_FREE_QUEUES],
     num_free: usize,
     cache: HashMap<CacheKey, BlockId>,
+    spares: HashMap<CacheKey, BlockId>,
     num_evictions: u64,
 }
 
@@ -42,41 +47,54 @@ impl Sequential {
             key_of: vec![None; num_blocks],
             prev: vec![NIL; num_blocks],
             next: vec![NIL; num_blocks],
-            head: NIL,
-            tail: NIL,
+            queue_of: vec![0; num_blocks],
+            head: [NIL; NUM_FREE_QUEUES],
+            tail: [NIL; NUM_FREE_QUEUES],
             num_free: 0,
             cache: HashMap::new(),
+            spares: HashMap::new(),
             num_evictions: 0,
         };
         for block in 1..num_blocks as u32 {
-            pool.push_back(block);
+            pool.push_back(block, 0);
         }
         pool
     }
 
-    fn push_back(&mut self, block: u32) {
+    fn push_back(&mut self, block: u32, queue: usize) {
         let b = block as usize;
-        self.prev[b] = self.tail;
+        self.queue_of[b] = queue as u8;
+        self.prev[b] = self.tail[queue];
         self.next[b] = NIL;
-        if self.tail == NIL {
-            self.head = block;
+        if self.tail[queue] == NIL {
+            self.head[queue] = block;
         } else {
-            self.next[self.tail as usize] = block;
+            self.next[self.tail[queue] as usize] = block;
         }
-        self.tail = block;
+        self.tail[queue] = block;
         self.num_free += 1;
+    }
+
+    /// The block evicted next: the head of the first non-empty list.
+    fn first_free(&self) -> u32 {
+        self.head
+            .iter()
+            .copied()
+            .find(|&head| head != NIL)
+            .unwrap_or(NIL)
     }
 
     fn unlink(&mut self, block: u32) {
         let b = block as usize;
+        let queue = self.queue_of[b] as usize;
         let (prev, next) = (self.prev[b], self.next[b]);
         if prev == NIL {
-            self.head = next;
+            self.head[queue] = next;
         } else {
             self.next[prev as usize] = next;
         }
         if next == NIL {
-            self.tail = prev;
+            self.tail[queue] = prev;
         } else {
             self.prev[next as usize] = prev;
         }
@@ -144,12 +162,19 @@ impl BlockAllocator for MutexPool {
         }
         out.reserve(count);
         for _ in 0..count {
-            let block = pool.head;
+            let block = pool.first_free();
             debug_assert!(block != NIL, "free count says a block is free");
             pool.unlink(block);
             if let Some(key) = pool.key_of[block as usize].take() {
-                let removed = pool.cache.remove(&key);
-                debug_assert_eq!(removed, Some(block), "cache map and key_of disagree");
+                if pool.cache.get(&key) == Some(&block) {
+                    pool.cache.remove(&key);
+                    if let Some(spare) = pool.spares.remove(&key) {
+                        pool.cache.insert(key, spare);
+                    }
+                } else {
+                    let removed = pool.spares.remove(&key);
+                    debug_assert_eq!(removed, Some(block), "cache maps and key_of disagree");
+                }
                 pool.num_evictions += 1;
             }
             pool.ref_count[block as usize] = 1;
@@ -158,7 +183,7 @@ impl BlockAllocator for MutexPool {
         Ok(())
     }
 
-    fn free_blocks(&self, blocks: &[BlockId]) -> Result<(), CoreError> {
+    fn free_blocks_to(&self, blocks: &[BlockId], tier: FreeTier) -> Result<(), CoreError> {
         let mut pool = self.lock();
         // Validate everything before changing anything.
         let mut seen: HashMap<BlockId, u32> = HashMap::new();
@@ -174,7 +199,8 @@ impl BlockAllocator for MutexPool {
             let b = block as usize;
             pool.ref_count[b] -= 1;
             if pool.ref_count[b] == 0 {
-                pool.push_back(block);
+                let queue = tier.queue(pool.key_of[b].is_some());
+                pool.push_back(block, queue);
             }
         }
         Ok(())
@@ -204,10 +230,14 @@ impl BlockAllocator for MutexPool {
                 "block {block} is free; only a block the caller holds can be cached"
             )));
         }
-        if pool.key_of[block as usize].is_some() || pool.cache.contains_key(&key) {
+        if pool.key_of[block as usize].is_some() || pool.spares.contains_key(&key) {
             return Ok(false);
         }
-        pool.cache.insert(key, block);
+        if pool.cache.contains_key(&key) {
+            pool.spares.insert(key, block);
+        } else {
+            pool.cache.insert(key, block);
+        }
         pool.key_of[block as usize] = Some(key);
         Ok(true)
     }
@@ -218,6 +248,7 @@ impl BlockAllocator for MutexPool {
             return false;
         }
         pool.cache.clear();
+        pool.spares.clear();
         pool.key_of.iter_mut().for_each(|key| *key = None);
         true
     }
@@ -230,10 +261,12 @@ impl BlockAllocator for MutexPool {
     fn free_queue_order(&self) -> Vec<BlockId> {
         let pool = self.lock();
         let mut order = Vec::with_capacity(pool.num_free);
-        let mut block = pool.head;
-        while block != NIL {
-            order.push(block);
-            block = pool.next[block as usize];
+        for &head in &pool.head {
+            let mut block = head;
+            while block != NIL {
+                order.push(block);
+                block = pool.next[block as usize];
+            }
         }
         order
     }
@@ -243,7 +276,8 @@ impl BlockAllocator for MutexPool {
         PoolStats {
             num_blocks: pool.ref_count.len(),
             num_free_blocks: pool.num_free,
-            num_cached_blocks: pool.cache.len(),
+            num_cached_blocks: pool.cache.len() + pool.spares.len(),
+            num_spare_blocks: pool.spares.len(),
             num_evictions: pool.num_evictions,
         }
     }

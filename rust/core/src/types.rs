@@ -30,8 +30,11 @@ pub struct PoolStats {
     pub num_blocks: usize,
     /// Blocks with ref count 0 (cached or not), the null block excluded.
     pub num_free_blocks: usize,
-    /// Blocks that currently carry a cache key (in use or free).
+    /// Blocks that currently carry a cache key (in use or free), spares included.
     pub num_cached_blocks: usize,
+    /// Of those, the second copies of a key another block holds (see
+    /// [`crate::BlockAllocator::cache_block`]).
+    pub num_spare_blocks: usize,
     /// Cached blocks whose key was dropped because the block was reused.
     pub num_evictions: u64,
 }

@@ -362,3 +362,60 @@ fn touch_borrows_a_unit_while_the_release_is_in_flight() {
         assert_eq!(pool.num_free_blocks(), 0);
     });
 }
+
+#[test]
+fn tiers_under_a_racing_free() {
+    model(|| {
+        // Block 1 is cached and held, block 2 free and keyless. One thread frees block 1 (to the
+        // Normal tier) while another allocates one block and then, if it can, a second: the
+        // first block it gets is always the keyless one (tier order), the second can only be
+        // block 1 once its free landed, and every block ends free or held exactly once.
+        let pool = Arc::new(BlockPool::new(3).unwrap());
+        let mut out = Vec::new();
+        pool.get_new_blocks(1, &mut out).unwrap();
+        assert!(pool.cache_block(1, key(4)).unwrap());
+        let other = Arc::clone(&pool);
+        let freer = thread::spawn(move || other.free_blocks(&[1]).unwrap());
+        let mut got = Vec::new();
+        pool.get_new_blocks(1, &mut got).unwrap();
+        assert_eq!(got, vec![2], "the keyless block goes before the cached one");
+        let second = pool.get_new_blocks(1, &mut got);
+        freer.join().unwrap();
+        if second.is_ok() {
+            assert_eq!(got, vec![2, 1]);
+        }
+        check_quiescent(&pool, &got);
+    });
+}
+
+#[test]
+fn spare_promotion_races_its_eviction() {
+    model(|| {
+        // Key K cached by free block 1 with a spare, free block 2. Two allocators take one block
+        // each: both copies are evicted, in either order, concurrently with the promotion of
+        // the spare. Afterwards K maps to nothing (no stale entry), so K can be cached again.
+        let pool = Arc::new(BlockPool::new(3).unwrap());
+        let mut out = Vec::new();
+        pool.get_new_blocks(2, &mut out).unwrap();
+        assert!(pool.cache_block(1, key(6)).unwrap());
+        assert!(pool.cache_block(2, key(6)).unwrap());
+        pool.free_blocks(&[1, 2]).unwrap();
+        let other = Arc::clone(&pool);
+        let handle = thread::spawn(move || {
+            let mut mine = Vec::new();
+            other.get_new_blocks(1, &mut mine).unwrap();
+            mine
+        });
+        let mut mine = Vec::new();
+        pool.get_new_blocks(1, &mut mine).unwrap();
+        let theirs = handle.join().unwrap();
+        mine.extend(theirs);
+        mine.sort_unstable();
+        assert_eq!(mine, vec![1, 2]);
+        assert_eq!(pool.cached_block(key(6)), None, "no stale map entry");
+        assert_eq!(pool.stats().num_cached_blocks, 0);
+        assert_eq!(pool.stats().num_spare_blocks, 0);
+        assert!(pool.cache_block(1, key(6)).unwrap());
+        assert_eq!(pool.cached_block(key(6)), Some(1));
+    });
+}

@@ -8,7 +8,7 @@
 //! private). `tests/pool_model.rs` compares the two pools on random operation sequences.
 
 use hybrid_cache_core::{
-    BlockAllocator, BlockHash, BlockPool, CacheKey, CoreError, MutexPool, NULL_BLOCK,
+    BlockAllocator, BlockHash, BlockPool, CacheKey, CoreError, FreeTier, MutexPool, NULL_BLOCK,
 };
 
 /// A pool the contract tests can build; `contract_tests!` implements it for each pool type.
@@ -24,8 +24,8 @@ fn key(group: u32, hash: u128) -> CacheKey {
     }
 }
 
-/// Blocks come from the front of the free queue in id order at first; freed blocks go to the
-/// tail in the order given.
+/// Blocks come from the front of the free queue in id order at first; freed blocks (keyless
+/// here) go to the tail in the order given.
 fn allocates_in_lru_order_and_frees_to_the_tail<P: Pool>() {
     let pool = P::with_blocks(5);
     let mut out = Vec::new();
@@ -101,29 +101,91 @@ fn cached_block_is_hittable_after_free_and_evicted_on_reuse<P: Pool>() {
     assert_eq!(pool.stats().num_evictions, 1);
 }
 
-/// A key maps to one block: a second block under it is refused. Touching a free cached block
-/// in the middle of the queue removes it from there (a touch under another key misses); when
-/// it is reused, its key goes and the eviction is counted.
+/// A second block cached under a key becomes its spare (a third is refused). Freed, the
+/// keyless block goes before both cached ones. Touching a free cached block in the middle of
+/// the queue removes it from there (a touch under another key misses); when both copies are
+/// reused, the key goes and two evictions are counted.
 fn touch_removes_from_the_middle_and_eviction_drops_the_key<P: Pool>() {
-    let pool = P::with_blocks(4);
+    let pool = P::with_blocks(5);
     let mut out = Vec::new();
-    pool.get_new_blocks(3, &mut out).unwrap();
+    pool.get_new_blocks(4, &mut out).unwrap();
     assert!(pool.cache_block(2, key(0, 9)).unwrap());
-    assert!(!pool.cache_block(3, key(0, 9)).unwrap());
-    pool.free_blocks(&[3, 2, 1]).unwrap();
-    assert_eq!(pool.free_queue_order(), vec![3, 2, 1]);
+    assert!(pool.cache_block(3, key(0, 9)).unwrap(), "the spare copy");
+    assert!(
+        !pool.cache_block(4, key(0, 9)).unwrap(),
+        "one spare per key"
+    );
+    assert_eq!(pool.stats().num_cached_blocks, 2);
+    pool.free_blocks(&[4, 3, 2, 1]).unwrap();
+    assert_eq!(pool.free_queue_order(), vec![4, 1, 3, 2]);
     assert_eq!(pool.cached_block(key(0, 9)), Some(2));
     assert!(pool.touch_cached(2, key(0, 9)));
     assert!(!pool.touch_cached(2, key(1, 9)));
-    assert_eq!(pool.free_queue_order(), vec![3, 1]);
-    assert_eq!(pool.num_free_blocks(), 2);
+    assert_eq!(pool.free_queue_order(), vec![4, 1, 3]);
+    assert_eq!(pool.num_free_blocks(), 3);
     pool.free_blocks(&[2]).unwrap();
     out.clear();
-    pool.get_new_blocks(3, &mut out).unwrap();
-    assert_eq!(out, vec![3, 1, 2]);
+    pool.get_new_blocks(4, &mut out).unwrap();
+    assert_eq!(out, vec![4, 1, 3, 2]);
     assert_eq!(pool.cached_block(key(0, 9)), None);
-    assert_eq!(pool.stats().num_evictions, 1);
+    assert_eq!(pool.stats().num_evictions, 2);
     assert_eq!(pool.stats().num_cached_blocks, 0);
+}
+
+/// When a key's first copy is evicted, its spare takes its place and stays hittable.
+fn spare_copy_is_found_once_the_first_is_evicted<P: Pool>() {
+    let pool = P::with_blocks(4);
+    let mut out = Vec::new();
+    pool.get_new_blocks(3, &mut out).unwrap();
+    assert!(pool.cache_block(1, key(0, 5)).unwrap());
+    pool.free_blocks(&[1]).unwrap();
+    assert!(
+        pool.cache_block(2, key(0, 5)).unwrap(),
+        "spare of the free first copy"
+    );
+    pool.free_blocks(&[3]).unwrap();
+    out.clear();
+    // Block 3 (keyless) goes first, then the oldest cached block: the first copy.
+    pool.get_new_blocks(2, &mut out).unwrap();
+    assert_eq!(out, vec![3, 1]);
+    assert_eq!(
+        pool.cached_block(key(0, 5)),
+        Some(2),
+        "the spare was promoted"
+    );
+    assert!(pool.touch_cached(2, key(0, 5)));
+    assert_eq!(pool.ref_count(2), 2);
+    assert_eq!(pool.stats().num_cached_blocks, 1);
+    assert_eq!(pool.stats().num_evictions, 1);
+}
+
+/// Eviction order over the tiers: keyless free blocks first, then cached blocks freed `Low`,
+/// then `Normal` ones, oldest first within each; a keyless block asked into `Normal` still
+/// goes first. Reused blocks come back keyless; `reset_prefix_cache` leaves the order as it is.
+fn keyless_blocks_go_first_then_low_then_normal<P: Pool>() {
+    let pool = P::with_blocks(7);
+    let mut out = Vec::new();
+    pool.get_new_blocks(6, &mut out).unwrap();
+    for block in [1, 2, 3, 4] {
+        assert!(pool.cache_block(block, key(0, block as u128)).unwrap());
+    }
+    pool.free_blocks_to(&[1], FreeTier::Normal).unwrap();
+    pool.free_blocks_to(&[2, 5], FreeTier::Low).unwrap();
+    pool.free_blocks_to(&[3, 6], FreeTier::Normal).unwrap();
+    pool.free_blocks_to(&[4], FreeTier::Low).unwrap();
+    assert_eq!(pool.free_queue_order(), vec![5, 6, 2, 4, 1, 3]);
+    out.clear();
+    pool.get_new_blocks(3, &mut out).unwrap();
+    assert_eq!(out, vec![5, 6, 2]);
+    assert_eq!(pool.stats().num_evictions, 1);
+    assert_eq!(
+        pool.cached_block(key(0, 1)),
+        Some(1),
+        "Normal blocks outlive Low ones"
+    );
+    pool.free_blocks(&out).unwrap();
+    assert!(pool.reset_prefix_cache());
+    assert_eq!(pool.free_queue_order(), vec![5, 6, 2, 4, 1, 3]);
 }
 
 /// The same free cached block touched and freed again many times (enough rounds to cross
@@ -176,6 +238,8 @@ contract_tests!(
         rejected_long_free_changes_nothing,
         cached_block_is_hittable_after_free_and_evicted_on_reuse,
         touch_removes_from_the_middle_and_eviction_drops_the_key,
+        spare_copy_is_found_once_the_first_is_evicted,
+        keyless_blocks_go_first_then_low_then_normal,
         hit_only_workload_keeps_lru_order,
     ] for
     block_pool => BlockPool,

@@ -3,7 +3,9 @@
 //! stats after every operation, and keep the pool invariants (every block is exactly one of
 //! free or used; the null block is never handed out).
 
-use hybrid_cache_core::{BlockAllocator, BlockHash, BlockId, BlockPool, CacheKey, MutexPool};
+use hybrid_cache_core::{
+    BlockAllocator, BlockHash, BlockId, BlockPool, CacheKey, FreeTier, MutexPool,
+};
 use proptest::prelude::*;
 use proptest::sample::Index;
 
@@ -21,10 +23,12 @@ enum BadId {
 #[derive(Clone, Debug)]
 enum Op {
     Allocate(usize),
-    /// Frees held references picked by index, in that order, plus maybe a bad id at `at`.
+    /// Frees held references picked by index, in that order, plus maybe a bad id at `at`, to
+    /// the `Low` tier or the `Normal` one.
     Free {
         picks: Vec<Index>,
         bad: Option<(BadId, Index)>,
+        low: bool,
     },
     /// Caches a held block (or, with `held == false`, any id) under a key from a small space.
     Cache {
@@ -65,9 +69,10 @@ fn op_strategy(num_blocks: u32) -> impl Strategy<Value = Op> {
         4 => (0..num_blocks as usize + 2).prop_map(Op::Allocate),
         4 => (
             prop::collection::vec(any::<Index>(), 0..6),
-            prop::option::weighted(0.25, (bad, any::<Index>()))
+            prop::option::weighted(0.25, (bad, any::<Index>())),
+            any::<bool>()
         )
-            .prop_map(|(picks, bad)| Op::Free { picks, bad }),
+            .prop_map(|(picks, bad, low)| Op::Free { picks, bad, low }),
         3 => (prop::bool::weighted(0.9), any::<Index>(), 0..num_blocks + 1, key_strategy())
             .prop_map(|(held, pick, any_block, key)| Op::Cache { held, pick, any_block, key }),
         4 => key_strategy().prop_map(Op::Hit),
@@ -108,7 +113,7 @@ impl Harness {
                 assert!(!a.contains(&0), "the null block is never handed out");
                 self.held.extend(a);
             }
-            Op::Free { picks, bad } => {
+            Op::Free { picks, bad, low } => {
                 let mut remaining = self.held.clone();
                 let mut ids: Vec<BlockId> = Vec::new();
                 for pick in picks {
@@ -126,9 +131,14 @@ impl Harness {
                     };
                     ids.insert(at.index(ids.len() + 1), id);
                 }
-                let ra = self.lock_free.free_blocks(&ids);
-                let rb = self.reference.free_blocks(&ids);
-                assert_eq!(ra, rb, "free_blocks({ids:?})");
+                let tier = if *low {
+                    FreeTier::Low
+                } else {
+                    FreeTier::Normal
+                };
+                let ra = self.lock_free.free_blocks_to(&ids, tier);
+                let rb = self.reference.free_blocks_to(&ids, tier);
+                assert_eq!(ra, rb, "free_blocks_to({ids:?}, {tier:?})");
                 if ra.is_ok() {
                     for id in ids {
                         let position = self

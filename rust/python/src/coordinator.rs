@@ -353,6 +353,7 @@ impl PyCoordinator {
         dict.set_item("num_blocks", stats.pool.num_blocks)?;
         dict.set_item("num_free_blocks", stats.pool.num_free_blocks)?;
         dict.set_item("num_cached_blocks", stats.pool.num_cached_blocks)?;
+        dict.set_item("num_spare_blocks", stats.pool.num_spare_blocks)?;
         dict.set_item("num_evictions", stats.pool.num_evictions)?;
         dict.set_item("prefix_queries", stats.prefix_queries)?;
         dict.set_item("prefix_hits", stats.prefix_hits)?;

@@ -8,19 +8,20 @@
 //!   1. plan    per group: entries the window skips now, hit blocks to touch, new blocks;
 //!              refuse (Ok(false), nothing changed) unless the pool can cover it
 //!   2. touch   the pending hit's blocks (before any new block is taken, which could evict them)
-//!   3. release skipped entries -> null block, freed newest first
+//!   3. release skipped entries -> null block, freed newest first to their free tier (`Low`
+//!              unless a hit point near the request's end or its own hit needs them)
 //!   4. take    all new blocks of all groups in one pool call
 //!   5. mirror  the changed entries into the block table; cache newly full blocks
 //! ```
 
+use super::eviction_order::release_tier;
 use super::request::{PendingHit, RequestState};
 use super::CoordinatorConfig;
 use super::{Coordinator, RowRef};
-use crate::allocator::BlockAllocator;
+use crate::allocator::{BlockAllocator, FreeTier};
 use crate::error::CoreError;
 use crate::manager::{
-    cache_full_blocks, pending_release, release_skipped, AttentionManager, CacheContext,
-    GroupBlocks,
+    cache_full_blocks, pending_release, release_nulls, AttentionManager, CacheContext, GroupBlocks,
 };
 use crate::types::{BlockId, CacheKey, GroupId, NULL_BLOCK};
 
@@ -156,6 +157,7 @@ impl<P: BlockAllocator> Coordinator<P> {
                 // the request must look its hit up again.
                 return Ok(false);
             }
+            state.hit_tokens = hit.num_tokens;
             for (group, blocks) in state.groups.iter_mut().enumerate() {
                 blocks.blocks.clone_from(&hit.rows[group]);
                 blocks.num_released = self.managers[group].num_released_blocks(computed);
@@ -164,16 +166,40 @@ impl<P: BlockAllocator> Coordinator<P> {
             }
         }
 
-        // 3. Release what the window skipped. `dirty_from[g]`: first entry of group g whose
-        // table copy is stale.
+        // 3. Release what the window skipped, each block to its free tier (`release_tier`).
+        // `dirty_from[g]`: first entry of group g whose table copy is stale.
         let mut scratch = std::mem::take(&mut self.scratch);
+        let mut low = std::mem::take(&mut self.low_scratch);
         let mut dirty_from = std::mem::take(&mut self.dirty_from);
         scratch.clear();
+        low.clear();
         dirty_from.clear();
+        let caching = self.config.enable_prefix_caching;
         for (group, manager) in self.managers.iter().enumerate() {
             let blocks = &mut state.groups[group];
             let released_range = pending_release(manager.as_ref(), blocks, computed);
-            let released = release_skipped(manager.as_ref(), blocks, computed, &mut scratch);
+            for index in released_range.clone().rev() {
+                let block = blocks.blocks[index];
+                if block == NULL_BLOCK {
+                    continue;
+                }
+                let tier = if caching {
+                    release_tier(
+                        manager.as_ref(),
+                        index,
+                        computed,
+                        state.hit_tokens,
+                        self.hit_alignment,
+                    )
+                } else {
+                    FreeTier::Normal
+                };
+                match tier {
+                    FreeTier::Low => low.push(block),
+                    FreeTier::Normal => scratch.push(block),
+                }
+            }
+            let released = release_nulls(manager.as_ref(), blocks, computed);
             self.num_references[group] -= released;
             dirty_from.push(match (&hit, released) {
                 (Some(_), _) => 0,
@@ -181,14 +207,18 @@ impl<P: BlockAllocator> Coordinator<P> {
                 (None, _) => released_range.start,
             });
         }
-        if !scratch.is_empty() {
-            if let Err(error) = self.pool.free_blocks(&scratch) {
-                debug_assert!(false, "releasing held blocks failed: {error}");
-                self.scratch = scratch;
-                self.dirty_from = dirty_from;
-                return Err(error);
-            }
+        let freed = [(&low, FreeTier::Low), (&scratch, FreeTier::Normal)]
+            .into_iter()
+            .filter(|(list, _)| !list.is_empty())
+            .try_for_each(|(list, tier)| self.pool.free_blocks_to(list, tier));
+        if let Err(error) = freed {
+            debug_assert!(false, "releasing held blocks failed: {error}");
+            self.scratch = scratch;
+            self.low_scratch = low;
+            self.dirty_from = dirty_from;
+            return Err(error);
         }
+        self.low_scratch = low;
 
         // 4. Take the new blocks.
         scratch.clear();

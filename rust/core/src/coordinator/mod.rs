@@ -26,6 +26,7 @@
 mod allocate;
 mod cache_hit;
 mod config;
+mod eviction_order;
 mod request;
 mod table;
 
@@ -39,7 +40,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::hashing::{BlockHasher, ExtraKeys};
-use crate::manager::{collect_for_free, AdmissionLimits, AttentionManager, GroupBlocks};
+use crate::manager::{AdmissionLimits, AttentionManager, GroupBlocks};
 use crate::types::{BlockId, PoolStats};
 use crate::DefaultPool;
 use request::RequestState;
@@ -91,6 +92,10 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     batch_number: u64,
     /// Scratch list of blocks, reused to avoid allocating per call.
     scratch: Vec<BlockId>,
+    /// Scratch: a freed request's blocks with the token position each ends at.
+    order_scratch: Vec<(usize, BlockId)>,
+    /// Scratch: window-released blocks that join the `Low` free tier.
+    low_scratch: Vec<BlockId>,
     /// Scratch: per group, the first table entry an `allocate` changed.
     dirty_from: Vec<usize>,
 }
@@ -152,6 +157,8 @@ impl<P: BlockAllocator> Coordinator<P> {
             prefix_hits: 0,
             batch_number: 0,
             scratch: Vec::new(),
+            order_scratch: Vec::new(),
+            low_scratch: Vec::new(),
             dirty_from: Vec::new(),
         })
     }
@@ -241,6 +248,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             hash_chains: vec![Vec::new(); self.chain_block_sizes.len()],
             groups: vec![GroupBlocks::default(); self.num_groups()],
             pending_hit: None,
+            hit_tokens: 0,
             last_batch: 0,
         };
         self.requests.insert(request.request_id, state);
@@ -306,7 +314,10 @@ impl<P: BlockAllocator> Coordinator<P> {
         Ok(())
     }
 
-    /// Frees every block of the request (newest first) and releases its row.
+    /// Frees every block of the request and releases its row. The blocks are freed in the
+    /// order their tokens end, last first, across groups (see `eviction_order`), so the
+    /// request's chain is evicted from its tail backwards in every group at once and stays
+    /// hittable, if shorter, as it goes.
     pub fn free_request(&mut self, request_id: u64) -> Result<(), CoreError> {
         let state = self
             .requests
@@ -314,12 +325,25 @@ impl<P: BlockAllocator> Coordinator<P> {
             .ok_or(CoreError::UnknownRequest { request_id })?;
         let mut freed = std::mem::take(&mut self.scratch);
         freed.clear();
-        for blocks in &state.groups {
-            collect_for_free(blocks, &mut freed);
+        if self.config.enable_prefix_caching {
+            eviction_order::retouch_hit_points(
+                &self.pool,
+                &self.managers,
+                state,
+                &self.chain_of_group,
+                self.hit_alignment,
+                &mut self.order_scratch,
+            );
+        } else {
+            self.order_scratch.clear();
         }
+        eviction_order::order_for_free(&self.managers, state, &mut self.order_scratch, &mut freed);
         let result = self.pool.free_blocks(&freed);
         self.scratch = freed;
-        result?;
+        if let Err(error) = result {
+            debug_assert!(false, "freeing a request's held blocks failed: {error}");
+            return Err(error);
+        }
         let state = self.requests.remove(&request_id).expect("checked above");
         for (group, blocks) in state.groups.iter().enumerate() {
             self.num_references[group] -= blocks.num_held();

@@ -21,6 +21,8 @@ pub struct RequestState {
     pub groups: Vec<GroupBlocks>,
     /// A hit found by `find_cache_hit`, applied by the first `allocate`.
     pub pending_hit: Option<PendingHit>,
+    /// Tokens of the hit the first `allocate` took (0 without one).
+    pub hit_tokens: usize,
     /// Marks the request as seen in the `allocate_batch` call with this number.
     pub last_batch: u64,
 }

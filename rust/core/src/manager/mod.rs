@@ -125,27 +125,23 @@ pub trait AttentionManager: Send + Sync + Debug {
     }
 }
 
-/// Replaces the entries a window skipped with the null block and appends them, newest first,
-/// to `freed` (the caller frees them). Returns how many were appended.
-pub fn release_skipped(
+/// Replaces the entries a window skipped with the null block (the caller has freed or will
+/// free the blocks; `pending_release` lists them first). Returns how many were non-null.
+pub fn release_nulls(
     manager: &dyn AttentionManager,
     blocks: &mut GroupBlocks,
     num_computed: usize,
-    freed: &mut Vec<BlockId>,
 ) -> usize {
-    let end = manager
-        .num_released_blocks(num_computed)
-        .min(blocks.blocks.len());
-    let start = blocks.num_released.min(end);
-    let before = freed.len();
-    for entry in blocks.blocks[start..end].iter_mut().rev() {
+    let range = pending_release(manager, blocks, num_computed);
+    let mut released = 0;
+    for entry in &mut blocks.blocks[range.clone()] {
         if *entry != NULL_BLOCK {
-            freed.push(*entry);
             *entry = NULL_BLOCK;
+            released += 1;
         }
     }
-    blocks.num_released = blocks.num_released.max(end);
-    freed.len() - before
+    blocks.num_released = blocks.num_released.max(range.end);
+    released
 }
 
 /// The entries the release of `num_computed` would free, oldest first (nothing changes).
@@ -181,19 +177,6 @@ pub fn cache_full_blocks(
     }
     blocks.num_cached = blocks.num_cached.max(end);
     Ok(())
-}
-
-/// Appends the request's held blocks, newest first, to `out` (for freeing the request: the tail
-/// of a prefix chain is evicted before its head).
-pub fn collect_for_free(blocks: &GroupBlocks, out: &mut Vec<BlockId>) {
-    out.extend(
-        blocks
-            .blocks
-            .iter()
-            .rev()
-            .copied()
-            .filter(|&block| block != NULL_BLOCK),
-    );
 }
 
 /// The table prefix of a hit of `hit_blocks` blocks: null entries for what the window skips,

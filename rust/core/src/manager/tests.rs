@@ -12,9 +12,8 @@ fn row_after_release(
         blocks: (1..=num_blocks as BlockId).collect(),
         ..GroupBlocks::default()
     };
-    let mut freed = Vec::new();
     for &num_computed in computed {
-        release_skipped(manager, &mut blocks, num_computed, &mut freed);
+        release_nulls(manager, &mut blocks, num_computed);
     }
     blocks.blocks
 }
@@ -36,16 +35,16 @@ fn sliding_window_release_vectors() {
 }
 
 #[test]
-fn release_frees_newest_first_and_only_once() {
+fn release_lists_then_nulls_each_entry_once() {
     let window = SlidingWindowManager::new(2, 4);
     let mut blocks = GroupBlocks {
         blocks: vec![1, 2, 3, 4, 5, 6],
         ..GroupBlocks::default()
     };
-    let mut freed = Vec::new();
-    assert_eq!(release_skipped(&window, &mut blocks, 11, &mut freed), 4);
-    assert_eq!(freed, vec![4, 3, 2, 1]);
-    assert_eq!(release_skipped(&window, &mut blocks, 11, &mut freed), 0);
+    assert_eq!(pending_release(&window, &blocks, 11), 0..4);
+    assert_eq!(release_nulls(&window, &mut blocks, 11), 4);
+    assert_eq!(blocks.blocks, vec![0, 0, 0, 0, 5, 6]);
+    assert_eq!(release_nulls(&window, &mut blocks, 11), 0);
     assert_eq!(pending_release(&window, &blocks, 12), 4..4);
 }
 
@@ -212,7 +211,4 @@ fn caches_full_hittable_blocks_once() {
         hash: BlockHash(11),
     };
     assert_eq!(pool.cached_block(key), Some(out[1]));
-    let mut freed = Vec::new();
-    collect_for_free(&blocks, &mut freed);
-    assert_eq!(freed, vec![out[2], out[1], out[0]]);
 }
