@@ -16,9 +16,7 @@ from hybrid_cache.bench.multi_turn import ReuseFigures
 def counter_deltas(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     """The core's cumulative counters (`KVCacheManager.stats()`) over a stretch of a run."""
     return {
-        name: value - before.get(name, 0)
-        for name, value in after.items()
-        if isinstance(value, int)
+        name: value - before.get(name, 0) for name, value in after.items() if isinstance(value, int)
     }
 
 
@@ -72,8 +70,8 @@ class RunResult:
     output_token_ids: list[list[int]] = field(default_factory=list)
     # The multi-turn workload's reusable-token hit rates (None for the random workload).
     reuse: Optional[ReuseFigures] = None
-    # The core's cumulative counters over the timed run (after minus before): prefix queries,
-    # hits, evictions, and the miss reasons (`Coordinator.stats`).
+    # The core's cumulative counters over the timed run (after minus before): prefix queries and
+    # hits, evictions, cached and spare blocks (`Coordinator.stats`).
     cache_counters: dict[str, int] = field(default_factory=dict)
 
     @classmethod

@@ -62,7 +62,9 @@ class MultiTurnShape:
         return self.system_len + self.num_turns * (self.turn_input_len + self.output_len)
 
     def prompt_len(self, turn: int) -> int:
-        return self.system_len + turn * (self.turn_input_len + self.output_len) + self.turn_input_len
+        return (
+            self.system_len + turn * (self.turn_input_len + self.output_len) + self.turn_input_len
+        )
 
 
 @dataclass

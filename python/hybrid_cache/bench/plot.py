@@ -73,7 +73,9 @@ def plot_runs(results: Mapping[str, RunResult], path: str, title: str) -> None:
     plt.close(figure)
 
 
-def plot_sweep(points: Sequence[tuple[str, Mapping[str, RunResult]]], path: str, title: str) -> None:
+def plot_sweep(
+    points: Sequence[tuple[str, Mapping[str, RunResult]]], path: str, title: str
+) -> None:
     """Writes a two-panel PNG of a budget sweep: top, each mode's reusable-token hit rate
     (multi-turn) against the budget; bottom, total tokens/s against the budget."""
     import matplotlib

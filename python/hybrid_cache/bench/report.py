@@ -66,9 +66,6 @@ def format_mode(result: RunResult) -> list[str]:
         )
     if result.reuse is not None:
         lines.append(format_reuse(result))
-    misses = format_misses(result.cache_counters)
-    if misses:
-        lines.append(misses)
     fit = result.decode_step_cost()
     if fit is not None:
         lines.append(
@@ -82,9 +79,7 @@ def format_reuse(result: RunResult) -> str:
     reuse = result.reuse
     assert reuse is not None
     per_turn = ", ".join(
-        f"t{turn.turn} {turn.hit_rate:.0%}"
-        for turn in reuse.turns
-        if turn.hit_rate is not None
+        f"t{turn.turn} {turn.hit_rate:.0%}" for turn in reuse.turns if turn.hit_rate is not None
     )
     overall = "n/a (one turn)" if reuse.hit_rate is None else f"{reuse.hit_rate:.1%}"
     first = reuse.turns[0].hit_tokens if reuse.turns else 0
@@ -92,27 +87,6 @@ def format_reuse(result: RunResult) -> str:
         f"Reusable-token hit rate: {overall} ({reuse.hit_tokens} of {reuse.reusable_tokens} "
         f"tokens an earlier turn computed; per turn: {per_turn or '-'}); turn 0 hit {first} "
         "system-prompt tokens"
-    )
-
-
-MISS_REASONS = (
-    ("miss_tokens_never_cached", "never cached"),
-    ("miss_tokens_evicted", "evicted"),
-    ("miss_tokens_window_tail", "window tail missing"),
-    ("miss_tokens_alignment", "hit alignment"),
-)
-
-
-def format_misses(counters: Mapping[str, int]) -> Optional[str]:
-    """Where the prompt tokens that could have hit went (the core's miss counters), or None
-    when the core reports none."""
-    if "miss_tokens_never_cached" not in counters:
-        return None
-    parts = ", ".join(f"{label} {counters.get(name, 0)}" for name, label in MISS_REASONS)
-    evicted_early = counters.get("evictions_with_uncached_free", 0)
-    return (
-        f"Prompt tokens missed by reason: {parts}; cached blocks evicted while uncached free "
-        f"blocks existed: {evicted_early}"
     )
 
 

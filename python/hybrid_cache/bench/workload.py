@@ -11,9 +11,12 @@ Ids are drawn from `[FIRST_ORDINARY_ID, vocab_size)` so they avoid the usual pad
 from __future__ import annotations
 
 import random
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from hybrid_cache.bench.errors import BenchConfigError
+
+if TYPE_CHECKING:
+    from hybrid_cache.bench.multi_turn import ReuseFigures
 
 FIRST_ORDINARY_ID = 3
 

@@ -53,9 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--system-len", type=int, default=0, help="multi-turn: system prompt shared by sessions"
     )
-    parser.add_argument(
-        "--turn-input-len", type=int, help="multi-turn: new user tokens per turn"
-    )
+    parser.add_argument("--turn-input-len", type=int, help="multi-turn: new user tokens per turn")
     parser.add_argument("--max-model-len", type=int, help="default: the longest request")
     parser.add_argument(
         "--kv-cache-memory",
@@ -179,9 +177,7 @@ def run_sweep(args: argparse.Namespace, budgets: list[str]) -> int:
         results, elapsed_all = run_modes(args, settings)
         print(format_report(results, args.repeat, how))
         points.append((budget, results))
-        documents.append(
-            json_document(settings, results, {"elapsed_s_of_every_run": elapsed_all})
-        )
+        documents.append(json_document(settings, results, {"elapsed_s_of_every_run": elapsed_all}))
     print(format_sweep(points))
     if args.output_json:
         Path(args.output_json).write_text(

@@ -233,10 +233,13 @@ impl BlockAllocator for MutexPool {
         if pool.key_of[block as usize].is_some() || pool.spares.contains_key(&key) {
             return Ok(false);
         }
-        if pool.cache.contains_key(&key) {
-            pool.spares.insert(key, block);
-        } else {
-            pool.cache.insert(key, block);
+        match pool.cache.entry(key) {
+            std::collections::hash_map::Entry::Vacant(entry) => {
+                entry.insert(block);
+            }
+            std::collections::hash_map::Entry::Occupied(_) => {
+                pool.spares.insert(key, block);
+            }
         }
         pool.key_of[block as usize] = Some(key);
         Ok(true)

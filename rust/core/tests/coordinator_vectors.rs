@@ -541,3 +541,78 @@ fn append_batch_is_validated_as_a_whole() {
     c.append_token_ids_batch(&[2, 1], &[5, 6]).unwrap();
     assert_eq!((c.num_tokens(1).unwrap(), c.num_tokens(2).unwrap()), (4, 4));
 }
+
+/// Records in `seen[i]` the block of entry `i` of a request's row the first time it is not null
+/// (so blocks a window released later are still known).
+fn remember_blocks(c: &Coordinator, request_id: u64, group: usize, seen: &mut Vec<u32>) {
+    let row = c.request_blocks(request_id, group).unwrap();
+    seen.resize(row.len().max(seen.len()), NULL_BLOCK);
+    for (entry, &block) in seen.iter_mut().zip(row) {
+        if *entry == NULL_BLOCK {
+            *entry = block;
+        }
+    }
+}
+
+#[test]
+fn freed_request_goes_tail_first_across_groups_after_low_window_blocks() {
+    // Full B=2 and window W=4 B=2 (hit alignment 2), 12 tokens in three chunks: at 8 computed
+    // the window releases blocks 0 and 1, which no hit point near the end needs (Low tier).
+    let mut c = coordinator(32, vec![full(2), window(2, 4)]);
+    add(&mut c, 1, &tokens(12));
+    let mut w = Vec::new();
+    for (computed, new) in [(0, 4), (4, 4), (8, 4)] {
+        assert!(allocate(&mut c, 1, computed, new));
+        remember_blocks(&c, 1, 1, &mut w);
+    }
+    let f = c.request_blocks(1, 0).unwrap().to_vec();
+    let released = c.pool().free_queue_order();
+    assert_eq!(&released[released.len() - 2..], &[w[1], w[0]]);
+    c.free_request(1).unwrap();
+    let order = c.pool().free_queue_order();
+    // Low first (w1, w0), then by end position, last first, full before window on ties.
+    let expected = [
+        w[1], w[0], f[5], w[5], f[4], w[4], f[3], w[3], f[2], w[2], f[1], f[0],
+    ];
+    assert_eq!(&order[order.len() - expected.len()..], &expected);
+    // The keyless blocks (never used) are all before them.
+    assert_eq!(order.len(), 31);
+}
+
+#[test]
+fn end_point_window_blocks_released_early_are_requeued_with_the_tail() {
+    // Full B=4 and window W=4 B=2: hits align to 4. A decode step at 13 computed releases
+    // window block 4, which the end point 12 still needs: it is re-touched when the request is
+    // freed and queued with the tail in position order, after the Low blocks 0..3.
+    let mut c = coordinator(32, vec![full(4), window(2, 4)]);
+    add(&mut c, 1, &tokens(12));
+    let mut w = Vec::new();
+    assert!(allocate(&mut c, 1, 0, 12));
+    remember_blocks(&c, 1, 1, &mut w);
+    c.append_token_ids(1, &[7]).unwrap();
+    assert!(allocate(&mut c, 1, 12, 1));
+    remember_blocks(&c, 1, 1, &mut w);
+    c.append_token_ids(1, &[8]).unwrap();
+    assert!(allocate(&mut c, 1, 13, 1));
+    remember_blocks(&c, 1, 1, &mut w);
+    let f = c.request_blocks(1, 0).unwrap().to_vec();
+    assert_eq!(nulls(&c, 1, 1)[..5], [true; 5], "blocks 0..4 released");
+    let w4 = w[4];
+    c.free_request(1).unwrap();
+    let order = c.pool().free_queue_order();
+    // f3 holds 14 of 16 tokens: keyless, with the never-used blocks.
+    let expected = [
+        f[3], w[3], w[2], w[1], w[0], w[6], f[2], w[5], w4, f[1], f[0],
+    ];
+    assert_eq!(&order[order.len() - expected.len()..], &expected);
+    assert_eq!(
+        c.pool().ref_count(w4),
+        0,
+        "the re-touch gave its reference back"
+    );
+    // The end point is still hittable: a longer prompt with the same first 14 tokens hits 12.
+    let mut prompt = tokens(12);
+    prompt.extend([7, 8, 9, 10]);
+    add(&mut c, 2, &prompt);
+    assert_eq!(c.find_cache_hit(2).unwrap(), 12);
+}

@@ -85,7 +85,8 @@ pub(super) fn retouch_hit_points<P: BlockAllocator>(
         let windows = [end_window.clone(), hit_point_window];
         for (which, window) in windows.iter().enumerate() {
             let limit = window.end.min(blocks.num_released).min(hashes.len());
-            for index in window.start..limit {
+            let start = window.start.min(limit);
+            for (index, &hash) in hashes.iter().enumerate().take(limit).skip(start) {
                 if which == 1 && end_window.contains(&index) {
                     continue; // both windows hold it: taken once
                 }
@@ -94,7 +95,7 @@ pub(super) fn retouch_hit_points<P: BlockAllocator>(
                 }
                 let key = CacheKey {
                     group: group as GroupId,
-                    hash: hashes[index],
+                    hash,
                 };
                 if let Some(block) = pool.cached_block(key) {
                     if pool.touch_cached(block, key) {
@@ -124,6 +125,6 @@ pub(super) fn order_for_free(
             }
         }
     }
-    pairs.sort_by(|a, b| b.0.cmp(&a.0));
+    pairs.sort_by_key(|&(end, _)| std::cmp::Reverse(end));
     freed.extend(pairs.iter().map(|&(_, block)| block));
 }

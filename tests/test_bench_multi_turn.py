@@ -1,0 +1,200 @@
+"""`hybrid-cache bench --workload multi-turn`: the feed, the reuse figures, the budget sweep,
+and the flags' typed errors. Small workloads; hit rates are asserted where the allocator makes
+them certain (a budget that holds everything), never timings."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from hybrid_cache.bench.errors import BenchConfigError
+from hybrid_cache.bench.multi_turn import MultiTurnFeed, MultiTurnShape, uniform_history_bytes
+from hybrid_cache.bench.settings import BenchSettings
+from hybrid_cache.bench.simulate import simulate_mode
+from hybrid_cache.cli import main
+from hybrid_cache.config import load_model_spec
+
+SHAPE = MultiTurnShape(num_sessions=3, num_turns=3, system_len=16, turn_input_len=24, output_len=8)
+SMALL_RUN = [
+    "bench",
+    "--model",
+    "tiny-gemma3",
+    "--workload",
+    "multi-turn",
+    "--num-sessions",
+    "3",
+    "--num-turns",
+    "3",
+    "--system-len",
+    "16",
+    "--turn-input-len",
+    "24",
+    "--output-len",
+    "8",
+    "--max-num-batched-tokens",
+    "64",
+    "--kv-group-layout",
+    "equal",
+    "--hf-overrides",
+    '{"sliding_window": 32}',
+]
+
+
+def finish(feed: MultiTurnFeed, request_id: str, prompt: list[int], hit: int, output: list[int]):
+    feed.record(
+        SimpleNamespace(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            output_token_ids=output,
+            num_cached_tokens=hit,
+        )
+    )
+
+
+def test_feed_resends_the_history_wave_by_wave() -> None:
+    feed = MultiTurnFeed(SHAPE, vocab_size=100, seed=3)
+    first = feed.next_prompts()
+    assert [request_id for request_id, _ in first] == ["s0-t0", "s1-t0", "s2-t0"]
+    assert all(len(prompt) == SHAPE.prompt_len(0) == 40 for _, prompt in first)
+    system = first[0][1][:16]
+    assert all(prompt[:16] == system for _, prompt in first), "one shared system prompt"
+    assert first[0][1][16:] != first[1][1][16:], "sessions differ after it"
+    for index, (request_id, prompt) in enumerate(first[:2]):
+        finish(feed, request_id, prompt, 0, [50 + index] * 8)
+    assert feed.next_prompts() == [], "the next wave waits for the whole turn"
+    finish(feed, *first[2], 0, [52] * 8)
+    second = dict(feed.next_prompts())
+    assert len(second["s1-t1"]) == SHAPE.prompt_len(1) == 72
+    assert second["s1-t1"][:48] == first[1][1] + [51] * 8, "history: prompt, then outputs"
+    assert not feed.exhausted
+    for request_id, prompt in second.items():
+        finish(feed, request_id, prompt, 32, [7] * 8)
+    turns = feed.reuse.turns
+    assert turns[1].reusable_tokens == 3 * (40 + 8 - 1), "the last output was never computed"
+    assert turns[1].hit_tokens == 3 * 32
+    assert feed.reuse.hit_rate == pytest.approx(96 / 141)
+    assert turns[0].hit_rate is None
+
+
+def test_feed_ends_after_the_last_turn() -> None:
+    feed = MultiTurnFeed(SHAPE, vocab_size=100, seed=0)
+    for _ in range(SHAPE.num_turns):
+        wave = feed.next_prompts()
+        assert len(wave) == 3
+        for request_id, prompt in wave:
+            finish(feed, request_id, prompt, 0, [9] * 8)
+    assert feed.exhausted and feed.next_prompts() == []
+    assert len(feed.reuse.turns) == 3
+
+
+def test_uniform_history_bytes_counts_every_layer() -> None:
+    spec = load_model_spec("tiny-gemma3")
+    per_token = sum(layer.bytes_per_token() for layer in spec.layers)
+    assert uniform_history_bytes(spec, SHAPE) == 3 * (16 + 3 * 32 - 1) * per_token
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_sessions": 0}, "--num-sessions must be a positive integer"),
+        ({"num_turns": -1}, "--num-turns must be a positive integer"),
+        ({"system_len": -3}, "--system-len must be 0 or more"),
+        ({"turn_input_len": True}, "--turn-input-len must be a positive integer"),
+    ],
+)
+def test_shape_rejects_bad_sizes(changes, message) -> None:
+    sizes = (
+        dict(num_sessions=2, num_turns=2, system_len=0, turn_input_len=4, output_len=2) | changes
+    )
+    with pytest.raises(BenchConfigError, match=message):
+        MultiTurnShape(**sizes)
+
+
+def test_max_model_len_must_hold_the_last_turn() -> None:
+    with pytest.raises(BenchConfigError, match="a session's last turn"):
+        BenchSettings.for_multi_turn("tiny-llama", SHAPE, max_model_len=100)
+    settings = BenchSettings.for_multi_turn("tiny-llama", SHAPE)
+    assert settings.context_len == SHAPE.max_total_tokens == 112
+    assert settings.num_prompts == 9 and settings.workload == "multi-turn"
+
+
+def test_a_budget_that_holds_everything_hits_every_history() -> None:
+    """With room for every history, each turn after the first hits all of its reusable tokens
+    up to the block size (16): the simulation runs the real scheduler and allocator."""
+    settings = BenchSettings.for_multi_turn(
+        "tiny-gemma3",
+        SHAPE,
+        kv_cache_memory="4MiB",
+        kv_group_layout="equal",
+        hf_overrides={"sliding_window": 32},
+    )
+    for mode in ("hybrid", "uniform"):
+        result = simulate_mode(settings, mode)
+        reuse = result.reuse
+        assert result.num_requests == 9
+        for turn in reuse.turns[1:]:
+            assert turn.reusable_tokens == 3 * (SHAPE.prompt_len(turn.turn - 1) + 8 - 1)
+            # Each session hits its reusable tokens rounded down to a block.
+            expected = 3 * ((SHAPE.prompt_len(turn.turn - 1) + 8 - 1) // 16 * 16)
+            assert turn.hit_tokens == expected, (mode, turn)
+        assert reuse.turns[0].hit_tokens == 2 * 16, "sessions 1 and 2 hit the system prompt"
+
+
+def test_multi_turn_bench_on_the_engine_reports_reuse(tmp_path, capsys) -> None:
+    json_path = tmp_path / "multi.json"
+    assert main([*SMALL_RUN, "--kv-cache-memory", "1MiB", "--output-json", str(json_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "Multi-turn workload: 3 sessions x 3 turns" in printed
+    assert printed.count("Reusable-token hit rate:") == 2, printed
+    document = json.loads(json_path.read_text())
+    for result in document["results"].values():
+        assert result["num_requests"] == 9
+        reuse = result["reuse"]
+        assert [turn["turn"] for turn in reuse["turns"]] == [0, 1, 2]
+        assert 0 < reuse["reusable_hit_rate"] <= 1
+        assert result["cache_counters"]["prefix_queries"] > 0
+
+
+def test_budget_sweep_prints_a_row_per_budget_and_plots(tmp_path, capsys) -> None:
+    plot = tmp_path / "sweep.png"
+    json_path = tmp_path / "sweep.json"
+    args = [*SMALL_RUN, "--simulate", "--kv-cache-memory", "256KiB, 1MiB"]
+    assert main([*args, "--plot", str(plot), "--output-json", str(json_path)]) == 0
+    printed = capsys.readouterr().out
+    table = printed[printed.index("== budget sweep ==") :].splitlines()
+    assert table[1].split()[:3] == ["budget", "hybrid", "hit"]
+    assert [row.split()[0] for row in table[2:4]] == ["256KiB", "1MiB"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sweep = json.loads(json_path.read_text())["sweep"]
+    assert [point["settings"]["kv_cache_memory"] for point in sweep] == ["256KiB", "1MiB"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--input-len", "8"], "--input-len belongs to the random workload"),
+        (["--num-prompts", "8"], "--num-prompts belongs to the random workload"),
+        (["--prefix-len", "8"], "--prefix-len belongs to the random workload"),
+        (["--num-sessions", "0"], "--num-sessions must be a positive integer"),
+        (["--kv-cache-memory", "1MiB,,2MiB"], "has an empty entry"),
+        (["--kv-cache-memory", "1MiB,2XB"], "MemorySizeError"),
+        (["--max-model-len", "50"], "a session's last turn"),
+    ],
+)
+def test_bad_multi_turn_flags_give_typed_errors(extra, message, capsys) -> None:
+    assert main([*SMALL_RUN, *extra]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_random_workload_flags_are_still_required(capsys) -> None:
+    base = ["bench", "--model", "tiny-llama", "--output-len", "4"]
+    assert main([*base, "--input-len", "8"]) == 1
+    assert "--num-prompts is required" in capsys.readouterr().err
+    assert main([*base, "--input-len", "8", "--num-prompts", "2", "--turn-input-len", "4"]) == 1
+    assert "add --workload multi-turn" in capsys.readouterr().err
+    assert (
+        main(["bench", "--model", "tiny-llama", "--workload", "multi-turn", "--output-len", "4"])
+        == 1
+    )
+    assert "needs --turn-input-len" in capsys.readouterr().err
