@@ -317,6 +317,6 @@ def test_the_group_layout_flag_reaches_the_engine() -> None:
     flags += ["--num-prompts", "1", "--kv-cache-memory", "1MiB", "--max-model-len", "64"]
     for layout, groups in (("equal", 6), ("auto", 2)):
         args = parser.parse_args([*flags, "--kv-group-layout", layout])
-        settings = bench_command.settings_from_args(args)
+        settings = bench_command.settings_from_args(args, args.kv_cache_memory)
         assert settings.kv_group_layout == layout
         assert build_llm(settings, "hybrid").layout.num_groups == groups
