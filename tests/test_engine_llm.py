@@ -242,6 +242,26 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny):
     assert cold.num_cached_tokens == 0 and cold.token_ids == outputs[0].token_ids
 
 
+def test_the_next_turn_of_a_conversation_hits_its_whole_history(tiny):
+    # The second turn resends the first turn's prompt and output plus new tokens. Its hit is
+    # everything the first turn computed (28 tokens: the last sampled token was never fed),
+    # rounded to a block of 4: with Gemma-3's per-type layout (full-attention blocks of 12)
+    # that hit ends inside a full-attention block, which the first turn's freed tail supplies.
+    llm = tiny.llm()
+    (first_prompt,) = make_prompts(21, lengths=(13,))
+    (first,) = llm.generate({"prompt_token_ids": first_prompt}, GREEDY, use_tqdm=False)
+    history = first_prompt + first.token_ids
+    (user,) = make_prompts(22, lengths=(5,))
+    second_prompt = history + user
+    (second,) = llm.generate({"prompt_token_ids": second_prompt}, GREEDY, use_tqdm=False)
+    assert second.num_cached_tokens == (len(history) - 1) // 4 * 4 == 28
+    # The reference is a cold engine: transformers' `generate` itself departs from its own
+    # full forward on this prompt for the tiny gpt-oss (a near tie after a sliding-window cache).
+    cold = tiny.llm(enable_prefix_caching=False)
+    assert second.token_ids == generate_ids(cold, [second_prompt])[0]
+    assert_all_blocks_free(llm)
+
+
 def test_prefix_hits_preemption_and_chunks_together(tiny):
     shared = tuple(make_prompts(11, lengths=(20,))[0])
     prompts = make_prompts(12, lengths=(3, 9, 25), prefix=shared) + make_prompts(13, (4, 30))

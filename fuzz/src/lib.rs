@@ -1040,6 +1040,14 @@ mod tests {
                 _ => self.inner.touch_cached(block, key),
             }
         }
+        fn take_cached(&self, block: BlockId, key: CacheKey) -> bool {
+            match self.fault {
+                Fault::IgnoreGroupTag => {
+                    (0..3).any(|group| self.inner.take_cached(block, CacheKey { group, ..key }))
+                }
+                _ => self.inner.take_cached(block, key),
+            }
+        }
         fn cache_block(&self, block: BlockId, key: CacheKey) -> Result<bool, CoreError> {
             self.inner.cache_block(block, key)
         }

@@ -69,6 +69,14 @@ pub trait BlockAllocator: Send + Sync {
     /// `key` (it was evicted in between): the caller treats that as a miss.
     fn touch_cached(&self, block: BlockId, key: CacheKey) -> bool;
 
+    /// Takes `block`, found by `cached_block(key)`, for the caller alone: only when it is free
+    /// and still holds `key`. It leaves the free queue with ref count 1 and without its key (its
+    /// spare, if any, becomes the key's first copy), its content intact: the caller reuses the
+    /// part `key` names and overwrites the rest. Not counted as an eviction. Returns false and
+    /// changes nothing when the block is held, holds another key, or (in a pool shared across
+    /// threads) every free unit is reserved.
+    fn take_cached(&self, block: BlockId, key: CacheKey) -> bool;
+
     /// Records that `block`, held by the caller, now holds the full block `key`. When another
     /// block already holds `key`, this one becomes its spare: it keeps the key, `cached_block`
     /// still finds the first one, and when the first is evicted the spare takes its place, so

@@ -26,6 +26,9 @@
 //!   slots equal the key looked up (so a block evicted and re-cached in between is a miss); when
 //!   `r == 0` it first reserves one unit (no unit: miss) and bumps the generation, which makes the
 //!   block's queue entry stale.
+//! - `take_cached`: CAS `(0, g, 1) -> (1, g+1, 0)` from a snapshot under which the key slots
+//!   equal the key, after reserving one unit (no unit: refused); the queue entry goes stale and
+//!   the map entry is removed as an eviction's is (spare promoted), without counting one.
 //! - `cache_block`: take the block's key slots (`pending` bit, block must be held and
 //!   uncached), insert `key -> block` into the map if absent (else into `spares` if absent
 //!   there; else give the slots back), write the key, then publish it by setting the cached
@@ -259,9 +262,16 @@ impl BlockPool {
         })
     }
 
-    /// Drops the key of a block this thread just claimed while it was cached; when it was the
-    /// key's first copy, its spare (if any) takes its place.
+    /// Drops the key of a block this thread just claimed while it was cached (an eviction).
     fn evict(&self, block: BlockId) {
+        self.drop_key(block);
+        // Relaxed: statistics only.
+        self.num_evictions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Drops the key of a block this thread just claimed or took while it was cached; when it
+    /// was the key's first copy, its spare (if any) takes its place.
+    fn drop_key(&self, block: BlockId) {
         // The claimer holds the block and the cached bit is clear, so nobody rewrites the slots.
         let key = self.blocks[block as usize].key();
         if self.cache.remove_if_maps_to(key, block) {
@@ -271,7 +281,16 @@ impl BlockPool {
         }
         // Relaxed: statistics only.
         self.num_cached.fetch_sub(1, Ordering::Relaxed);
-        self.num_evictions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The queue entry of a block just taken out of the free state by a touch or a take is
+    /// stale now: counted so the queue compacts when stale entries pile up.
+    fn left_free_queue(&self) {
+        self.free_queue.made_stale(|entry| {
+            self.blocks[entry.block as usize]
+                .load()
+                .is_free_with(entry.generation)
+        });
     }
 
     /// Moves the spare of `key` (if any) into the cache map. The spare may be evicted at any
@@ -391,16 +410,28 @@ impl BlockAllocator for BlockPool {
         );
         match touched {
             Touch::Taken { was_free: true } => {
-                self.free_queue.made_stale(|entry| {
-                    self.blocks[entry.block as usize]
-                        .load()
-                        .is_free_with(entry.generation)
-                });
+                self.left_free_queue();
                 true
             }
             Touch::Taken { was_free: false } => true,
             Touch::Miss => false,
         }
+    }
+
+    fn take_cached(&self, block: BlockId, key: CacheKey) -> bool {
+        let Ok(slot) = self.check_block(block) else {
+            return false;
+        };
+        let taken = slot.take(
+            key,
+            || self.free_queue.try_reserve(1).is_ok(),
+            || self.free_queue.unreserve(1),
+        );
+        if taken {
+            self.left_free_queue();
+            self.drop_key(block);
+        }
+        taken
     }
 
     fn cache_block(&self, block: BlockId, key: CacheKey) -> Result<bool, CoreError> {

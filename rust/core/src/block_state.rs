@@ -24,6 +24,7 @@
 //! |---------------------------|-----------------------|-----------------------------|
 //! | claim (allocation pop)    | `(0, g, c, p)`        | `(1, g+1, 0, 0)`            |
 //! | touch a cached block      | `(r, g, 1, 0)`        | `(r+1, r==0 ? g+1 : g, 1, 0)` |
+//! | take a free cached block  | `(0, g, 1, 0)`        | `(1, g+1, 0, 0)`            |
 //! | release one reference     | `(r>0, g, c, p)`      | `(r-1, g, c, p)`            |
 //! | begin caching             | `(r>0, g, 0, 0)`      | `(r, g, 0, 1)`              |
 //! | finish caching            | `(r, g, 0, 1)`        | `(r, g, 1, 0)` (same `g`)   |
@@ -33,8 +34,8 @@
 //! - A block has at most one valid free-queue entry: a release to 0 pushes `(block, g)` with the
 //!   current `g`, and the next 0 -> 1 transition bumps `g`, so older entries are stale.
 //! - The key slots change only between `begin caching` and `finish caching`, which require the
-//!   block to be held and uncached; a block leaves the cached state only by a claim (bumps `g`)
-//!   or a reset (needs ref count 0, after which only a claim can make it held again). So *two
+//!   block to be held and uncached; a block leaves the cached state only by a claim or a take
+//!   (both bump `g`) or a reset (needs ref count 0, after which only a claim can make it held again). So *two
 //!   different keys observed under the same state word value are impossible*: a toucher that
 //!   reads the word, then the key, then CASes from that exact word has read the key that word
 //!   describes (see [`BlockSlot::touch`] for the memory-ordering argument).
@@ -255,6 +256,37 @@ impl BlockSlot {
                     if was_free {
                         unreserve();
                     }
+                    current = actual;
+                }
+            }
+        }
+    }
+
+    /// Takes a free block that holds `key` for the caller alone: `(0, g, 1, 0) -> (1, g+1, 0, 0)`,
+    /// as a claim would, so its queue entry goes stale and the caller must drop its map entry.
+    /// `reserve` must grant the unit of the free count the block leaves with (`unreserve` returns
+    /// it if the CAS then fails). False when the block is held, holds another key or is not
+    /// cached, or the reservation is refused.
+    pub(crate) fn take(
+        &self,
+        key: CacheKey,
+        mut reserve: impl FnMut() -> bool,
+        mut unreserve: impl FnMut(),
+    ) -> bool {
+        let mut current = self.load();
+        loop {
+            if !current.is_cached() || current.ref_count() != 0 {
+                return false;
+            }
+            // Same argument as in `touch`: a key newer than the snapshot fails the CAS.
+            if self.key() != key || !reserve() {
+                return false;
+            }
+            let taken = State(1).with_generation(current.generation().wrapping_add(1));
+            match self.compare_exchange(current, taken) {
+                Ok(_) => return true,
+                Err(actual) => {
+                    unreserve();
                     current = actual;
                 }
             }

@@ -103,6 +103,24 @@ impl Sequential {
         self.num_free -= 1;
     }
 
+    /// Drops the key a block carries (its spare, if any, becomes the key's first copy).
+    /// Returns whether it had one.
+    fn drop_key(&mut self, block: u32) -> bool {
+        let Some(key) = self.key_of[block as usize].take() else {
+            return false;
+        };
+        if self.cache.get(&key) == Some(&block) {
+            self.cache.remove(&key);
+            if let Some(spare) = self.spares.remove(&key) {
+                self.cache.insert(key, spare);
+            }
+        } else {
+            let removed = self.spares.remove(&key);
+            debug_assert_eq!(removed, Some(block), "cache maps and key_of disagree");
+        }
+        true
+    }
+
     fn check_block(&self, block: BlockId) -> Result<(), CoreError> {
         if block == NULL_BLOCK {
             return Err(CoreError::InvalidBlock(
@@ -165,16 +183,7 @@ impl BlockAllocator for MutexPool {
             let block = pool.first_free();
             debug_assert!(block != NIL, "free count says a block is free");
             pool.unlink(block);
-            if let Some(key) = pool.key_of[block as usize].take() {
-                if pool.cache.get(&key) == Some(&block) {
-                    pool.cache.remove(&key);
-                    if let Some(spare) = pool.spares.remove(&key) {
-                        pool.cache.insert(key, spare);
-                    }
-                } else {
-                    let removed = pool.spares.remove(&key);
-                    debug_assert_eq!(removed, Some(block), "cache maps and key_of disagree");
-                }
+            if pool.drop_key(block) {
                 pool.num_evictions += 1;
             }
             pool.ref_count[block as usize] = 1;
@@ -219,6 +228,19 @@ impl BlockAllocator for MutexPool {
             pool.unlink(block);
         }
         pool.ref_count[block as usize] += 1;
+        true
+    }
+
+    fn take_cached(&self, block: BlockId, key: CacheKey) -> bool {
+        let mut pool = self.lock();
+        let b = block as usize;
+        if pool.check_block(block).is_err() || pool.key_of[b] != Some(key) || pool.ref_count[b] != 0
+        {
+            return false;
+        }
+        pool.unlink(block);
+        pool.drop_key(block);
+        pool.ref_count[b] = 1;
         true
     }
 

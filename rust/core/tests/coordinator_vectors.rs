@@ -201,16 +201,32 @@ fn decode_steps_cache_the_block_they_fill_and_only_move_counters_inside_one() {
 }
 
 #[test]
-fn hybrid_hit_is_aligned_to_the_lcm_and_shortened_by_the_full_group() {
-    // Full B = 4, window B = 2 W = 4: hits are multiples of 4.
+fn hybrid_hit_ends_at_a_key_unit_and_is_shortened_by_the_full_group() {
+    // Full B = 4 keyed by sub-blocks of 2 (the window's block size), window B = 2 W = 4: hits
+    // are multiples of 2. The first request's tail block holds 3 of 4 tokens: freed under the
+    // partial key of its first unit, so the same prompt hits 14, not 12.
     let mut c = coordinator(64, vec![full(4), window(2, 4)]);
     let prompt = tokens(15);
     add(&mut c, 1, &prompt);
     assert!(allocate(&mut c, 1, 0, 15));
+    let tail = c.request_blocks(1, 0).unwrap()[3];
     c.free_request(1).unwrap();
     add(&mut c, 2, &prompt);
-    assert_eq!(c.find_cache_hit(2).unwrap(), 12);
+    assert_eq!(c.find_cache_hit(2).unwrap(), 14);
+    assert!(allocate(&mut c, 2, 14, 1));
+    assert_eq!(
+        c.request_blocks(2, 0).unwrap()[3],
+        tail,
+        "the tail block is taken"
+    );
     c.free_request(2).unwrap();
+    // Windowed groups hit at their own block size: window B = 4 with full B = 2 aligns to 4.
+    let mut w = coordinator(64, vec![full(2), window(4, 8)]);
+    add(&mut w, 1, &prompt);
+    assert!(allocate(&mut w, 1, 0, 15));
+    w.free_request(1).unwrap();
+    add(&mut w, 2, &prompt);
+    assert_eq!(w.find_cache_hit(2).unwrap(), 12);
     // A prompt that shares only 6 tokens: the full group stops at 4 (its block 1 differs).
     let mut other = prompt.clone();
     other[6] = 1;
@@ -220,16 +236,88 @@ fn hybrid_hit_is_aligned_to_the_lcm_and_shortened_by_the_full_group() {
 
 #[test]
 fn window_caches_only_blocks_a_hit_can_use() {
-    // Full B = 4, window B = 2 W = 3 (one kept block): hits are multiples of 4 tokens, so only
-    // the odd window blocks (the tail of each 4-token segment) are ever needed.
-    let mut c = coordinator(64, vec![full(4), window(2, 3)]);
+    // Window B = 2 W = 3 (one kept block) beside window B = 4 W = 64: hits are multiples of 4
+    // tokens, so only the odd blocks of the first (the tail of each 4-token segment) are ever
+    // needed.
+    let mut c = coordinator(64, vec![window(4, 64), window(2, 3)]);
     add(&mut c, 1, &tokens(16));
     assert!(allocate(&mut c, 1, 0, 16));
-    // 4 full blocks + 4 of the 8 window blocks.
+    // 4 blocks of the wide window + 4 of the 8 narrow-window blocks.
     assert_eq!(c.stats().pool.num_cached_blocks, 8);
     c.free_request(1).unwrap();
     add(&mut c, 2, &tokens(16));
     assert_eq!(c.find_cache_hit(2).unwrap(), 12);
+}
+
+#[test]
+fn a_hit_may_end_inside_a_long_full_attention_block() {
+    // Full B = 6 = 3 units of 2, window B = 2 W = 4. The first request computes 11 tokens: its
+    // block 1 (tokens 6..12) holds 5, i.e. 2 whole units, and is freed under that partial key.
+    let mut c = coordinator(64, vec![full(6), window(2, 4)]);
+    let first = tokens(11);
+    add(&mut c, 1, &first);
+    assert!(allocate(&mut c, 1, 0, 11));
+    let f = c.request_blocks(1, 0).unwrap().to_vec();
+    c.free_request(1).unwrap();
+    let cached_before = c.stats().pool.num_cached_blocks;
+    // The next turn: the same 11 tokens and 3 more. Hit 6 + 2 units = 10 tokens; the window
+    // needs tokens 7..10 (its blocks 3 and 4), which are cached.
+    let mut second = first.clone();
+    second.extend([50, 51, 52]);
+    add(&mut c, 2, &second);
+    assert_eq!(c.find_cache_hit(2).unwrap(), 10);
+    assert!(allocate(&mut c, 2, 10, 4));
+    let row = c.request_blocks(2, 0).unwrap().to_vec();
+    assert_eq!(row[..2], f[..2], "block 0 shared, block 1 taken");
+    assert_eq!(c.pool().ref_count(f[1]), 1);
+    // The taken block left the cache; the allocate cached block 1 again (full now) and the
+    // window's new blocks 5 and 6.
+    assert_eq!(c.stats().pool.num_cached_blocks, cached_before - 1 + 3);
+    assert_eq!(c.stats().pool.num_evictions, 0, "a take is not an eviction");
+    // While the second request holds it, the block cannot be taken again: the same first
+    // prompt now hits the full block only.
+    add(&mut c, 3, &first);
+    assert_eq!(c.find_cache_hit(3).unwrap(), 6);
+    c.free_request(3).unwrap();
+    // Once the second request is freed (14 computed), its block 1 is full and cached under the
+    // full key, and its block 2 (tokens 12..14, one unit) under a partial key: a longer prompt
+    // hits all 14.
+    c.free_request(2).unwrap();
+    let mut third = second.clone();
+    third.extend([60, 61]);
+    add(&mut c, 4, &third);
+    assert_eq!(c.find_cache_hit(4).unwrap(), 14);
+    assert!(allocate(&mut c, 4, 14, 2));
+    assert_eq!(c.request_blocks(4, 0).unwrap()[..2], f[..2]);
+}
+
+#[test]
+fn a_taken_block_the_pool_reused_meanwhile_drops_the_hit() {
+    // Full B = 4 = 2 units of 2, window B = 2 W = 64. The partial tail block of the first
+    // request is found, then reused by an allocation before the hit is taken: the allocate is
+    // refused and the pending hit dropped, and nothing leaks.
+    let mut c = coordinator(16, vec![full(4), window(2, 64)]);
+    let prompt = tokens(6);
+    add(&mut c, 1, &prompt);
+    assert!(allocate(&mut c, 1, 0, 6));
+    c.free_request(1).unwrap();
+    let mut longer = prompt.clone();
+    longer.extend([40, 41]);
+    add(&mut c, 2, &longer);
+    assert_eq!(c.find_cache_hit(2).unwrap(), 6);
+    // A third request takes every free block.
+    add(
+        &mut c,
+        3,
+        &tokens(20).iter().map(|t| t + 100).collect::<Vec<_>>(),
+    );
+    assert!(allocate(&mut c, 3, 0, 20));
+    assert_eq!(c.pool().num_free_blocks(), 0);
+    assert!(!allocate(&mut c, 2, 6, 2));
+    assert_eq!(c.pending_hit_tokens(2).unwrap(), 0);
+    c.free_request(3).unwrap();
+    c.free_request(2).unwrap();
+    assert_eq!(c.pool().num_free_blocks(), 15);
 }
 
 #[test]
@@ -581,10 +669,11 @@ fn freed_request_goes_tail_first_across_groups_after_low_window_blocks() {
 
 #[test]
 fn end_point_window_blocks_released_early_are_requeued_with_the_tail() {
-    // Full B=4 and window W=4 B=2: hits align to 4. A decode step at 13 computed releases
+    // Window W=12 B=4 (nothing slides out below 15 tokens) and window W=4 B=2: hits align to
+    // 4 (windowed groups hit at their own block size). A decode step at 13 computed releases
     // window block 4, which the end point 12 still needs: it is re-touched when the request is
     // freed and queued with the tail in position order, after the Low blocks 0..3.
-    let mut c = coordinator(32, vec![full(4), window(2, 4)]);
+    let mut c = coordinator(32, vec![window(4, 12), window(2, 4)]);
     add(&mut c, 1, &tokens(12));
     let mut w = Vec::new();
     assert!(allocate(&mut c, 1, 0, 12));

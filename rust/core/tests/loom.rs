@@ -419,3 +419,38 @@ fn spare_promotion_races_its_eviction() {
         assert_eq!(pool.cached_block(key(6)), Some(1));
     });
 }
+
+#[test]
+fn two_takers_race_an_allocation() {
+    model(|| {
+        // Block 1, the only block, free and cached under K. Two threads take it under K while
+        // the main thread allocates one block: exactly one of the three gets it (a take's
+        // reservation or the allocation's comes first), and afterwards K maps to nothing.
+        let pool = Arc::new(BlockPool::new(2).unwrap());
+        let mut out = Vec::new();
+        pool.get_new_blocks(1, &mut out).unwrap();
+        assert!(pool.cache_block(1, key(4)).unwrap());
+        pool.free_blocks(&[1]).unwrap();
+        let takers: Vec<_> = (0..2)
+            .map(|_| {
+                let other = Arc::clone(&pool);
+                thread::spawn(move || other.take_cached(1, key(4)))
+            })
+            .collect();
+        let mut held = Vec::new();
+        let allocated = pool.get_new_blocks(1, &mut held).is_ok();
+        let wins = takers
+            .into_iter()
+            .map(|handle| handle.join().unwrap())
+            .filter(|&won| won)
+            .count();
+        assert_eq!(wins + usize::from(allocated), 1, "block 1 handed out once");
+        if wins == 1 {
+            held.push(1);
+        }
+        check_quiescent(&pool, &held);
+        assert_eq!(pool.cached_block(key(4)), None);
+        assert_eq!(pool.stats().num_cached_blocks, 0);
+        assert_eq!(pool.stats().num_evictions, u64::from(allocated));
+    });
+}

@@ -205,6 +205,41 @@ fn hit_only_workload_keeps_lru_order<P: Pool>() {
     assert_eq!(pool.free_queue_order(), vec![3, 4, 5, 6, 7, 2, 1]);
 }
 
+/// `take_cached` takes a free cached block for the caller alone: out of the free queue with one
+/// reference and without its key (the spare promoted), not counted as an eviction. A held block,
+/// another key, a keyless or out-of-range block are refused and change nothing.
+fn take_claims_a_free_cached_block_and_drops_its_key<P: Pool>() {
+    let pool = P::with_blocks(6);
+    let mut out = Vec::new();
+    pool.get_new_blocks(4, &mut out).unwrap();
+    assert!(pool.cache_block(1, key(0, 7)).unwrap());
+    assert!(pool.cache_block(2, key(0, 7)).unwrap(), "spare of block 1");
+    assert!(pool.cache_block(3, key(1, 8)).unwrap());
+    assert!(!pool.take_cached(3, key(1, 8)), "held: refused");
+    pool.free_blocks(&[1, 3, 4]).unwrap();
+    assert!(!pool.take_cached(3, key(0, 8)), "another key: refused");
+    assert!(!pool.take_cached(4, key(0, 4)), "keyless: refused");
+    assert!(!pool.take_cached(NULL_BLOCK, key(0, 7)));
+    assert!(!pool.take_cached(99, key(0, 7)));
+    assert_eq!(pool.num_free_blocks(), 4);
+    assert!(pool.take_cached(1, key(0, 7)));
+    assert_eq!(pool.ref_count(1), 1);
+    assert_eq!(pool.num_free_blocks(), 3);
+    assert_eq!(pool.free_queue_order(), vec![5, 4, 3]);
+    assert_eq!(
+        pool.cached_block(key(0, 7)),
+        Some(2),
+        "the spare was promoted"
+    );
+    assert!(!pool.take_cached(1, key(0, 7)), "taken: no key any more");
+    let stats = pool.stats();
+    assert_eq!((stats.num_cached_blocks, stats.num_spare_blocks), (2, 0));
+    assert_eq!(stats.num_evictions, 0);
+    // Freed again, the taken block is keyless: reused before the cached block 3.
+    pool.free_blocks(&[1]).unwrap();
+    assert_eq!(pool.free_queue_order(), vec![5, 4, 1, 3]);
+}
+
 /// `contract_tests!([behaviour, ...] for module => Pool, ...)`: a module per pool with one
 /// `#[test]` per behaviour, each running the generic function of that name on that pool.
 macro_rules! contract_tests {
@@ -241,6 +276,7 @@ contract_tests!(
         spare_copy_is_found_once_the_first_is_evicted,
         keyless_blocks_go_first_then_low_then_normal,
         hit_only_workload_keeps_lru_order,
+        take_claims_a_free_cached_block_and_drops_its_key,
     ] for
     block_pool => BlockPool,
     mutex_pool => MutexPool,

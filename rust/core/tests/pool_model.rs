@@ -44,6 +44,8 @@ enum Op {
     HitAndFree((u32, u128)),
     /// `touch_cached` with an arbitrary block and key.
     Touch(u32, (u32, u128)),
+    /// `cached_block` then `take_cached` on what it returned (or on an arbitrary block).
+    Take((u32, u128), Option<u32>),
     Reset,
 }
 
@@ -78,6 +80,8 @@ fn op_strategy(num_blocks: u32) -> impl Strategy<Value = Op> {
         4 => key_strategy().prop_map(Op::Hit),
         6 => key_strategy().prop_map(Op::HitAndFree),
         1 => (0..num_blocks + 1, key_strategy()).prop_map(|(block, key)| Op::Touch(block, key)),
+        3 => (key_strategy(), prop::option::of(0..num_blocks + 1))
+            .prop_map(|(key, block)| Op::Take(key, block)),
         1 => Just(Op::Reset),
     ]
 }
@@ -192,6 +196,22 @@ impl Harness {
                 assert_eq!(ta, tb, "touch_cached({block}, {k:?})");
                 if ta {
                     self.held.push(*block);
+                }
+            }
+            Op::Take(k, block) => {
+                let found = self.lock_free.cached_block(key(*k));
+                assert_eq!(
+                    found,
+                    self.reference.cached_block(key(*k)),
+                    "cached_block({k:?})"
+                );
+                if let Some(block) = block.or(found) {
+                    let ta = self.lock_free.take_cached(block, key(*k));
+                    let tb = self.reference.take_cached(block, key(*k));
+                    assert_eq!(ta, tb, "take_cached({block}, {k:?})");
+                    if ta {
+                        self.held.push(block);
+                    }
                 }
             }
             Op::Reset => {

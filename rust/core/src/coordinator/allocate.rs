@@ -7,7 +7,8 @@
 //! ```text
 //!   1. plan    per group: entries the window skips now, hit blocks to touch, new blocks;
 //!              refuse (Ok(false), nothing changed) unless the pool can cover it
-//!   2. touch   the pending hit's blocks (before any new block is taken, which could evict them)
+//!   2. touch   the pending hit's blocks (before any new block is taken, which could evict them);
+//!              take the block a hit ends inside for the request alone
 //!   3. release skipped entries -> null block, freed newest first to their free tier (`Low`
 //!              unless a hit point near the request's end or its own hit needs them)
 //!   4. take    all new blocks of all groups in one pool call
@@ -23,7 +24,7 @@ use crate::error::CoreError;
 use crate::manager::{
     cache_full_blocks, pending_release, release_nulls, AttentionManager, CacheContext, GroupBlocks,
 };
-use crate::types::{BlockId, CacheKey, GroupId, NULL_BLOCK};
+use crate::types::{BlockId, CacheKey, NULL_BLOCK};
 
 /// One `allocate` call's arguments.
 #[derive(Clone, Copy, Debug)]
@@ -110,28 +111,34 @@ impl<P: BlockAllocator> Coordinator<P> {
         let mut num_new = 0;
         let mut hit_blocks_now_free = 0;
         let mut released_to_free = 0;
-        let chains = &state.hash_chains;
-        let chain_of_group = &self.chain_of_group;
-        let key_of = |group: usize, index: usize| CacheKey {
-            group: group as GroupId,
-            hash: chains[chain_of_group[group]][index],
+        let (chains, layout) = (&state.hash_chains, &self.keys);
+        let key_of = |group: usize, index: usize| match &hit {
+            Some(hit) if index + 1 == hit.rows[group].len() && hit.partial[group].is_some() => {
+                hit.partial[group].expect("checked")
+            }
+            _ => layout.keys(chains, group).full(index),
         };
         for (group, manager) in self.managers.iter().enumerate() {
             let blocks = &state.groups[group];
             let row_len = match &hit {
                 Some(hit) => {
-                    for (index, &block) in hit.rows[group].iter().enumerate() {
+                    let row = &hit.rows[group];
+                    for (index, &block) in row.iter().enumerate() {
                         if block == NULL_BLOCK {
                             continue;
                         }
-                        if self.pool.cached_block(key_of(group, index)) != Some(block) {
-                            // Other requests' allocations evicted it since `find_cache_hit`:
-                            // the hit is gone and the request must look it up again.
+                        let free = self.pool.ref_count(block) == 0;
+                        let taken = index + 1 == row.len() && hit.partial[group].is_some();
+                        if self.pool.cached_block(key_of(group, index)) != Some(block)
+                            || (taken && !free)
+                        {
+                            // Other requests' allocations evicted it (or took it) since
+                            // `find_cache_hit`: the hit is gone and must be looked up again.
                             return Ok(false);
                         }
-                        hit_blocks_now_free += usize::from(self.pool.ref_count(block) == 0);
+                        hit_blocks_now_free += usize::from(free);
                     }
-                    hit.rows[group].len()
+                    row.len()
                 }
                 None => {
                     for index in pending_release(manager.as_ref(), blocks, computed) {
@@ -161,7 +168,9 @@ impl<P: BlockAllocator> Coordinator<P> {
             for (group, blocks) in state.groups.iter_mut().enumerate() {
                 blocks.blocks.clone_from(&hit.rows[group]);
                 blocks.num_released = self.managers[group].num_released_blocks(computed);
-                blocks.num_cached = hit.rows[group].len();
+                // A taken block is not cached: it is cached again once full.
+                blocks.num_cached =
+                    hit.rows[group].len() - usize::from(hit.partial[group].is_some());
                 self.num_references[group] += blocks.num_held();
             }
         }
@@ -257,12 +266,12 @@ impl<P: BlockAllocator> Coordinator<P> {
         self.dirty_from = dirty_from;
         if self.config.enable_prefix_caching {
             // Cache the blocks that are full once the scheduled tokens are computed.
-            Self::extend_hashes(&self.hasher, &self.chain_block_sizes, state);
+            Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
             for (group, manager) in self.managers.iter().enumerate() {
+                let keys = self.keys.keys(&state.hash_chains, group);
                 let context = CacheContext {
                     pool: &self.pool,
-                    group: group as GroupId,
-                    hashes: &state.hash_chains[self.chain_of_group[group]],
+                    key_of: &|index| keys.full(index),
                     num_full_blocks: num_known / manager.block_size(),
                     hit_alignment: self.hit_alignment,
                 };
@@ -293,8 +302,9 @@ fn blocks_unchanged(
     })
 }
 
-/// Takes one reference on every block of the hit (keys from the request's hash chains); when
-/// one was evicted in between, gives back the ones taken and returns false.
+/// Takes one reference on every block of the hit (keys from the request's hash chains), and
+/// takes the block a hit ends inside for the request alone (`take_cached`); when one was
+/// evicted in between, gives back the ones taken and returns false.
 fn touch_hit<P: BlockAllocator>(
     pool: &P,
     hit: &PendingHit,
@@ -306,7 +316,14 @@ fn touch_hit<P: BlockAllocator>(
             if block == NULL_BLOCK {
                 continue;
             }
-            if !pool.touch_cached(block, key_of(group, index)) {
+            let key = key_of(group, index);
+            let taken = index + 1 == row.len() && hit.partial[group].is_some();
+            let ok = if taken {
+                pool.take_cached(block, key)
+            } else {
+                pool.touch_cached(block, key)
+            };
+            if !ok {
                 touched.reverse();
                 let freed = pool.free_blocks(&touched);
                 debug_assert!(freed.is_ok(), "the touched references are held");

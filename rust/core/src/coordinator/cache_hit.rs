@@ -1,9 +1,10 @@
 //! The hybrid cache hit: the longest prefix every group can take from the cache.
 //!
 //! Fixed point: start from the longest allowed length (the prompt minus its last token, rounded
-//! down to the lcm `L` of the block sizes); full attention proposes first, then each other group
-//! accepts or shortens; repeat until a whole pass shortens nothing. Each shortening is rounded
-//! down to a multiple of `L`, so the length only decreases and the loop ends.
+//! down to the hit alignment `L`, see `CoordinatorConfig::hit_alignment`); full attention
+//! proposes first, then each other group accepts or shortens; repeat until a whole pass shortens
+//! nothing. Each shortening is rounded down to a multiple of `L`, so the length only decreases
+//! and the loop ends.
 //!
 //! ```text
 //!   L = 4 tokens, prompt of 11 tokens -> start at 8 (token 10 must be computed)
@@ -11,13 +12,27 @@
 //!   window: needs the last k blocks before the hit; best run ends at 6 -> round to 4
 //!   full:   4 accepted; window: 4 accepted -> hit = 4 tokens
 //! ```
+//!
+//! A full-attention group keyed by sub-blocks (`k` key units per block, see `keys`) accepts any
+//! multiple of the unit: its cached full blocks from the left, then, inside the next block, as
+//! many units as a *free* block cached under one of that block's keys holds (a partial key left
+//! by a freed request's tail, or the full key). The request takes that block for itself
+//! (`take_cached`) because it writes the block's remaining slots; a block in use by another
+//! request cannot be taken, so the hit then ends at the last block boundary.
+//!
+//! ```text
+//!   k = 5 units of 16 tokens; cached: block 0 (full key), block 1 under the partial key of
+//!   its first 3 units (a previous turn ended at token 80 + 48 + 5)
+//!   prompt of 200 tokens -> full blocks: 1 -> block 1 holds 3 units -> 80 + 48 = 128 accepted
+//! ```
 
+use super::keys::GroupKeys;
 use super::request::PendingHit;
 use super::Coordinator;
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
-use crate::manager::hit_row;
-use crate::types::{BlockHash, CacheKey, GroupId};
+use crate::manager::{hit_row, AttentionManager};
+use crate::types::{BlockId, CacheKey};
 
 impl<P: BlockAllocator> Coordinator<P> {
     /// Longest prefix (tokens) every group can hit, stored on the request as its pending hit
@@ -38,27 +53,21 @@ impl<P: BlockAllocator> Coordinator<P> {
         if !self.config.enable_prefix_caching {
             return Ok(0);
         }
-        Self::extend_hashes(&self.hasher, &self.chain_block_sizes, state);
+        Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
         let num_tokens = state.tokens.len();
         let alignment = self.hit_alignment;
         let mut hit = (num_tokens - 1) / alignment * alignment;
-        let lookup = HitLookup {
-            pool: &self.pool,
-            chains: &state.hash_chains,
-            chain_of_group: &self.chain_of_group,
-        };
+        let pool = &self.pool;
+        let keys_of = |group: usize| self.keys.keys(&state.hash_chains, group);
         loop {
             let mut shortened = false;
             for &group in &self.hit_order {
                 if hit == 0 {
                     break;
                 }
-                let manager = &self.managers[group];
-                let block_size = manager.block_size();
-                let accepted_blocks = manager.longest_hit_blocks(hit / block_size, &mut |index| {
-                    lookup.is_cached(group, index)
-                });
-                let accepted = accepted_blocks * block_size / alignment * alignment;
+                let manager = self.managers[group].as_ref();
+                let accepted = longest_group_hit(pool, manager, keys_of(group), hit);
+                let accepted = accepted / alignment * alignment;
                 if accepted < hit {
                     hit = accepted;
                     shortened = true;
@@ -69,15 +78,15 @@ impl<P: BlockAllocator> Coordinator<P> {
             }
         }
         let mut rows = Vec::with_capacity(self.managers.len());
+        let mut partial = Vec::with_capacity(self.managers.len());
         for (group, manager) in self.managers.iter().enumerate() {
-            let hit_blocks = hit / manager.block_size();
-            let row = hit_row(manager.as_ref(), hit_blocks, &mut |index| {
-                lookup.pool.cached_block(lookup.key(group, index))
-            });
             // The fixed point only accepts cached blocks; a pool shared with another thread
             // may have evicted one since, which makes the whole hit a miss.
-            match row {
-                Some(row) => rows.push(row),
+            match group_hit_row(pool, manager.as_ref(), keys_of(group), hit) {
+                Some((row, taken)) => {
+                    rows.push(row);
+                    partial.push(taken);
+                }
                 None => {
                     hit = 0;
                     break;
@@ -90,6 +99,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             state.pending_hit = Some(PendingHit {
                 num_tokens: hit,
                 rows,
+                partial,
             });
         }
         Ok(hit)
@@ -105,22 +115,68 @@ impl<P: BlockAllocator> Coordinator<P> {
     }
 }
 
-/// Cache lookups for one request.
-struct HitLookup<'a, P> {
-    pool: &'a P,
-    chains: &'a [Vec<BlockHash>],
-    chain_of_group: &'a [usize],
-}
-
-impl<P: BlockAllocator> HitLookup<'_, P> {
-    fn key(&self, group: usize, index: usize) -> CacheKey {
-        CacheKey {
-            group: group as GroupId,
-            hash: self.chains[self.chain_of_group[group]][index],
+/// The longest hit (tokens, at most `max_tokens`) one group accepts.
+fn longest_group_hit<P: BlockAllocator>(
+    pool: &P,
+    manager: &dyn AttentionManager,
+    keys: GroupKeys<'_>,
+    max_tokens: usize,
+) -> usize {
+    let block_size = manager.block_size();
+    let mut is_cached =
+        |index: usize| index < keys.num_full() && pool.cached_block(keys.full(index)).is_some();
+    let blocks = manager.longest_hit_blocks(max_tokens / block_size, &mut is_cached);
+    let mut tokens = blocks * block_size;
+    if keys.units > 1 && tokens < max_tokens {
+        let unit = block_size / keys.units;
+        if let Some((_, _, filled)) = takeable(pool, keys, blocks) {
+            tokens += (filled * unit).min(max_tokens - tokens) / unit * unit;
         }
     }
+    tokens
+}
 
-    fn is_cached(&self, group: usize, index: usize) -> bool {
-        self.pool.cached_block(self.key(group, index)).is_some()
+/// The table prefix of a hit of `hit` tokens in one group and, when the hit ends inside a
+/// block, the key of the block the request takes (the row's last entry). `None` when a needed
+/// block is not cached (any more).
+fn group_hit_row<P: BlockAllocator>(
+    pool: &P,
+    manager: &dyn AttentionManager,
+    keys: GroupKeys<'_>,
+    hit: usize,
+) -> Option<(Vec<BlockId>, Option<CacheKey>)> {
+    let block_size = manager.block_size();
+    let full_blocks = hit / block_size;
+    let mut row = hit_row(manager, full_blocks, &mut |index| {
+        if index < keys.num_full() {
+            pool.cached_block(keys.full(index))
+        } else {
+            None
+        }
+    })?;
+    if hit.is_multiple_of(block_size) {
+        return Some((row, None));
     }
+    // Only groups keyed by sub-blocks accept a hit inside a block.
+    let unit = block_size / keys.units;
+    let (block, key, filled) = takeable(pool, keys, full_blocks)?;
+    if filled * unit < hit % block_size {
+        return None;
+    }
+    row.push(block);
+    Some((row, Some(key)))
+}
+
+/// A free block cached under one of block `index`'s keys (most units first) and how many of
+/// its leading units it holds.
+fn takeable<P: BlockAllocator>(
+    pool: &P,
+    keys: GroupKeys<'_>,
+    index: usize,
+) -> Option<(BlockId, CacheKey, usize)> {
+    (1..=keys.units).rev().find_map(|filled| {
+        let key = keys.partial(index, filled)?;
+        let block = pool.cached_block(key)?;
+        (pool.ref_count(block) == 0).then_some((block, key, filled))
+    })
 }

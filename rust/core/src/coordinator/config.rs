@@ -124,24 +124,55 @@ impl CoordinatorConfig {
         Ok(())
     }
 
-    /// Hit lengths are multiples of this: the lcm of the groups' block sizes.
+    /// Hit lengths are multiples of this: the lcm of the groups' hit granularities (their block
+    /// sizes, or the key unit for groups keyed by sub-blocks, see `units_per_block`).
     pub fn hit_alignment(&self) -> Option<usize> {
-        self.groups.iter().try_fold(1usize, |lcm, spec| {
-            let gcd = gcd(lcm, spec.block_size);
-            (lcm / gcd).checked_mul(spec.block_size)
+        (0..self.groups.len()).try_fold(1usize, |lcm, group| {
+            let granularity = self.hit_granularity(group);
+            (lcm / gcd(lcm, granularity)).checked_mul(granularity)
         })
     }
 
-    /// Width of a table row: enough blocks of the smallest size for `max_model_len` tokens.
-    pub fn max_blocks_per_req(&self) -> usize {
-        let smallest = self
-            .groups
+    /// Tokens per entry of the hash chain that keys sub-blocks: the smallest block size.
+    pub fn key_unit(&self) -> usize {
+        self.groups
             .iter()
             .map(|spec| spec.block_size)
             .min()
             .unwrap_or(1)
-            .max(1);
-        self.max_model_len.div_ceil(smallest)
+            .max(1)
+    }
+
+    /// Key units one block of `group` spans. A full-attention group whose block size is a
+    /// multiple `k > 1` of the key unit is keyed by sub-blocks: its blocks carry keys of the
+    /// unit-sized chain, and a hit may end inside one of its blocks, at any multiple of the
+    /// unit (the per-type layout's long full-attention blocks then hit as finely as the
+    /// windowed ones). Every other group: 1 (keyed by a chain of its own block size).
+    pub fn units_per_block(&self, group: usize) -> usize {
+        let spec = &self.groups[group];
+        let unit = self.key_unit();
+        match spec.kind {
+            AttentionKind::Full if spec.block_size.is_multiple_of(unit) => spec.block_size / unit,
+            _ => 1,
+        }
+    }
+
+    /// Tokens a hit length must be a multiple of for `group`.
+    pub fn hit_granularity(&self, group: usize) -> usize {
+        match self.units_per_block(group) {
+            1 => self.groups[group].block_size,
+            _ => self.key_unit(),
+        }
+    }
+
+    /// Tokens per entry of the hash chain `group`'s keys come from.
+    pub fn chain_block_size(&self, group: usize) -> usize {
+        self.groups[group].block_size / self.units_per_block(group)
+    }
+
+    /// Width of a table row: enough blocks of the smallest size for `max_model_len` tokens.
+    pub fn max_blocks_per_req(&self) -> usize {
+        self.max_model_len.div_ceil(self.key_unit())
     }
 }
 

@@ -29,10 +29,11 @@
 
 use std::ops::Range;
 
+use super::keys::KeyLayout;
 use super::request::RequestState;
 use crate::allocator::{BlockAllocator, FreeTier};
 use crate::manager::AttentionManager;
-use crate::types::{BlockId, CacheKey, GroupId, NULL_BLOCK};
+use crate::types::{BlockId, NULL_BLOCK};
 
 /// Block indices a hit of `hit_tokens` needs in a group: the window of the hit point (all the
 /// blocks before it for full attention).
@@ -67,7 +68,7 @@ pub(super) fn retouch_hit_points<P: BlockAllocator>(
     pool: &P,
     managers: &[Box<dyn AttentionManager>],
     state: &RequestState,
-    chain_of_group: &[usize],
+    keys: &KeyLayout,
     hit_alignment: usize,
     out: &mut Vec<(usize, BlockId)>,
 ) -> usize {
@@ -78,25 +79,21 @@ pub(super) fn retouch_hit_points<P: BlockAllocator>(
         if blocks.num_released == 0 {
             continue;
         }
-        let hashes = &state.hash_chains[chain_of_group[group]];
+        let keys = keys.keys(&state.hash_chains, group);
         let block_size = manager.block_size();
         let end_window = hit_window(manager.as_ref(), end_point);
         let hit_point_window = hit_window(manager.as_ref(), state.hit_tokens);
         let windows = [end_window.clone(), hit_point_window];
         for (which, window) in windows.iter().enumerate() {
-            let limit = window.end.min(blocks.num_released).min(hashes.len());
-            let start = window.start.min(limit);
-            for (index, &hash) in hashes.iter().enumerate().take(limit).skip(start) {
+            let limit = window.end.min(blocks.num_released).min(keys.num_full());
+            for index in window.start.min(limit)..limit {
                 if which == 1 && end_window.contains(&index) {
                     continue; // both windows hold it: taken once
                 }
                 if blocks.blocks.get(index) != Some(&NULL_BLOCK) {
                     continue;
                 }
-                let key = CacheKey {
-                    group: group as GroupId,
-                    hash,
-                };
+                let key = keys.full(index);
                 if let Some(block) = pool.cached_block(key) {
                     if pool.touch_cached(block, key) {
                         out.push(((index + 1) * block_size, block));

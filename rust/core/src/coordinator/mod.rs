@@ -4,9 +4,16 @@
 //! Every call validates its input first and changes nothing when it returns an error;
 //! `allocate` is all-or-nothing per request and reports "no space" as `Ok(false)`.
 //!
-//! Caching rule for windowed groups: hit lengths are multiples of the lcm `L` of the block
-//! sizes, so a windowed block is cached only if some aligned hit needs it, i.e. it lies in the
-//! tail of an `L`-aligned segment that the window still sees (see
+//! Hit alignment `L`: the lcm of the groups' hit granularities. A windowed (or chunked) group
+//! hits at its own block size; a full-attention group whose blocks are `k > 1` times the
+//! smallest block size is keyed by sub-blocks of that size (`keys`) and hits at any multiple
+//! of it, ending inside one of its blocks if need be (`cache_hit`). So Gemma-3's per-type layout
+//! (windowed blocks of 16 tokens, full-attention blocks of 80) hits at multiples of 16, as
+//! equal-size groups do. A freed request's last, partly filled block in such a group keeps a
+//! partial key (its whole units), which the next turn of a conversation can take.
+//!
+//! Caching rule for windowed groups: a windowed block is cached only if some `L`-aligned hit
+//! needs it, i.e. it lies in the tail of an `L`-aligned segment that the window still sees (see
 //! [`crate::manager::AttentionManager::can_be_hit`]). Other blocks are never inserted in the
 //! cache map and go back to the free queue as plain free blocks.
 //!
@@ -27,6 +34,7 @@ mod allocate;
 mod cache_hit;
 mod config;
 mod eviction_order;
+mod keys;
 mod request;
 mod table;
 
@@ -43,6 +51,7 @@ use crate::hashing::{BlockHasher, ExtraKeys};
 use crate::manager::{AdmissionLimits, AttentionManager, GroupBlocks};
 use crate::types::{BlockId, PoolStats};
 use crate::DefaultPool;
+use keys::KeyLayout;
 use request::RequestState;
 
 /// Prefix-cache counters of the coordinator plus the pool's counters.
@@ -75,11 +84,10 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     /// Groups in the order the fixed-point hit asks them: full attention first.
     hit_order: Vec<usize>,
     hasher: BlockHasher,
-    /// The lcm of the block sizes: hit lengths are multiples of it.
+    /// Hit lengths are multiples of it (`CoordinatorConfig::hit_alignment`).
     hit_alignment: usize,
-    /// Distinct block sizes; `chain_of_group[g]` indexes the hash chain group `g` uses.
-    chain_block_sizes: Vec<usize>,
-    chain_of_group: Vec<usize>,
+    /// The hash chains and which keys each group's blocks carry.
+    keys: KeyLayout,
     table: BlockTable,
     /// Unused rows; popped from the end, so the lowest rows are handed out first.
     free_rows: Vec<usize>,
@@ -123,18 +131,6 @@ impl<P: BlockAllocator> Coordinator<P> {
         let managers: Vec<_> = config.groups.iter().map(GroupSpec::manager).collect();
         let mut hit_order: Vec<usize> = (0..config.groups.len()).collect();
         hit_order.sort_by_key(|&group| config.groups[group].kind != AttentionKind::Full);
-        let mut chain_block_sizes: Vec<usize> = Vec::new();
-        let mut chain_of_group = Vec::with_capacity(config.groups.len());
-        for spec in &config.groups {
-            let chain = match chain_block_sizes.iter().position(|&b| b == spec.block_size) {
-                Some(chain) => chain,
-                None => {
-                    chain_block_sizes.push(spec.block_size);
-                    chain_block_sizes.len() - 1
-                }
-            };
-            chain_of_group.push(chain);
-        }
         let table = BlockTable::new(
             config.groups.len(),
             config.max_num_reqs,
@@ -148,8 +144,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             num_references: vec![0; config.groups.len()],
             managers,
             hit_order,
-            chain_block_sizes,
-            chain_of_group,
+            keys: KeyLayout::new(&config),
             table,
             pool,
             config,
@@ -245,7 +240,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             extra: request.extra,
             num_computed: 0,
             num_allocated: 0,
-            hash_chains: vec![Vec::new(); self.chain_block_sizes.len()],
+            hash_chains: vec![Vec::new(); self.keys.chain_block_sizes.len()],
             groups: vec![GroupBlocks::default(); self.num_groups()],
             pending_hit: None,
             hit_tokens: 0,
@@ -321,16 +316,32 @@ impl<P: BlockAllocator> Coordinator<P> {
     pub fn free_request(&mut self, request_id: u64) -> Result<(), CoreError> {
         let state = self
             .requests
-            .get(&request_id)
+            .get_mut(&request_id)
             .ok_or(CoreError::UnknownRequest { request_id })?;
         let mut freed = std::mem::take(&mut self.scratch);
         freed.clear();
         if self.config.enable_prefix_caching {
+            Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
+            let computed = state.num_allocated.min(state.tokens.len());
+            for (group, manager) in self.managers.iter().enumerate() {
+                let keys = self.keys.keys(&state.hash_chains, group);
+                let cached = keys::cache_partial_tail(
+                    &self.pool,
+                    keys,
+                    &state.groups[group],
+                    manager.block_size(),
+                    computed,
+                );
+                debug_assert!(
+                    cached.is_ok(),
+                    "the request holds its tail block: {cached:?}"
+                );
+            }
             eviction_order::retouch_hit_points(
                 &self.pool,
                 &self.managers,
                 state,
-                &self.chain_of_group,
+                &self.keys,
                 self.hit_alignment,
                 &mut self.order_scratch,
             );

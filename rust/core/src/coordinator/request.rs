@@ -2,7 +2,7 @@
 
 use crate::hashing::ExtraKeys;
 use crate::manager::GroupBlocks;
-use crate::types::{BlockHash, BlockId};
+use crate::types::{BlockHash, BlockId, CacheKey};
 
 #[derive(Debug)]
 pub struct RequestState {
@@ -33,4 +33,8 @@ pub struct PendingHit {
     pub num_tokens: usize,
     /// Per group, the table prefix of the hit (null entries, then the cached blocks).
     pub rows: Vec<Vec<BlockId>>,
+    /// Per group, the key of the row's last block when the hit ends inside that block (groups
+    /// keyed by sub-blocks): the request takes it for itself instead of sharing it, as it
+    /// writes the block's remaining slots.
+    pub partial: Vec<Option<CacheKey>>,
 }

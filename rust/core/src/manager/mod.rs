@@ -31,7 +31,7 @@ use std::fmt::Debug;
 
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
-use crate::types::{BlockHash, BlockId, CacheKey, GroupId, NULL_BLOCK};
+use crate::types::{BlockId, CacheKey, NULL_BLOCK};
 
 /// A request's blocks in one group.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -67,9 +67,8 @@ pub struct AdmissionLimits {
 /// Everything `cache_full_blocks` needs besides the request's blocks.
 pub struct CacheContext<'a> {
     pub pool: &'a dyn BlockAllocator,
-    pub group: GroupId,
-    /// The request's chained hashes for this group's block size (at least `num_full_blocks`).
-    pub hashes: &'a [BlockHash],
+    /// The cache key of full block `i` (defined for `i < num_full_blocks`).
+    pub key_of: &'a dyn Fn(usize) -> CacheKey,
     /// Blocks whose tokens are all known and scheduled.
     pub num_full_blocks: usize,
     /// Hit lengths are multiples of this many tokens (the lcm of all groups' block sizes).
@@ -169,11 +168,7 @@ pub fn cache_full_blocks(
         if block == NULL_BLOCK || !manager.can_be_hit(index, context.hit_alignment) {
             continue;
         }
-        let key = CacheKey {
-            group: context.group,
-            hash: context.hashes[index],
-        };
-        context.pool.cache_block(block, key)?;
+        context.pool.cache_block(block, (context.key_of)(index))?;
     }
     blocks.num_cached = blocks.num_cached.max(end);
     Ok(())

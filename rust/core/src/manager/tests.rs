@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::mutex_pool::MutexPool;
+use crate::types::BlockHash;
 
 fn row_after_release(
     manager: &dyn AttentionManager,
@@ -196,10 +197,13 @@ fn caches_full_hittable_blocks_once() {
         ..GroupBlocks::default()
     };
     let hashes = [BlockHash(10), BlockHash(11)];
+    let key_of = |index: usize| CacheKey {
+        group: 0,
+        hash: hashes[index],
+    };
     let context = CacheContext {
         pool: &pool,
-        group: 0,
-        hashes: &hashes,
+        key_of: &key_of,
         num_full_blocks: 2,
         hit_alignment: 2,
     };
