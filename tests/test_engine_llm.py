@@ -262,6 +262,29 @@ def test_the_next_turn_of_a_conversation_hits_its_whole_history(tiny):
     assert_all_blocks_free(llm)
 
 
+def test_a_shared_prefix_inside_a_block_is_hit_alone_and_together(tiny):
+    # Prompts share 20 tokens: with Gemma-3's per-type layout (full-attention blocks of 12) the
+    # hit ends 8 tokens into a full-attention block that holds another prompt's tokens after
+    # them, which a hit can only use as a copy, and only once the step that computes that
+    # block has run. In one batch over an empty cache (the block is computed in the step the
+    # others are admitted in), one after the other (the first's block is cached and free),
+    # then in one batch again (the block is in use while the others are admitted). Every
+    # output equals a cold engine's.
+    shared = tuple(make_prompts(31, lengths=(20,))[0])
+    prompts = make_prompts(32, lengths=(9, 7, 11), prefix=shared)
+    cold = generate_ids(tiny.llm(enable_prefix_caching=False), prompts)
+    llm = tiny.llm()
+    assert generate_ids(llm, prompts) == cold
+    assert llm.reset_prefix_cache()
+    (first,) = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, use_tqdm=False)
+    (second,) = llm.generate({"prompt_token_ids": prompts[1]}, GREEDY, use_tqdm=False)
+    assert [first.token_ids, second.token_ids] == cold[:2]
+    assert second.num_cached_tokens == 20
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [output.token_ids for output in outputs] == cold
+    assert_all_blocks_free(llm)
+
+
 def test_prefix_hits_preemption_and_chunks_together(tiny):
     shared = tuple(make_prompts(11, lengths=(20,))[0])
     prompts = make_prompts(12, lengths=(3, 9, 25), prefix=shared) + make_prompts(13, (4, 30))

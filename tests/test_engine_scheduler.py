@@ -48,6 +48,9 @@ class FakeKVCacheManager:
         self.held[request.request_id] = max(needed, self.held[request.request_id])
         return True
 
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        return []
+
     def allocate_batch(
         self, requests: list[Request], num_computed_tokens: list[int], num_new_tokens: list[int]
     ) -> int:

@@ -151,6 +151,10 @@ class Coordinator:
         """(num_groups, max_num_reqs) int32 view: table entries in use per row."""
     def num_used_blocks_per_group(self) -> list[int]:
         """Non-null table entries per group (a block shared by two requests counts twice)."""
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) page copies the allocations since the last call asked for: the caller
+        copies page src into page dst in every layer slot before running the step. A hit that
+        ends inside a block another request uses gets a new block holding such a copy."""
     def reset_prefix_cache(self) -> bool: ...
     def stats(self) -> dict[str, int]:
         """num_blocks, num_free_blocks, num_cached_blocks, num_evictions,

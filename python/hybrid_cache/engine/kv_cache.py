@@ -179,6 +179,12 @@ class KVCacheManager:
         del self.rows[request.request_id]
         self.coordinator.free_request(core_id)
 
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) pages the allocations since the last call need copied before the step
+        runs: a cache hit that ends inside a block another request uses (or that stays cached
+        for others) starts from a copy of it in a new block."""
+        return self.coordinator.take_block_copies()
+
     def row_of(self, request: Request) -> int:
         return self.rows[request.request_id]
 

@@ -132,6 +132,8 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         """Runs the scheduled tokens; returns the sampled token of each request that samples."""
         scheduled = output.scheduled
+        if output.block_copies:
+            self.copy_blocks(output.block_copies)
         if not scheduled:
             return {}
         # Whole columns through C-level maps (no bytecode per request), all taken before the
@@ -157,6 +159,14 @@ class ModelRunner:
         logits = self.model.compute_logits(self._sampled_rows(hidden, query_lens, sample_indices))
         tokens = self.sampler.sample_token_ids(logits, request_ids, params)
         return dict(zip(request_ids, tokens))
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copies page `src` into page `dst` in every slot tensor: every layer's keys and
+        values of that block, whichever group it belongs to."""
+        src = torch.tensor([pair[0] for pair in copies], dtype=torch.long)
+        dst = torch.tensor([pair[1] for pair in copies], dtype=torch.long)
+        for slot in self.slot_tensors:
+            slot.index_copy_(0, dst.to(slot.device), slot.index_select(0, src.to(slot.device)))
 
     def _prepare_inputs(
         self,

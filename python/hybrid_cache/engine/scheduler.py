@@ -56,6 +56,9 @@ class SchedulerOutput:
     num_preemptions: int = 0
     # Requests that failed while being admitted (they hold no blocks).
     failed: list[Request] = field(default_factory=list)
+    # (src, dst) KV pages to copy, every layer slot, before the step runs (cache hits that end
+    # inside a block another request uses start from a copy of it).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -131,6 +134,7 @@ class Scheduler:
         # Admitting while preempting would take back the blocks just freed.
         if output.num_preemptions == 0:
             self._admit_waiting(token_budget, output)
+        output.block_copies = self.kv_cache.take_block_copies()
         return output
 
     def _schedule_running(self, output: SchedulerOutput) -> int:

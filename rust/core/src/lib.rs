@@ -17,8 +17,8 @@ pub mod types;
 pub use allocator::{BlockAllocator, FreeTier};
 pub use block_pool::BlockPool;
 pub use coordinator::{
-    AllocateStep, AttentionKind, Coordinator, CoordinatorConfig, CoordinatorStats, GroupSpec,
-    NewRequest,
+    AllocateStep, AttentionKind, BlockCopy, Coordinator, CoordinatorConfig, CoordinatorStats,
+    GroupSpec, NewRequest,
 };
 pub use error::CoreError;
 pub use hashing::{ExtraKeys, HashAlgo, MultimodalItem};

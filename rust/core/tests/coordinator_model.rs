@@ -105,6 +105,8 @@ struct Harness {
     alignment: usize,
     /// The token prefix (up to and including the block) each full block was last filled with.
     block_prefix: HashMap<u32, Vec<u32>>,
+    /// Per request, the copy sources its hit holds until its next successful allocate.
+    copy_sources: HashMap<u64, Vec<u32>>,
 }
 
 fn skipped(kind: AttentionKind, computed: usize) -> usize {
@@ -135,6 +137,7 @@ impl Harness {
             specs,
             alignment,
             block_prefix: HashMap::new(),
+            copy_sources: HashMap::new(),
         }
     }
 
@@ -260,6 +263,7 @@ impl Harness {
                 };
                 let before = self.snapshot();
                 if self.coordinator.allocate(step).unwrap() {
+                    self.copied(&[step]);
                     self.applied(step);
                 } else {
                     assert_eq!(
@@ -278,6 +282,7 @@ impl Harness {
                     .filter_map(|slot| self.step_for(slot, new))
                     .collect();
                 let done = self.coordinator.allocate_batch(&steps).unwrap();
+                self.copied(&steps[..done]);
                 for &step in &steps[..done] {
                     self.applied(step);
                 }
@@ -298,8 +303,36 @@ impl Harness {
             }
             Op::Free { slot } => {
                 let result = self.coordinator.free_request(slot);
+                self.copy_sources.remove(&slot);
                 assert_eq!(result.is_ok(), self.model.remove(&slot).is_some());
             }
+        }
+    }
+
+    /// After successful allocates of `steps`: releases the copy sources those requests held
+    /// and carries out the copies asked for now (the model's record of what each page holds),
+    /// remembering their sources.
+    fn copied(&mut self, steps: &[AllocateStep]) {
+        for step in steps {
+            self.copy_sources.remove(&step.request_id);
+        }
+        for copy in self.coordinator.take_block_copies() {
+            let owner = steps
+                .iter()
+                .map(|step| step.request_id)
+                .find(|&id| {
+                    (0..self.specs.len()).any(|group| {
+                        self.coordinator
+                            .request_blocks(id, group)
+                            .unwrap()
+                            .contains(&copy.dst)
+                    })
+                })
+                .expect("a copy's destination belongs to a request just allocated");
+            let filled = self.block_prefix.get(&copy.src).cloned();
+            let filled = filled.expect("a copy source was filled before");
+            self.block_prefix.insert(copy.dst, filled);
+            self.copy_sources.entry(owner).or_default().push(copy.src);
         }
     }
 
@@ -361,18 +394,24 @@ impl Harness {
                 assert_eq!(table.entry(at, 0), 0);
             }
         }
+        let mut sources: HashMap<u32, usize> = HashMap::new();
+        for &block in self.copy_sources.values().flatten() {
+            *sources.entry(block).or_default() += 1;
+        }
         for block in 1..pool.num_blocks() as u32 {
-            let expected = references.get(&block).map_or(0, |entry| entry.1);
+            let expected = references.get(&block).map_or(0, |entry| entry.1)
+                + sources.get(&block).copied().unwrap_or(0);
             assert_eq!(
                 pool.ref_count(block) as usize,
                 expected,
                 "ref count of {block}"
             );
         }
-        assert_eq!(
-            pool.num_free_blocks(),
-            pool.num_blocks() - 1 - references.len()
-        );
+        let held = references
+            .keys()
+            .chain(sources.keys())
+            .collect::<std::collections::HashSet<_>>();
+        assert_eq!(pool.num_free_blocks(), pool.num_blocks() - 1 - held.len());
         assert_eq!(pool.ref_count(NULL_BLOCK), 0);
         let per_group: usize = self.coordinator.num_used_blocks_per_group().iter().sum();
         assert_eq!(

@@ -2,8 +2,8 @@
 
 use hybrid_cache_core::coordinator::RowRef;
 use hybrid_cache_core::{
-    AllocateStep, AttentionKind, BlockAllocator, Coordinator, CoordinatorConfig, CoreError,
-    ExtraKeys, GroupSpec, HashAlgo, NewRequest, NULL_BLOCK,
+    AllocateStep, AttentionKind, BlockAllocator, BlockCopy, Coordinator, CoordinatorConfig,
+    CoreError, ExtraKeys, GroupSpec, HashAlgo, NewRequest, NULL_BLOCK,
 };
 
 fn group(kind: AttentionKind, block_size: usize) -> GroupSpec {
@@ -227,11 +227,16 @@ fn hybrid_hit_ends_at_a_key_unit_and_is_shortened_by_the_full_group() {
     w.free_request(1).unwrap();
     add(&mut w, 2, &prompt);
     assert_eq!(w.find_cache_hit(2).unwrap(), 12);
-    // A prompt that shares only 6 tokens: the full group stops at 4 (its block 1 differs).
+    // A prompt that shares only 6 tokens: its full block 1 differs, but the cached one holds
+    // its first unit (tokens 4..6): a hit of 6 by a copy. In the windowed-coarse
+    // configuration the same prompt stops at 4.
     let mut other = prompt.clone();
     other[6] = 1;
     add(&mut c, 3, &other);
-    assert_eq!(c.find_cache_hit(3).unwrap(), 4);
+    c.take_block_copies(); // the steps that computed the cached blocks have run
+    assert_eq!(c.find_cache_hit(3).unwrap(), 6);
+    add(&mut w, 3, &other);
+    assert_eq!(w.find_cache_hit(3).unwrap(), 4);
 }
 
 #[test]
@@ -274,10 +279,30 @@ fn a_hit_may_end_inside_a_long_full_attention_block() {
     // window's new blocks 5 and 6.
     assert_eq!(c.stats().pool.num_cached_blocks, cached_before - 1 + 3);
     assert_eq!(c.stats().pool.num_evictions, 0, "a take is not an eviction");
-    // While the second request holds it, the block cannot be taken again: the same first
-    // prompt now hits the full block only.
+    // While the second request holds it (cached again under its full key once it filled),
+    // the block cannot be taken. Until the step that fills it has run (the engine takes the
+    // copies once per step), the same first prompt hits block 0 only; then 10 tokens, through
+    // a copy into a new block whose source stays held until the request's next allocate.
     add(&mut c, 3, &first);
     assert_eq!(c.find_cache_hit(3).unwrap(), 6);
+    assert!(c.take_block_copies().is_empty());
+    assert_eq!(c.find_cache_hit(3).unwrap(), 10);
+    assert!(allocate(&mut c, 3, 10, 1));
+    let dst = c.request_blocks(3, 0).unwrap()[1];
+    assert_eq!(c.take_block_copies(), [BlockCopy { src: f[1], dst }]);
+    assert!(c.take_block_copies().is_empty(), "taken once");
+    assert_eq!(
+        c.pool().ref_count(f[1]),
+        2,
+        "held by request 2 and as a copy source"
+    );
+    c.append_token_ids(3, &[70]).unwrap();
+    assert!(allocate(&mut c, 3, 11, 1));
+    assert_eq!(
+        c.pool().ref_count(f[1]),
+        1,
+        "released after the next allocate"
+    );
     c.free_request(3).unwrap();
     // Once the second request is freed (14 computed), its block 1 is full and cached under the
     // full key, and its block 2 (tokens 12..14, one unit) under a partial key: a longer prompt

@@ -343,6 +343,16 @@ impl PyCoordinator {
         self.inner.num_used_blocks_per_group().to_vec()
     }
 
+    /// The page copies the allocations since the last call asked for, as `(src, dst)` pairs
+    /// (see `Coordinator::take_block_copies` in the core).
+    fn take_block_copies(&mut self) -> Vec<(u32, u32)> {
+        self.inner
+            .take_block_copies()
+            .into_iter()
+            .map(|copy| (copy.src, copy.dst))
+            .collect()
+    }
+
     fn reset_prefix_cache(&mut self) -> bool {
         self.inner.reset_prefix_cache()
     }

@@ -15,10 +15,13 @@
 //!   5. mirror  the changed entries into the block table; cache newly full blocks
 //! ```
 
+use std::collections::HashMap;
+
 use super::eviction_order::release_tier;
-use super::request::{PendingHit, RequestState};
+use super::keys::GroupKeys;
+use super::request::{HitEnd, PendingHit, RequestState};
 use super::CoordinatorConfig;
-use super::{Coordinator, RowRef};
+use super::{BlockCopy, Coordinator, PrefixEntry, RowRef};
 use crate::allocator::{BlockAllocator, FreeTier};
 use crate::error::CoreError;
 use crate::manager::{
@@ -82,6 +85,21 @@ impl<P: BlockAllocator> Coordinator<P> {
     }
 
     fn allocate_validated(&mut self, step: AllocateStep) -> Result<bool, CoreError> {
+        let state = self.requests.get_mut(&step.request_id).expect("validated");
+        // Sources of an earlier allocate's copies (only a first allocate asks for copies).
+        let had_copies = !state.copy_sources.is_empty();
+        let allocated = self.allocate_unchecked(step)?;
+        if allocated && had_copies {
+            // The step the copies were for has run: their sources are not needed any more.
+            let state = self.requests.get_mut(&step.request_id).expect("validated");
+            let released = self.pool.free_blocks(&state.copy_sources);
+            debug_assert!(released.is_ok(), "copy sources are held: {released:?}");
+            state.copy_sources.clear();
+        }
+        Ok(allocated)
+    }
+
+    fn allocate_unchecked(&mut self, step: AllocateStep) -> Result<bool, CoreError> {
         let computed = step.num_computed_tokens;
         let total = computed + step.num_new_tokens;
         let state = self.requests.get_mut(&step.request_id).expect("validated");
@@ -113,8 +131,11 @@ impl<P: BlockAllocator> Coordinator<P> {
         let mut released_to_free = 0;
         let (chains, layout) = (&state.hash_chains, &self.keys);
         let key_of = |group: usize, index: usize| match &hit {
-            Some(hit) if index + 1 == hit.rows[group].len() && hit.partial[group].is_some() => {
-                hit.partial[group].expect("checked")
+            Some(hit) if index + 1 == hit.rows[group].len() && taken_end(hit, group) => {
+                match hit.ends[group] {
+                    Some(HitEnd::Take { key, .. }) => key,
+                    _ => unreachable!("checked by taken_end"),
+                }
             }
             _ => layout.keys(chains, group).full(index),
         };
@@ -128,7 +149,7 @@ impl<P: BlockAllocator> Coordinator<P> {
                             continue;
                         }
                         let free = self.pool.ref_count(block) == 0;
-                        let taken = index + 1 == row.len() && hit.partial[group].is_some();
+                        let taken = index + 1 == row.len() && taken_end(hit, group);
                         if self.pool.cached_block(key_of(group, index)) != Some(block)
                             || (taken && !free)
                         {
@@ -137,6 +158,12 @@ impl<P: BlockAllocator> Coordinator<P> {
                             return Ok(false);
                         }
                         hit_blocks_now_free += usize::from(free);
+                    }
+                    if let Some(HitEnd::Copy { src, key, .. }) = hit.ends[group] {
+                        if self.pool.cached_block(key) != Some(src) {
+                            return Ok(false);
+                        }
+                        hit_blocks_now_free += usize::from(self.pool.ref_count(src) == 0);
                     }
                     row.len()
                 }
@@ -159,7 +186,7 @@ impl<P: BlockAllocator> Coordinator<P> {
 
         // 2. Touch the hit.
         if let Some(hit) = &hit {
-            if !touch_hit(&self.pool, hit, &key_of) {
+            if !touch_hit(&self.pool, hit, &key_of, &mut state.copy_sources) {
                 // Evicted between the lookup and now (only with a pool shared across threads):
                 // the request must look its hit up again.
                 return Ok(false);
@@ -169,8 +196,7 @@ impl<P: BlockAllocator> Coordinator<P> {
                 blocks.blocks.clone_from(&hit.rows[group]);
                 blocks.num_released = self.managers[group].num_released_blocks(computed);
                 // A taken block is not cached: it is cached again once full.
-                blocks.num_cached =
-                    hit.rows[group].len() - usize::from(hit.partial[group].is_some());
+                blocks.num_cached = hit.rows[group].len() - usize::from(taken_end(hit, group));
                 self.num_references[group] += blocks.num_held();
             }
         }
@@ -260,6 +286,18 @@ impl<P: BlockAllocator> Coordinator<P> {
             );
         }
         debug_assert!(new_blocks.next().is_none(), "every new block is handed out");
+        if let Some(hit) = &hit {
+            let limit = self.config.max_num_reqs * self.managers.len();
+            for (group, end) in hit.ends.iter().enumerate() {
+                if let Some(HitEnd::Copy { src, .. }) = *end {
+                    if self.block_copies.len() >= limit {
+                        self.block_copies.clear(); // never taken: a caller without KV pages
+                    }
+                    let dst = state.groups[group].blocks[hit.rows[group].len()];
+                    self.block_copies.push(BlockCopy { src, dst });
+                }
+            }
+        }
         state.num_computed = computed;
         state.num_allocated = state.num_allocated.max(total);
         self.scratch = scratch;
@@ -275,7 +313,18 @@ impl<P: BlockAllocator> Coordinator<P> {
                     num_full_blocks: num_known / manager.block_size(),
                     hit_alignment: self.hit_alignment,
                 };
-                cache_full_blocks(manager.as_ref(), &mut state.groups[group], &context)?;
+                let blocks = &mut state.groups[group];
+                let from = blocks.num_cached;
+                cache_full_blocks(manager.as_ref(), blocks, &context)?;
+                if keys.units > 1 {
+                    let index = &mut self.prefix_index;
+                    index_prefixes(&self.pool, index, keys, blocks, from, self.copy_epoch);
+                }
+            }
+            if self.prefix_index.len() > self.prefix_index_limit {
+                let pool = &self.pool;
+                self.prefix_index
+                    .retain(|_, entry| pool.cached_block(entry.full) == Some(entry.block));
             }
         }
         Ok(true)
@@ -302,22 +351,72 @@ fn blocks_unchanged(
     })
 }
 
-/// Takes one reference on every block of the hit (keys from the request's hash chains), and
-/// takes the block a hit ends inside for the request alone (`take_cached`); when one was
-/// evicted in between, gives back the ones taken and returns false.
+/// Whether group `group`'s hit ends in a block the request takes (its row's last entry).
+fn taken_end(hit: &PendingHit, group: usize) -> bool {
+    matches!(hit.ends[group], Some(HitEnd::Take { .. }))
+}
+
+/// Records every key (partial and full) of the blocks `blocks.num_cached` was advanced over
+/// (from `from`) that are now cached under their full key, in a group keyed by sub-blocks.
+fn index_prefixes<P: BlockAllocator>(
+    pool: &P,
+    prefix_index: &mut HashMap<CacheKey, PrefixEntry>,
+    keys: GroupKeys<'_>,
+    blocks: &GroupBlocks,
+    from: usize,
+    epoch: u64,
+) {
+    let end = blocks
+        .num_cached
+        .min(blocks.blocks.len())
+        .min(keys.num_full());
+    for index in from..end {
+        let block = blocks.blocks[index];
+        let full = keys.full(index);
+        if block == NULL_BLOCK || pool.cached_block(full) != Some(block) {
+            continue;
+        }
+        let entry = PrefixEntry { block, full, epoch };
+        for filled in 1..=keys.units {
+            let key = keys
+                .partial(index, filled)
+                .expect("a full block's units are hashed");
+            prefix_index.insert(key, entry);
+        }
+    }
+}
+
+/// Takes one reference on every block of the hit (keys from the request's hash chains) and on
+/// each copy source (appended to `copy_sources`), and takes the block a hit ends inside for the
+/// request alone (`take_cached`); when one was evicted in between, gives back the ones taken
+/// (sources included) and returns false.
 fn touch_hit<P: BlockAllocator>(
     pool: &P,
     hit: &PendingHit,
     key_of: &dyn Fn(usize, usize) -> CacheKey,
+    copy_sources: &mut Vec<BlockId>,
 ) -> bool {
     let mut touched: Vec<BlockId> = Vec::new();
+    let sources = hit.ends.iter().filter_map(|end| match *end {
+        Some(HitEnd::Copy { src, key, .. }) => Some((src, key)),
+        _ => None,
+    });
+    for (src, key) in sources {
+        if !pool.touch_cached(src, key) {
+            let freed = pool.free_blocks(&touched);
+            debug_assert!(freed.is_ok(), "the touched references are held");
+            return false;
+        }
+        touched.push(src);
+    }
+    let num_sources = touched.len();
     for (group, row) in hit.rows.iter().enumerate() {
         for (index, &block) in row.iter().enumerate() {
             if block == NULL_BLOCK {
                 continue;
             }
             let key = key_of(group, index);
-            let taken = index + 1 == row.len() && hit.partial[group].is_some();
+            let taken = index + 1 == row.len() && taken_end(hit, group);
             let ok = if taken {
                 pool.take_cached(block, key)
             } else {
@@ -332,6 +431,7 @@ fn touch_hit<P: BlockAllocator>(
             touched.push(block);
         }
     }
+    copy_sources.extend_from_slice(&touched[..num_sources]);
     true
 }
 
@@ -391,7 +491,7 @@ fn check_step(
 
 /// Gives back the references a hit took and clears the request's blocks again.
 fn undo_hit<P: BlockAllocator>(pool: &P, num_references: &mut [usize], state: &mut RequestState) {
-    let mut held: Vec<BlockId> = Vec::new();
+    let mut held: Vec<BlockId> = std::mem::take(&mut state.copy_sources);
     for (group, blocks) in state.groups.iter_mut().enumerate() {
         held.extend(blocks.blocks.iter().rev().filter(|&&b| b != NULL_BLOCK));
         num_references[group] -= blocks.num_held();

@@ -15,10 +15,13 @@
 //!
 //! A full-attention group keyed by sub-blocks (`k` key units per block, see `keys`) accepts any
 //! multiple of the unit: its cached full blocks from the left, then, inside the next block, as
-//! many units as a *free* block cached under one of that block's keys holds (a partial key left
-//! by a freed request's tail, or the full key). The request takes that block for itself
-//! (`take_cached`) because it writes the block's remaining slots; a block in use by another
-//! request cannot be taken, so the hit then ends at the last block boundary.
+//! many units as some cached block holds of it ([`HitEnd`]). The request writes that block's
+//! remaining slots, so it cannot share it: a free block under one of the block's own keys (a
+//! freed request's tail, or a full block nobody uses) is taken (`take_cached`); otherwise a
+//! cached full block whose first units match (found through the coordinator's prefix index,
+//! which also holds each block's full key for blocks other requests use) is copied into a new
+//! block, once the step that computed it has run. Gemma-3's 64-token system prompt inside an
+//! 80-token full-attention block is the copy case.
 //!
 //! ```text
 //!   k = 5 units of 16 tokens; cached: block 0 (full key), block 1 under the partial key of
@@ -26,9 +29,11 @@
 //!   prompt of 200 tokens -> full blocks: 1 -> block 1 holds 3 units -> 80 + 48 = 128 accepted
 //! ```
 
+use std::collections::HashMap;
+
 use super::keys::GroupKeys;
-use super::request::PendingHit;
-use super::Coordinator;
+use super::request::{HitEnd, PendingHit};
+use super::{Coordinator, PrefixEntry};
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::manager::{hit_row, AttentionManager};
@@ -57,7 +62,11 @@ impl<P: BlockAllocator> Coordinator<P> {
         let num_tokens = state.tokens.len();
         let alignment = self.hit_alignment;
         let mut hit = (num_tokens - 1) / alignment * alignment;
-        let pool = &self.pool;
+        let lookup = EndLookup {
+            pool: &self.pool,
+            prefix_index: &self.prefix_index,
+            epoch: self.copy_epoch,
+        };
         let keys_of = |group: usize| self.keys.keys(&state.hash_chains, group);
         loop {
             let mut shortened = false;
@@ -66,7 +75,7 @@ impl<P: BlockAllocator> Coordinator<P> {
                     break;
                 }
                 let manager = self.managers[group].as_ref();
-                let accepted = longest_group_hit(pool, manager, keys_of(group), hit);
+                let accepted = longest_group_hit(&lookup, manager, keys_of(group), hit);
                 let accepted = accepted / alignment * alignment;
                 if accepted < hit {
                     hit = accepted;
@@ -78,14 +87,14 @@ impl<P: BlockAllocator> Coordinator<P> {
             }
         }
         let mut rows = Vec::with_capacity(self.managers.len());
-        let mut partial = Vec::with_capacity(self.managers.len());
+        let mut ends = Vec::with_capacity(self.managers.len());
         for (group, manager) in self.managers.iter().enumerate() {
             // The fixed point only accepts cached blocks; a pool shared with another thread
             // may have evicted one since, which makes the whole hit a miss.
-            match group_hit_row(pool, manager.as_ref(), keys_of(group), hit) {
-                Some((row, taken)) => {
+            match group_hit_row(&lookup, manager.as_ref(), keys_of(group), hit) {
+                Some((row, end)) => {
                     rows.push(row);
-                    partial.push(taken);
+                    ends.push(end);
                 }
                 None => {
                     hit = 0;
@@ -99,7 +108,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             state.pending_hit = Some(PendingHit {
                 num_tokens: hit,
                 rows,
-                partial,
+                ends,
             });
         }
         Ok(hit)
@@ -115,13 +124,47 @@ impl<P: BlockAllocator> Coordinator<P> {
     }
 }
 
+/// Where the end of a hit inside a block can come from.
+struct EndLookup<'a, P> {
+    pool: &'a P,
+    prefix_index: &'a HashMap<CacheKey, PrefixEntry>,
+    /// Entries made in this epoch name blocks whose KV the current step has not computed yet.
+    epoch: u64,
+}
+
+impl<P: BlockAllocator> EndLookup<'_, P> {
+    /// How a hit can use block `index`'s first units (most units first; at equal units a take
+    /// before a copy), if any cached block holds some of them.
+    fn end(&self, keys: GroupKeys<'_>, index: usize) -> Option<HitEnd> {
+        let pool = self.pool;
+        (1..=keys.units).rev().find_map(|filled| {
+            let key = keys.partial(index, filled)?;
+            if let Some(block) = pool.cached_block(key) {
+                if pool.ref_count(block) == 0 {
+                    return Some(HitEnd::Take { block, key, filled });
+                }
+            }
+            let entry = self.prefix_index.get(&key)?;
+            let computed = entry.epoch < self.epoch;
+            (computed && pool.cached_block(entry.full) == Some(entry.block)).then_some(
+                HitEnd::Copy {
+                    src: entry.block,
+                    key: entry.full,
+                    filled,
+                },
+            )
+        })
+    }
+}
+
 /// The longest hit (tokens, at most `max_tokens`) one group accepts.
 fn longest_group_hit<P: BlockAllocator>(
-    pool: &P,
+    lookup: &EndLookup<'_, P>,
     manager: &dyn AttentionManager,
     keys: GroupKeys<'_>,
     max_tokens: usize,
 ) -> usize {
+    let pool = lookup.pool;
     let block_size = manager.block_size();
     let mut is_cached =
         |index: usize| index < keys.num_full() && pool.cached_block(keys.full(index)).is_some();
@@ -129,22 +172,23 @@ fn longest_group_hit<P: BlockAllocator>(
     let mut tokens = blocks * block_size;
     if keys.units > 1 && tokens < max_tokens {
         let unit = block_size / keys.units;
-        if let Some((_, _, filled)) = takeable(pool, keys, blocks) {
-            tokens += (filled * unit).min(max_tokens - tokens) / unit * unit;
+        if let Some(end) = lookup.end(keys, blocks) {
+            tokens += (end.filled() * unit).min(max_tokens - tokens) / unit * unit;
         }
     }
     tokens
 }
 
 /// The table prefix of a hit of `hit` tokens in one group and, when the hit ends inside a
-/// block, the key of the block the request takes (the row's last entry). `None` when a needed
-/// block is not cached (any more).
+/// block, how that block is supplied (a taken block is the row's last entry; a copied one is
+/// allocated after the row). `None` when a needed block is not cached (any more).
 fn group_hit_row<P: BlockAllocator>(
-    pool: &P,
+    lookup: &EndLookup<'_, P>,
     manager: &dyn AttentionManager,
     keys: GroupKeys<'_>,
     hit: usize,
-) -> Option<(Vec<BlockId>, Option<CacheKey>)> {
+) -> Option<(Vec<BlockId>, Option<HitEnd>)> {
+    let pool = lookup.pool;
     let block_size = manager.block_size();
     let full_blocks = hit / block_size;
     let mut row = hit_row(manager, full_blocks, &mut |index| {
@@ -159,24 +203,12 @@ fn group_hit_row<P: BlockAllocator>(
     }
     // Only groups keyed by sub-blocks accept a hit inside a block.
     let unit = block_size / keys.units;
-    let (block, key, filled) = takeable(pool, keys, full_blocks)?;
-    if filled * unit < hit % block_size {
+    let end = lookup.end(keys, full_blocks)?;
+    if end.filled() * unit < hit % block_size {
         return None;
     }
-    row.push(block);
-    Some((row, Some(key)))
-}
-
-/// A free block cached under one of block `index`'s keys (most units first) and how many of
-/// its leading units it holds.
-fn takeable<P: BlockAllocator>(
-    pool: &P,
-    keys: GroupKeys<'_>,
-    index: usize,
-) -> Option<(BlockId, CacheKey, usize)> {
-    (1..=keys.units).rev().find_map(|filled| {
-        let key = keys.partial(index, filled)?;
-        let block = pool.cached_block(key)?;
-        (pool.ref_count(block) == 0).then_some((block, key, filled))
-    })
+    if let HitEnd::Take { block, .. } = end {
+        row.push(block);
+    }
+    Some((row, Some(end)))
 }

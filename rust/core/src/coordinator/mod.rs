@@ -49,7 +49,7 @@ use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::hashing::{BlockHasher, ExtraKeys};
 use crate::manager::{AdmissionLimits, AttentionManager, GroupBlocks};
-use crate::types::{BlockId, PoolStats};
+use crate::types::{BlockId, CacheKey, PoolStats};
 use crate::DefaultPool;
 use keys::KeyLayout;
 use request::RequestState;
@@ -106,6 +106,36 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     low_scratch: Vec<BlockId>,
     /// Scratch: per group, the first table entry an `allocate` changed.
     dirty_from: Vec<usize>,
+    /// Page copies hits asked for since the caller last took them (`take_block_copies`).
+    block_copies: Vec<BlockCopy>,
+    /// Keys of cached full blocks in groups keyed by sub-blocks, partial and full: `key ->
+    /// entry`, so a hit can end inside a block that keeps serving others (by a copy). Entries
+    /// go stale when their block is evicted (checked at lookup: the full key must still map to
+    /// the block) and are swept when they outnumber `prefix_index_limit`.
+    prefix_index: HashMap<CacheKey, PrefixEntry>,
+    prefix_index_limit: usize,
+    /// Bumped by every `take_block_copies` (once per step in an engine): blocks cached in the
+    /// current epoch are computed by the step being scheduled, after the copies run, so they
+    /// are no copy source yet.
+    copy_epoch: u64,
+}
+
+/// A cached full block one of whose keys a hit may end at (see `Coordinator::prefix_index`).
+#[derive(Clone, Copy, Debug)]
+struct PrefixEntry {
+    block: BlockId,
+    /// The key the block is cached under.
+    full: CacheKey,
+    /// The copy epoch in which it was cached.
+    epoch: u64,
+}
+
+/// A page the caller copies before the step that allocated `dst` runs: `src`'s KV (every
+/// layer slot) into `dst`. See `Coordinator::take_block_copies`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub src: BlockId,
+    pub dst: BlockId,
 }
 
 impl Coordinator<DefaultPool> {
@@ -131,6 +161,11 @@ impl<P: BlockAllocator> Coordinator<P> {
         let managers: Vec<_> = config.groups.iter().map(GroupSpec::manager).collect();
         let mut hit_order: Vec<usize> = (0..config.groups.len()).collect();
         hit_order.sort_by_key(|&group| config.groups[group].kind != AttentionKind::Full);
+        let max_units = (0..config.groups.len())
+            .map(|group| config.units_per_block(group))
+            .max()
+            .unwrap_or(1);
+        let prefix_index_limit = 2 * config.num_blocks * max_units;
         let table = BlockTable::new(
             config.groups.len(),
             config.max_num_reqs,
@@ -155,6 +190,10 @@ impl<P: BlockAllocator> Coordinator<P> {
             order_scratch: Vec::new(),
             low_scratch: Vec::new(),
             dirty_from: Vec::new(),
+            block_copies: Vec::new(),
+            prefix_index: HashMap::new(),
+            prefix_index_limit,
+            copy_epoch: 0,
         })
     }
 
@@ -245,6 +284,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             pending_hit: None,
             hit_tokens: 0,
             last_batch: 0,
+            copy_sources: Vec::new(),
         };
         self.requests.insert(request.request_id, state);
         Ok(row)
@@ -349,6 +389,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             self.order_scratch.clear();
         }
         eviction_order::order_for_free(&self.managers, state, &mut self.order_scratch, &mut freed);
+        freed.extend_from_slice(&state.copy_sources);
         let result = self.pool.free_blocks(&freed);
         self.scratch = freed;
         if let Err(error) = result {
@@ -398,7 +439,22 @@ impl<P: BlockAllocator> Coordinator<P> {
 
     /// Forgets every cached block; refused (false) while any block is in use.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        self.pool.reset_prefix_cache()
+        let reset = self.pool.reset_prefix_cache();
+        if reset {
+            self.prefix_index.clear();
+        }
+        reset
+    }
+
+    /// The page copies `allocate` calls asked for since the last call, which the caller must
+    /// carry out (every layer slot's page `src` into page `dst`) before running the step those
+    /// allocations were for. A hit that ends inside a block another request uses (or that
+    /// stays cached for others) gets a new block holding a copy; the source stays held until
+    /// the request's next `allocate` or its free. A caller that never takes them loses nothing
+    /// but the copied KV (the list keeps at most one step's worth).
+    pub fn take_block_copies(&mut self) -> Vec<BlockCopy> {
+        self.copy_epoch += 1;
+        std::mem::take(&mut self.block_copies)
     }
 
     pub fn stats(&self) -> CoordinatorStats {

@@ -25,6 +25,9 @@ pub struct RequestState {
     pub hit_tokens: usize,
     /// Marks the request as seen in the `allocate_batch` call with this number.
     pub last_batch: u64,
+    /// Sources of the block copies its hit asked for, held until its next `allocate` (the
+    /// step that needed the copies has run by then) or its free.
+    pub copy_sources: Vec<BlockId>,
 }
 
 /// A cache hit found but not yet taken.
@@ -33,8 +36,36 @@ pub struct PendingHit {
     pub num_tokens: usize,
     /// Per group, the table prefix of the hit (null entries, then the cached blocks).
     pub rows: Vec<Vec<BlockId>>,
-    /// Per group, the key of the row's last block when the hit ends inside that block (groups
-    /// keyed by sub-blocks): the request takes it for itself instead of sharing it, as it
-    /// writes the block's remaining slots.
-    pub partial: Vec<Option<CacheKey>>,
+    /// Per group, how the hit ends when it ends inside a block (groups keyed by sub-blocks).
+    pub ends: Vec<Option<HitEnd>>,
+}
+
+/// The block a hit ends inside: the request writes its remaining slots, so it cannot share it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HitEnd {
+    /// A free block cached under `key` (a freed request's tail, or a full block nobody uses):
+    /// the request takes it for itself; it is the row's last entry.
+    Take {
+        block: BlockId,
+        key: CacheKey,
+        filled: usize,
+    },
+    /// `src`, cached under its full key `key`, holds the hit's first `filled` units but cannot
+    /// be taken (another request holds it, or it holds more than the hit and stays cached for
+    /// others): the request gets a new block for the entry after the row, and the caller copies
+    /// `src`'s page into it before the step runs (`Coordinator::take_block_copies`).
+    Copy {
+        src: BlockId,
+        key: CacheKey,
+        filled: usize,
+    },
+}
+
+impl HitEnd {
+    /// Units of the block the hit may use.
+    pub fn filled(&self) -> usize {
+        match *self {
+            HitEnd::Take { filled, .. } | HitEnd::Copy { filled, .. } => filled,
+        }
+    }
 }
