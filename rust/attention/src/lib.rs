@@ -4,9 +4,9 @@
 //! The Python engine's CPU backend uses it for decode rows, where a batched torch version has
 //! to copy every visible key and value of every request before two small matmuls; here each
 //! row streams its keys and values once, in tiles of 16 tokens, with an online softmax per
-//! query head (`row.rs` drives a row, `kernel.rs` / `avx2*.rs` compute a tile). Runs of
-//! prefill rows (consecutive positions of one sequence) are computed together, every key of
-//! their union range loaded once for all their query rows (`block.rs`).
+//! query head (`paged/row.rs` drives a row, `paged/kernel.rs` / `paged/avx2/` compute a tile).
+//! Runs of prefill rows (consecutive positions of one sequence) are computed together, every
+//! key of their union range loaded once for all their query rows (`paged/block.rs`).
 //!
 //! Semantics (same as the engine's reference backend): query token `t` of head `j` attends to
 //! the positions `low[t] ..= position[t]` of its sequence, with kv head `j / (Hq / Hkv)`
@@ -14,39 +14,41 @@
 //! (`cap * tanh(s / cap)`), and an optional per-head sink logit joins the softmax denominator
 //! without a value.
 //!
-//! Also the fused element-wise ops of the CPU forward (`elementwise.rs`): RMSNorm of rows and
-//! the gated MLP activations `silu(gate) * up` / `gelu_tanh(gate) * up`, and the rotary
-//! position embedding (`rotary.rs`); and the store of a step's new keys and values into their
-//! cache slots (`cache_write.rs`).
+//! Also the fused element-wise ops of the CPU forward (`elementwise/`): RMSNorm of rows, the
+//! gated MLP activations `silu(gate) * up` / `gelu_tanh(gate) * up`, and the rotary position
+//! embedding; and the store of a step's new keys and values into their cache slots
+//! (`cache_write.rs`).
+//!
+//! Layering: a module uses only modules on lines above its own; inside a folder, only files
+//! listed before it (`;` separates levels, `,` files of one level). A folder's `mod.rs` is its
+//! top: no file uses its own folder's `mod.rs`.
+//!
+//! 1. `error`: `AttentionError`, `ensure`.
+//! 2. `simd`: shared SIMD pieces, nothing about attention: `dispatch` (`LANES`, build choice),
+//!    `math` (scalar exp/tanh), `loops` (8-lane slice loops), `avx2_math` (exp/tanh on
+//!    registers).
+//! 3. `layout`: `HeadShape` and the paged cache layout (uses `error`).
+//! 4. The three jobs, none of which uses another:
+//!    - `paged` (uses 1-3): `query`, `tile`, `lanes`; `softmax`; `kernel`; `portable`,
+//!      `avx2/` (`loops`, `softmax`, then `mod.rs`), `block`; `row`; `mod.rs`
+//!      (`paged_attention`).
+//!    - `elementwise` (uses 1-2): `gated`, `norm`, `rotary`; `avx2_gated`; `mod.rs`
+//!      (`rms_norm`, `silu_mul`, `gelu_tanh_mul`).
+//!    - `cache_write` (uses 1 and 3).
+//! 5. This file: the public re-exports.
 
-#[cfg(target_arch = "x86_64")]
-mod avx2;
-#[cfg(target_arch = "x86_64")]
-mod avx2_gated;
-#[cfg(target_arch = "x86_64")]
-mod avx2_loops;
-#[cfg(target_arch = "x86_64")]
-mod avx2_math;
-mod block;
 mod cache_write;
-mod decode;
 mod elementwise;
 mod error;
-mod gated;
-mod kernel;
 mod layout;
-mod math;
-mod norm;
-mod portable;
-mod rotary;
-mod row;
+mod paged;
 mod simd;
-mod softmax;
 
 pub use cache_write::write_cache;
-pub use decode::paged_attention;
+pub use elementwise::rotary::rotate_neox;
 pub use elementwise::{gelu_tanh_mul, rms_norm, silu_mul};
 pub use error::AttentionError;
-pub use layout::{AttentionParams, HeadShape, Paged, PagedCache, PagedCacheMut, QueryRows};
-pub use rotary::rotate_neox;
-pub use simd::{force_portable, use_avx2_fma};
+pub use layout::{HeadShape, Paged, PagedCache, PagedCacheMut};
+pub use paged::paged_attention;
+pub use paged::query::{AttentionParams, QueryRows};
+pub use simd::dispatch::{force_portable, use_avx2_fma};

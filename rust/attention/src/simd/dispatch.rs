@@ -1,7 +1,11 @@
-//! Which build of the inner loops runs: the AVX2+FMA one (`avx2.rs`) where the CPU has both,
-//! else the portable one (`portable.rs`). Chosen at run time, once per call.
+//! The two builds of the inner loops: the AVX2+FMA one where the CPU has both, else the
+//! portable one. Their vector width (`LANES`), and which build runs, chosen at run time once
+//! per call.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Lanes of a vector of f32 with AVX2; the portable loops use the same width.
+pub(crate) const LANES: usize = 8;
 
 static PORTABLE_ONLY: AtomicBool = AtomicBool::new(false);
 

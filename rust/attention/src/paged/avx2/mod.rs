@@ -1,19 +1,24 @@
 //! The AVX2+FMA build of a step (contract in `kernel.rs`), with intrinsics: the scores of a
-//! tile's 8-key groups and the value accumulation (`avx2_loops.rs`), and the softmax step on
-//! registers of 8 scores (`avx2_math.rs`), for up to 4 query heads side by side.
+//! tile's 8-key groups and the value accumulation (`loops.rs`), and the softmax step on
+//! registers of 8 scores (`softmax.rs`), for up to 4 query heads side by side.
 //!
 //! All helpers are `#[inline(always)]` without target features of their own: they are only
-//! called from the `#[target_feature(enable = "avx2,fma")]` entry in `decode.rs`, and once
+//! called from the `#[target_feature(enable = "avx2,fma")]` entry in `paged/mod.rs`, and once
 //! inlined there the intrinsics compile to single instructions.
+
+mod loops;
+mod softmax;
 
 use std::arch::x86_64::*;
 
-use crate::avx2_loops::{accumulate, dot8};
-use crate::avx2_math;
-use crate::block::Lanes;
-use crate::kernel::{Kernel, Tile, TILE};
-use crate::layout::AttentionParams;
-use crate::softmax::{Running, LANES};
+use crate::paged::kernel::Kernel;
+use crate::paged::lanes::Lanes;
+use crate::paged::query::AttentionParams;
+use crate::paged::softmax::Running;
+use crate::paged::tile::{Tile, TILE};
+use crate::simd::avx2_math;
+use crate::simd::dispatch::LANES;
+use loops::{accumulate, dot8};
 
 /// Vectors of scores per tile.
 const GROUPS: usize = TILE / LANES;
@@ -103,7 +108,7 @@ unsafe fn heads<const B: usize>(
     }
     let mut factors = [_mm256_setzero_ps(); B];
     for ((head, factor), run) in scores.iter_mut().zip(&mut factors).zip(running.iter_mut()) {
-        (*head, *factor) = avx2_math::absorb(run, *head, &tile.padding, params);
+        (*head, *factor) = softmax::absorb(run, *head, &tile.padding, params);
     }
     for ((head, &factor), acc) in scores.iter().zip(&factors).zip(accs.chunks_exact_mut(d)) {
         let mut w = [0.0f32; TILE];
@@ -127,7 +132,7 @@ fn prefetch_line<const NEAR: bool>(at: *const f32) {
     }
 }
 
-/// The AVX2+FMA lanes of `block.rs`: one register.
+/// The AVX2+FMA lanes (`lanes.rs`) of `block.rs`: one register.
 #[derive(Clone, Copy)]
 pub(crate) struct Ymm(__m256);
 

@@ -1,11 +1,11 @@
 //! The rows of `elementwise::rms_norm` (arguments already checked): per row, the sum of
-//! squares in 8 lanes (`portable::dot`), one square root, then `(x * r) * (offset + w)` in the
+//! squares in 8 lanes (`simd::loops::dot`), one square root, then `(x * r) * (offset + w)` in the
 //! order torch's float32 RMSNorm rounds (`offset + w` first, once per call). The same loops
 //! are compiled twice: for the baseline target and with AVX2+FMA enabled (LLVM then vectorises
 //! them 8 lanes wide).
 
-use crate::portable::{dot, map2};
-use crate::softmax::LANES;
+use crate::simd::dispatch::LANES;
+use crate::simd::loops::{dot, map2};
 
 /// Rows of `dim` values: `out = x * (1 / sqrt(mean(x^2) + eps)) * (offset + weight)`. Rows go
 /// in blocks of `LANES`: their sums of squares are independent chains the CPU overlaps, and the

@@ -10,11 +10,25 @@
 //! once and `block.rs` scores every key against all the run's (token, query head) pairs. Decode
 //! rows (one per sequence) always take the row path.
 
-use crate::block;
-use crate::decode::Job;
-use crate::kernel::{Kernel, Tile, TILE};
-use crate::layout::PagedCache;
-use crate::softmax::{Running, LANES};
+use crate::layout::{HeadShape, PagedCache};
+use crate::paged::block;
+use crate::paged::kernel::Kernel;
+use crate::paged::query::{AttentionParams, QueryRows};
+use crate::paged::softmax::Running;
+use crate::paged::tile::{Tile, TILE};
+use crate::simd::dispatch::LANES;
+
+/// What the driver takes: everything one call reads and writes, checked by
+/// `paged_attention` (`mod.rs`).
+pub(crate) struct Job<'a, 'o> {
+    pub q: &'a [f32],
+    pub keys: PagedCache<'a>,
+    pub values: PagedCache<'a>,
+    pub rows: QueryRows<'a>,
+    pub shape: HeadShape,
+    pub params: AttentionParams<'a>,
+    pub out: &'o mut [f32],
+}
 
 #[inline(always)]
 pub(crate) fn run<K: Kernel, const D: usize>(job: Job<'_, '_>) {
@@ -124,12 +138,7 @@ pub(crate) fn run<K: Kernel, const D: usize>(job: Job<'_, '_>) {
 /// expensive per (lane, tile) as a row's step per (query head, tile); a sliding-window run
 /// scores keys that most of its rows then mask (16-token windows: two tiles for every run),
 /// and stays as single rows. The longest run that pays is taken.
-fn run_length(
-    rows: &crate::layout::QueryRows<'_>,
-    r: usize,
-    max_run: usize,
-    group: usize,
-) -> usize {
+fn run_length(rows: &QueryRows<'_>, r: usize, max_run: usize, group: usize) -> usize {
     let tiles = |keys: i64| (keys as usize).div_ceil(TILE);
     let (sequence, position) = (rows.sequence[r], rows.position[r]);
     let mut low = rows.low[r];
@@ -159,11 +168,7 @@ fn run_length(
 /// 16-token window in decode) would otherwise wait on memory for most of its keys. For a row
 /// of another sequence than the one before it.
 #[inline(always)]
-fn prefetch_row_start<K: Kernel>(
-    shared: &block::Shared<'_, '_>,
-    rows: &crate::layout::QueryRows<'_>,
-    r: usize,
-) {
+fn prefetch_row_start<K: Kernel>(shared: &block::Shared<'_, '_>, rows: &QueryRows<'_>, r: usize) {
     let (keys, values) = (shared.keys, shared.values);
     let all_heads = |cache: &PagedCache| (shared.num_kv_heads - 1) * cache.head_stride + shared.d;
     let (mut key_at, mut value_at) = ([0usize; TILE], [0usize; TILE]);

@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::kernel::TILE;
+use crate::paged::tile::TILE;
 
 /// Lane j = `q . data[keys[j]..][..q.len()]`. Caller: `keys` holds 8 offsets, each plus
 /// `q.len()` at most `data.len()`.

@@ -6,8 +6,8 @@
 //! x), so it stays within a few ulp of the exact value everywhere; torch's `1 + tanh(u)` loses
 //! relative precision there (on values below 1e-3 in magnitude).
 
-use crate::math::exp_one;
-use crate::portable::map2;
+use crate::simd::loops::map2;
+use crate::simd::math::exp_one;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Activation {

@@ -14,41 +14,22 @@
 //! the end. A head_dim that is not a multiple of 8 needs no masked loads: keys and values are
 //! read one float at a time (broadcast), never past `d`.
 //!
-//! Written once over 8-lane vectors (`Lanes`): `avx2::Ymm` for the AVX2+FMA build, `[f32; 8]`
-//! for the portable one.
+//! Written once over 8-lane vectors (`lanes.rs`): `avx2::Ymm` for the AVX2+FMA build,
+//! `[f32; 8]` for the portable one.
 
-use crate::kernel::{Kernel, Tile, TILE};
-use crate::layout::{AttentionParams, PagedCache};
-use crate::softmax::{Running, LANES};
+use crate::layout::PagedCache;
+use crate::paged::kernel::Kernel;
+use crate::paged::lanes::Lanes;
+use crate::paged::query::AttentionParams;
+use crate::paged::softmax::Running;
+use crate::paged::tile::{Tile, TILE};
+use crate::simd::dispatch::LANES;
 
 /// Query rows (tokens times query heads of one kv head) a run holds at most: two vectors.
 pub(crate) const MAX_QUERY_ROWS: usize = 2 * LANES;
 
 /// Tokens a run holds at most.
 pub(crate) const MAX_TOKENS: usize = 8;
-
-/// Eight f32 lanes, one per query row. The methods are `unsafe` because the AVX2 build's are
-/// intrinsics: they may only run where the CPU has AVX2 and FMA (inside the target-feature
-/// entry of `decode.rs`, where they are inlined).
-pub(crate) trait Lanes: Copy {
-    unsafe fn splat(x: f32) -> Self;
-    unsafe fn load(from: &[f32; LANES]) -> Self;
-    unsafe fn store(self, to: &mut [f32; LANES]);
-    /// `self * b + c` (fused where the build has FMA).
-    unsafe fn mul_add(self, b: Self, c: Self) -> Self;
-    unsafe fn mul(self, b: Self) -> Self;
-    unsafe fn add(self, b: Self) -> Self;
-    unsafe fn max(self, b: Self) -> Self;
-    /// `math::exp_one` per lane.
-    unsafe fn exp(self) -> Self;
-    /// `cap * tanh(x / cap)` per lane, as `math::softcap`.
-    unsafe fn softcap(self, cap: f32) -> Self;
-    /// `self` where `score` is not -inf, else 0 (a select, so a NaN in `self` goes too).
-    unsafe fn unless_masked(self, score: Self) -> Self;
-    /// `exp(old - new)`, and exactly 1 where `old == new` (also where both are -inf: a query
-    /// row that has seen only masked keys so far).
-    unsafe fn rescale(old: Self, new: Self) -> Self;
-}
 
 /// A run's rows: one sequence, consecutive positions; `low` / `position` per token.
 pub(crate) struct Run<'r> {

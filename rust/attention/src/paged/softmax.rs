@@ -2,11 +2,9 @@
 //! running sum of `exp(score - max)`; when a tile raises the max, what was accumulated so far
 //! is scaled down by `exp(old max - new max)`. `finish` adds the sink and normalises.
 
-use crate::kernel::TILE;
-use crate::math;
-
-/// Lanes of a vector of f32 with AVX2; the portable loops use the same width.
-pub(crate) const LANES: usize = 8;
+use crate::paged::tile::TILE;
+use crate::simd::dispatch::LANES;
+use crate::simd::math;
 
 /// `a.max(b)` for numbers: a plain compare, which is one instruction (`f32::max` also orders
 /// NaNs, a compare and a blend more per lane).

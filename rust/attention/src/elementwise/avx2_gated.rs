@@ -1,12 +1,12 @@
 //! Gated activations `out = act(gate) * up` in AVX2+FMA, 8 values a register: the formulas of
-//! `gated.rs` with `avx2_math::exp`. A tail of fewer than 8 values goes through a padded
+//! `gated.rs` with `simd::avx2_math::exp`. A tail of fewer than 8 values goes through a padded
 //! register, so every value gets the same arithmetic wherever it sits.
 
 use std::arch::x86_64::*;
 
-use crate::avx2_math::exp;
-use crate::gated::{Activation, GELU_CUBIC, GELU_SCALE};
-use crate::softmax::LANES;
+use crate::elementwise::gated::{Activation, GELU_CUBIC, GELU_SCALE};
+use crate::simd::avx2_math::exp;
+use crate::simd::dispatch::LANES;
 
 /// `act(x) * up` on 8 lanes.
 #[inline(always)]

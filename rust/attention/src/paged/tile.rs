@@ -1,10 +1,5 @@
-//! One step of the kernel: a tile of up to `TILE` tokens of one kv head absorbed into the query
-//! heads of its group (scores, online-softmax step, values). Behind a trait so the row driver
-//! (`row.rs`) is written once and compiled per build: `portable::Portable` (loops in 8 lanes
-//! that LLVM vectorises for any target) and `avx2::Avx2` (intrinsics).
-
-use crate::layout::AttentionParams;
-use crate::softmax::Running;
+//! The unit of work of the kernel: a tile of up to `TILE` tokens, as the element offsets of
+//! their keys and values, padded to a full tile.
 
 /// Tokens per tile: a tile goes through one online-softmax step, so the horizontal max, the
 /// rescale of the accumulator and the loop overheads are paid once per 16 keys.
@@ -56,33 +51,4 @@ impl Tile {
         }
         tile
     }
-}
-
-/// One build of the step.
-///
-/// # Safety (`step`)
-/// With `caches = (keys, values)`: for every lane `j < TILE`, `tile.keys[j] + d <=
-/// keys.len()` and `tile.values[j] + d <= values.len()`; and `queries` and `accs` hold
-/// `running.len()` heads of `d` floats.
-pub(crate) trait Kernel {
-    /// The build's 8-lane vectors, for runs of prefill rows (`block.rs`).
-    type Lanes: crate::block::Lanes;
-
-    /// Asks for the `len` floats from each offset to be brought into the cache: L1 when
-    /// `NEAR`, else L2. A hint, with no effect on results (nothing is read, so it is safe
-    /// for any offsets and `len`).
-    fn prefetch<const NEAR: bool>(data: &[f32], offsets: &[usize], len: usize);
-
-    /// Absorbs the tile into the query heads of one kv head (`running.len()` of them, with
-    /// `queries` and `accs` of `d` floats each): scores `scale * q.k` (soft-capped), the
-    /// online-softmax step on `running`, and `acc = acc * factor + sum of weight * value`.
-    unsafe fn step(
-        queries: &[f32],
-        accs: &mut [f32],
-        running: &mut [Running],
-        caches: (&[f32], &[f32]),
-        tile: &Tile,
-        params: &AttentionParams<'_>,
-        d: usize,
-    );
 }

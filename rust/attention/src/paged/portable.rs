@@ -2,11 +2,14 @@
 //! which LLVM vectorises for whatever the target has (SSE2 on baseline x86-64, NEON on
 //! aarch64); what a CPU without AVX2+FMA runs.
 
-use crate::block::Lanes;
-use crate::kernel::{Kernel, Tile, TILE};
-use crate::layout::AttentionParams;
-use crate::math;
-use crate::softmax::{Running, LANES};
+use crate::paged::kernel::Kernel;
+use crate::paged::lanes::Lanes;
+use crate::paged::query::AttentionParams;
+use crate::paged::softmax::Running;
+use crate::paged::tile::{Tile, TILE};
+use crate::simd::dispatch::LANES;
+use crate::simd::loops::{dot, lanes_of};
+use crate::simd::math;
 
 pub(crate) struct Portable;
 
@@ -28,7 +31,7 @@ impl Kernel for Portable {
     ) {
         // Up to 4 heads at a time, phase by phase (all scores, all softmax steps, all values):
         // each head's chain of dependent work is long, and side by side the heads' chains
-        // overlap (as in `avx2.rs`).
+        // overlap (as in `avx2/mod.rs`).
         const BATCH: usize = 4;
         let batches = queries
             .chunks(BATCH * d)
@@ -60,33 +63,6 @@ impl Kernel for Portable {
     }
 }
 
-/// `sum(a[i] * b[i])` in 8 independent lanes (so it vectorises without reassociating).
-#[inline(always)]
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; LANES];
-    let mut a_chunks = a.chunks_exact(LANES);
-    let mut b_chunks = b.chunks_exact(LANES);
-    for (x, y) in (&mut a_chunks).zip(&mut b_chunks) {
-        let (x, y) = (lanes_of(x), lanes_of(y));
-        for ((lane, x), y) in lanes.iter_mut().zip(x).zip(y) {
-            *lane += x * y;
-        }
-    }
-    // Pairwise (halves, quarters, eighths): 3 dependent adds instead of 7.
-    let mut width = LANES / 2;
-    while width > 0 {
-        for lane in 0..width {
-            lanes[lane] += lanes[lane + width];
-        }
-        width /= 2;
-    }
-    let mut sum = lanes[0];
-    for (x, y) in a_chunks.remainder().iter().zip(b_chunks.remainder()) {
-        sum += x * y;
-    }
-    sum
-}
-
 /// `acc[i] += weight * x[i]`, 8 lanes at a time through local arrays: each chunk's loads come
 /// before its stores, so LLVM vectorises without having to prove that `acc` and `x` do not
 /// overlap (it cannot once everything is inlined, and then leaves the loop scalar).
@@ -107,39 +83,8 @@ fn axpy(acc: &mut [f32], weight: f32, x: &[f32]) {
     }
 }
 
-/// A chunk of `chunks_exact(LANES)` as an array (a copy, which is what makes the loops above
-/// free of aliasing questions).
-#[inline(always)]
-pub(crate) fn lanes_of(chunk: &[f32]) -> [f32; LANES] {
-    let mut lanes = [0.0f32; LANES];
-    lanes.copy_from_slice(chunk);
-    lanes
-}
-
-/// `out[i] = f(a[i], b[i])`, 8 lanes at a time through local arrays (so LLVM vectorises `f`
-/// without proving that `out` overlaps nothing), then the tail one by one. The element-wise
-/// loops of `gated.rs` and `norm.rs`; `f` is inlined into each caller (and its build).
-#[inline(always)]
-pub(crate) fn map2(a: &[f32], b: &[f32], out: &mut [f32], f: impl Fn(f32, f32) -> f32) {
-    let mut out_chunks = out.chunks_exact_mut(LANES);
-    let mut a_chunks = a.chunks_exact(LANES);
-    let mut b_chunks = b.chunks_exact(LANES);
-    for ((o, a), b) in (&mut out_chunks).zip(&mut a_chunks).zip(&mut b_chunks) {
-        let (a, b) = (lanes_of(a), lanes_of(b));
-        let mut lanes = [0.0f32; LANES];
-        for ((lane, a), b) in lanes.iter_mut().zip(a).zip(b) {
-            *lane = f(a, b);
-        }
-        o.copy_from_slice(&lanes);
-    }
-    let tail = out_chunks.into_remainder().iter_mut();
-    for ((o, a), b) in tail.zip(a_chunks.remainder()).zip(b_chunks.remainder()) {
-        *o = f(*a, *b);
-    }
-}
-
-/// The portable lanes of `block.rs`: loops over 8 floats, which LLVM vectorises. Nothing here
-/// needs a CPU feature (the methods are `unsafe` for the AVX2 build's sake only).
+/// The portable lanes (`lanes.rs`) of `block.rs`: loops over 8 floats, which LLVM vectorises.
+/// Nothing here needs a CPU feature (the methods are `unsafe` for the AVX2 build's sake only).
 impl Lanes for [f32; LANES] {
     #[inline(always)]
     unsafe fn splat(x: f32) -> Self {

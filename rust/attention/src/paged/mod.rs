@@ -1,21 +1,25 @@
-//! The entry point: checks every argument, then picks the build (AVX2+FMA or portable) and a
-//! head_dim specialisation, and hands the checked job to the row driver (`row.rs`).
+//! Paged attention: one query token per row, keys and values read in place from the paged
+//! cache through the block table. This file is the entry point: it checks every argument,
+//! then picks the build (AVX2+FMA or portable) and a head_dim specialisation, and hands the
+//! checked job to the row driver (`row.rs`).
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod block;
+mod kernel;
+mod lanes;
+mod portable;
+pub(crate) mod query;
+mod row;
+mod softmax;
+mod tile;
 
 use crate::error::{ensure, AttentionError};
-use crate::layout::{AttentionParams, HeadShape, PagedCache, QueryRows};
-use crate::portable::Portable;
-use crate::{row, simd};
-
-/// Everything one call reads and writes, checked.
-pub(crate) struct Job<'a, 'o> {
-    pub q: &'a [f32],
-    pub keys: PagedCache<'a>,
-    pub values: PagedCache<'a>,
-    pub rows: QueryRows<'a>,
-    pub shape: HeadShape,
-    pub params: AttentionParams<'a>,
-    pub out: &'o mut [f32],
-}
+use crate::layout::{HeadShape, PagedCache};
+use crate::simd::dispatch;
+use portable::Portable;
+use query::{AttentionParams, QueryRows};
+use row::Job;
 
 /// Attention of `q` (`[rows, num_heads, head_dim]`, row-major) over the paged `keys`/`values`,
 /// written to `out` (same shape). Checks every length, stride and visible block first and
@@ -72,7 +76,7 @@ pub fn paged_attention(
         };
     }
     #[cfg(target_arch = "x86_64")]
-    if simd::use_avx2_fma() {
+    if dispatch::use_avx2_fma() {
         // SAFETY: the CPU supports AVX2 and FMA (checked at run time just above).
         unsafe { by_head_dim!(run_avx2) };
         return Ok(());
@@ -86,7 +90,7 @@ pub fn paged_attention(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn run_avx2<const D: usize>(job: Job<'_, '_>) {
-    row::run::<crate::avx2::Avx2, D>(job)
+    row::run::<avx2::Avx2, D>(job)
 }
 
 /// The portable build, for the baseline target.

@@ -1,11 +1,18 @@
 //! Fused element-wise ops of a model's forward on the CPU: RMSNorm of rows and the gated
-//! activations of an MLP (`act(gate) * up`). Each entry point checks its lengths, then picks
-//! the build (AVX2+FMA or portable, as `paged_attention` does) and hands the work to `norm.rs`
-//! or `gated.rs` / `avx2_gated.rs`. One pass over the data instead of one torch op per step.
+//! activations of an MLP (`act(gate) * up`), here, and the rotary position embedding
+//! (`rotary.rs`). The entry points here check their lengths, then pick the build (AVX2+FMA or
+//! portable, as `paged_attention` does) and hand the work to `norm.rs` or `gated.rs` /
+//! `avx2_gated.rs`. One pass over the data instead of one torch op per step.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2_gated;
+mod gated;
+mod norm;
+pub(crate) mod rotary;
 
 use crate::error::{ensure, AttentionError};
-use crate::gated::{self, Activation};
-use crate::{norm, simd};
+use crate::simd::dispatch;
+use gated::Activation;
 
 /// `out = x / sqrt(mean(x^2) + eps) * (offset + weight)` for each of the `rows` rows of `dim`
 /// values of `x` (row-major), with the statistics in f32: `offset` 0 for Llama-style weights,
@@ -39,7 +46,7 @@ pub fn rms_norm(
         format!("eps must be finite and non-negative and offset finite, got {eps} and {offset}")
     })?;
     #[cfg(target_arch = "x86_64")]
-    if simd::use_avx2_fma() {
+    if dispatch::use_avx2_fma() {
         // SAFETY: the CPU supports AVX2 and FMA (checked at run time just above).
         unsafe { norm::rows_avx2(x, dim, weight, offset, eps, out) };
         return Ok(());
@@ -74,9 +81,9 @@ fn gated_mul(
         )
     })?;
     #[cfg(target_arch = "x86_64")]
-    if simd::use_avx2_fma() {
+    if dispatch::use_avx2_fma() {
         // SAFETY: the CPU supports AVX2 and FMA (checked at run time just above).
-        unsafe { crate::avx2_gated::gated_mul(activation, gate, up, out) };
+        unsafe { avx2_gated::gated_mul(activation, gate, up, out) };
         return Ok(());
     }
     gated::gated_mul_portable(activation, gate, up, out);
