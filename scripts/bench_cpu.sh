@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU benchmarks of BENCHMARKS.md (issue 6): hybrid vs uniform on the tiny presets, engine
+# CPU benchmarks of BENCHMARKS.md: hybrid vs uniform on the tiny presets, engine
 # overhead at 64 running requests, ours vs transformers' generate_batch. One run at a time.
 # Workload: 64 prompts of 512 tokens, 128 generated each (windows of the tiny presets: 16);
 # KV budget: the uniform allocator holds 16 = a quarter of the prompts at 512+128 tokens.

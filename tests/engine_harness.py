@@ -37,7 +37,9 @@ def group_key(spec: AttentionSpec) -> tuple[str, int | None]:
 
 
 def skipped_tokens(spec: AttentionSpec, num_computed: int) -> int:
-    """Tokens no query from position `num_computed` on can see (DESIGN.md's `skipped(c)`)."""
+    """Tokens no query from position `num_computed` on can see.
+
+    `skipped(c)` of docs/DESIGN.md "Window release"."""
     if spec.kind == "sliding_window":
         return max(0, num_computed - spec.window + 1)
     if spec.kind == "chunked_local":

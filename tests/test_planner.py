@@ -1,4 +1,4 @@
-"""Planner: hand-computed layouts, the DESIGN.md check, preset ratios, and bad options."""
+"""Planner: hand-computed layouts, the check of docs/DESIGN.md "Planning", presets, bad options."""
 
 import math
 
@@ -58,7 +58,7 @@ def model_of(layers):
 
 
 def test_design_check_one_full_one_windowed_share_one_tensor():
-    """DESIGN.md: one full and one windowed layer, budget = page x 2 x 32 -> 64 blocks."""
+    """docs/DESIGN.md "Planning": a full and a windowed layer, budget page x 2 x 32 = 64 blocks."""
     model = model_of([full(), sliding(32)])
     page = 16 * 2 * (16 + 16) * 2  # block size x kv heads x (K + V dims) x bf16 bytes
     layout = plan_kv_cache(model, PlanOptions(page * 2 * 32, max_model_len=1024))

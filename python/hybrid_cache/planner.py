@@ -1,6 +1,6 @@
 """KV-cache planning: from a model's layers and a memory budget to the layout the engine allocates.
 
-Why this shape (DESIGN.md "Planning", docs/PLANNER.md for the worked examples):
+Why this shape (docs/DESIGN.md "Planning", docs/PLANNER.md for the worked examples):
 
 * Layers with one memory spec (attention kind, window/chunk, bytes per token) form **groups of
   equal size** `layers_per_group`; each group has its own block table, so a windowed group frees

@@ -44,8 +44,9 @@ def write_kv(
 ) -> None:
     """`reference.write_kv` (new keys/values [tokens, Hkv, D] to their slots) with one Rust copy
     per cache when the tensors fit: what `usable` asks of the caches, float32 CPU keys and
-    values, CPU slots. In the engine (64 decode rows) ~42-56 us of torch indexing per layer
-    became ~24-27 us. A slot outside the cache raises `InvalidBlockError` and writes nothing."""
+    values, CPU slots. In the engine (64 decode rows) the copy takes ~24-27 us per layer against
+    ~42-56 us for torch's indexed assignment. A slot outside the cache raises `InvalidBlockError`
+    and writes nothing."""
     fits = (
         usable(k, k_cache, v_cache)
         and v.device.type == "cpu"

@@ -254,8 +254,8 @@ def warm_up_batches(device_type: str, num_prompts: int, max_num_seqs: int) -> li
     """Batch sizes of the warm-up: one request on the CPU; on CUDA 1, 2, 4, ... up to the run's
     largest batch, because the Triton kernels compile a variant per number of KV splits, which a
     decode step picks from its batch size (fewer sequences, more splits), and a variant first met
-    inside the timed run cost seconds there (session 11-12 GPU runs: a first hybrid run of a tiny
-    preset took 6.8-8.1 s against 1.4 s warm)."""
+    inside the timed run costs seconds there (on an H200, a first hybrid run of a tiny preset
+    took 6.8-8.1 s against 1.4 s warm without this warm-up)."""
     if device_type != "cuda":
         return [1]
     largest = max(1, min(num_prompts, max_num_seqs))

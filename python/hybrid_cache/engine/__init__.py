@@ -7,10 +7,11 @@ One job per file:
     llm_engine.py     LLMEngine: add_request / step / abort_request, per-step figures
     step_runner.py    StepRunner: the execute(SchedulerOutput) contract a step runs through
     scheduler.py      continuous batching, chunked prefill, preemption by recompute
-    kv_cache.py       the only user of hybrid_cache._core (Coordinator, zero-copy block table)
+    kv_cache.py       the engine's only user of the Rust Coordinator (zero-copy block table)
     model_runner.py   KV tensors per layout slot, batch + metadata, forward, sampling
     sampler.py        greedy / temperature / top-k / top-p, per-request seeded generators
     request.py        per-request state;  sampling_params.py, outputs.py, errors.py, memory.py
+    host_memory.py    the CPU KV pool on transparent huge pages;  tokenizer.py
 
 A request's life (every transition that drops blocks goes through `KVCacheManager.free`):
 

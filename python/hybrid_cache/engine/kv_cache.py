@@ -1,4 +1,4 @@
-"""The engine's window onto the Rust coordinator: the only module that touches `_core`.
+"""The engine's window onto the Rust coordinator: the engine's one user of `_core.Coordinator`.
 
 It owns the `Coordinator`, maps engine request ids (strings) to the integer ids the core uses,
 and exposes the persistent grouped block table as a torch tensor that shares the core's memory

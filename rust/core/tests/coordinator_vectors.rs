@@ -1,4 +1,5 @@
-//! DESIGN.md vectors and error cases, driven through the coordinator's public API.
+//! The vectors of docs/DESIGN.md ("Window release", "Cache-hit search", "Admission") and error
+//! cases, driven through the coordinator's public API.
 
 use hybrid_cache_core::coordinator::RowRef;
 use hybrid_cache_core::{

@@ -1,4 +1,5 @@
-//! The DESIGN.md vectors for each manager type.
+//! The vectors of docs/DESIGN.md ("Window release", "Cache-hit search", "Admission") for each
+//! manager type.
 
 use super::*;
 use crate::mutex_pool::MutexPool;
