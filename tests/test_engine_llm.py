@@ -285,6 +285,26 @@ def test_a_shared_prefix_inside_a_block_is_hit_alone_and_together(tiny):
     assert_all_blocks_free(llm)
 
 
+def test_every_prompt_token_is_a_hit_or_a_counted_miss(tiny):
+    # A 13-token prompt twice: the first lookup finds nothing ever cached (12 tokens; the last
+    # token is always computed), the second hits those 12. LLM.stats and the last step's stats
+    # say so; per group, what it alone would hit.
+    llm = tiny.llm()
+    (prompt,) = make_prompts(41, lengths=(13,))
+    llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    first = llm.stats.prefix_misses
+    assert (first.never_cached, first.evicted, first.window_tail, first.alignment) == (12, 0, 0, 1)
+    (again,) = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    assert again.num_cached_tokens == 12
+    misses = llm.stats.prefix_misses
+    assert (misses.never_cached, misses.alignment, misses.total) == (12, 2, 14)
+    assert llm.stats.num_prefix_hit_tokens + misses.total == llm.stats.num_prefix_query_tokens
+    assert llm.step_stats[-1].prefix_misses == misses
+    alone = llm.stats.prefix_alone_hit_tokens_per_group
+    assert alone == [12] * llm.layout.num_groups
+    assert llm.stats.prefix_shortened_tokens_per_group == [0] * llm.layout.num_groups
+
+
 def test_prefix_hits_preemption_and_chunks_together(tiny):
     shared = tuple(make_prompts(11, lengths=(20,))[0])
     prompts = make_prompts(12, lengths=(3, 9, 25), prefix=shared) + make_prompts(13, (4, 30))

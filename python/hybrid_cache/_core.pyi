@@ -3,7 +3,7 @@
 This file is the contract between the Rust binding and the Python engine.
 """
 
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -156,9 +156,15 @@ class Coordinator:
         copies page src into page dst in every layer slot before running the step. A hit that
         ends inside a block another request uses gets a new block holding such a copy."""
     def reset_prefix_cache(self) -> bool: ...
-    def stats(self) -> dict[str, int]:
-        """num_blocks, num_free_blocks, num_cached_blocks, num_evictions,
-        prefix_queries (tokens looked up), prefix_hits (tokens hit)."""
+    def stats(self) -> dict[str, Any]:
+        """num_blocks, num_free_blocks, num_cached_blocks, num_spare_blocks, num_evictions,
+        prefix_queries (tokens looked up), prefix_hits (tokens hit); why the other tokens missed:
+        prefix_miss_window_tail (the full-attention prefix was cached further but a windowed
+        group lacked the blocks a hit point there needs), prefix_miss_never_cached,
+        prefix_miss_evicted, prefix_miss_alignment (the last token and the tokens past the last
+        multiple of the hit alignment); per group (lists): prefix_alone_hits_per_group (what the
+        group alone would have hit) and prefix_shortened_per_group (of that, what other groups
+        cut)."""
 
 def paged_attention_cpu(
     q: npt.NDArray[np.float32],

@@ -13,11 +13,17 @@ from typing import Any, Optional
 from hybrid_cache.bench.multi_turn import ReuseFigures
 
 
-def counter_deltas(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    """The core's cumulative counters (`KVCacheManager.stats()`) over a stretch of a run."""
-    return {
-        name: value - before.get(name, 0) for name, value in after.items() if isinstance(value, int)
-    }
+def counter_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The core's cumulative counters (`KVCacheManager.stats()`) over a stretch of a run: ints,
+    and per-group lists element by element."""
+    deltas: dict[str, Any] = {}
+    for name, value in after.items():
+        if isinstance(value, int):
+            deltas[name] = value - before.get(name, 0)
+        elif isinstance(value, list):
+            earlier = before.get(name) or [0] * len(value)
+            deltas[name] = [now - then for now, then in zip(value, earlier)]
+    return deltas
 
 
 def is_decode_step(running: int, tokens: int) -> bool:

@@ -66,12 +66,41 @@ def format_mode(result: RunResult) -> list[str]:
         )
     if result.reuse is not None:
         lines.append(format_reuse(result))
+    misses = format_misses(result)
+    if misses:
+        lines.append(misses)
     fit = result.decode_step_cost()
     if fit is not None:
         lines.append(
             f"Decode step time fit: {fit[0] * 1e3:.2f} ms + {fit[1] * 1e3:.3f} ms per request"
         )
     return lines
+
+
+MISS_REASONS = (
+    ("prefix_miss_window_tail", "window tail missing"),
+    ("prefix_miss_evicted", "evicted"),
+    ("prefix_miss_never_cached", "never cached"),
+    ("prefix_miss_alignment", "alignment and last token"),
+)
+
+
+def format_misses(result: RunResult) -> str:
+    """Where the looked-up prompt tokens went (hit or why not) and, per group, what that group
+    alone would have hit; empty when nothing was looked up."""
+    counters = result.cache_counters
+    queries = counters.get("prefix_queries", 0)
+    if not queries:
+        return ""
+    parts = [f"hit {counters.get('prefix_hits', 0) / queries:.1%}"]
+    parts += [f"{label} {counters.get(name, 0) / queries:.1%}" for name, label in MISS_REASONS]
+    alone = counters.get("prefix_alone_hits_per_group", [])
+    names = result.group_kinds or [str(group) for group in range(len(alone))]
+    per_group = ", ".join(f"{name} {tokens / queries:.1%}" for name, tokens in zip(names, alone))
+    line = f"Prompt tokens looked up: {', '.join(parts)}"
+    if len(alone) > 1:
+        line += f"; each group alone would hit: {per_group}"
+    return line
 
 
 def format_reuse(result: RunResult) -> str:

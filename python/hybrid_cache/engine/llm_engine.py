@@ -26,7 +26,7 @@ from hybrid_cache.engine.errors import (
 )
 from hybrid_cache.engine.kv_cache import KVCacheManager, num_kv_tokens
 from hybrid_cache.engine.model_runner import ModelRunner
-from hybrid_cache.engine.outputs import EngineStats, StepStats
+from hybrid_cache.engine.outputs import EngineStats, PrefixMisses, StepStats
 from hybrid_cache.engine.request import Request
 from hybrid_cache.engine.sampler import Sampler
 from hybrid_cache.engine.sampling_params import SamplingParams
@@ -185,6 +185,15 @@ class LLMEngine:
         stats.num_preemptions += num_preemptions
         stats.num_prefix_query_tokens = core.get("prefix_queries", 0)
         stats.num_prefix_hit_tokens = core.get("prefix_hits", 0)
+        misses = PrefixMisses.from_core(core)
+        if misses != stats.prefix_misses:
+            stats.prefix_misses = misses
+            stats.prefix_alone_hit_tokens_per_group = list(
+                core.get("prefix_alone_hits_per_group", [])
+            )
+            stats.prefix_shortened_tokens_per_group = list(
+                core.get("prefix_shortened_per_group", [])
+            )
         stats.max_used_blocks_per_group = [
             max(a, b) for a, b in zip(stats.max_used_blocks_per_group, used)
         ]
@@ -198,5 +207,6 @@ class LLMEngine:
                 num_used_blocks_per_group=used,
                 num_free_blocks=self.kv_cache.num_free_blocks,
                 prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+                prefix_misses=stats.prefix_misses,
             )
         )

@@ -51,6 +51,39 @@ class RequestOutput:
             raise self.error
 
 
+@dataclass(frozen=True)
+class PrefixMisses:
+    """Looked-up prompt tokens that were not prefix-cache hits, by reason (cumulative). A
+    request's tokens split into its hit and these four; see `docs/DESIGN.md` "Cache-hit search".
+
+    - `window_tail`: the full-attention prefix was cached further, but a windowed (or chunked)
+      group lacked the blocks a hit point there needs;
+    - `never_cached`: the prefix was never cached past the hit;
+    - `evicted`: it was, and has been evicted since (a Bloom filter tells: may count a few
+      never-cached tokens as evicted);
+    - `alignment`: the last prompt token (always computed) and the tokens past the last
+      multiple of the hit alignment.
+    """
+
+    window_tail: int = 0
+    never_cached: int = 0
+    evicted: int = 0
+    alignment: int = 0
+
+    @classmethod
+    def from_core(cls, core: dict) -> PrefixMisses:
+        return cls(
+            window_tail=core.get("prefix_miss_window_tail", 0),
+            never_cached=core.get("prefix_miss_never_cached", 0),
+            evicted=core.get("prefix_miss_evicted", 0),
+            alignment=core.get("prefix_miss_alignment", 0),
+        )
+
+    @property
+    def total(self) -> int:
+        return self.window_tail + self.never_cached + self.evicted + self.alignment
+
+
 @dataclass
 class StepStats:
     """Figures of one engine step (`LLM.step_stats` keeps them for the last `generate`)."""
@@ -63,6 +96,7 @@ class StepStats:
     num_used_blocks_per_group: list[int]
     num_free_blocks: int
     prefix_cache_hit_rate: float  # cumulative hit tokens / queried tokens since the engine started
+    prefix_misses: PrefixMisses = PrefixMisses()  # cumulative, since the engine started
 
 
 @dataclass
@@ -74,6 +108,11 @@ class EngineStats:
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     max_used_blocks_per_group: list[int] = field(default_factory=list)
+    prefix_misses: PrefixMisses = PrefixMisses()
+    # Per KV-cache group: prompt tokens that group alone would have hit, and of those, the ones
+    # the other groups cut (a windowed group's missing tail shortens every group's hit).
+    prefix_alone_hit_tokens_per_group: list[int] = field(default_factory=list)
+    prefix_shortened_tokens_per_group: list[int] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -731,3 +731,61 @@ fn end_point_window_blocks_released_early_are_requeued_with_the_tail() {
     add(&mut c, 2, &prompt);
     assert_eq!(c.find_cache_hit(2).unwrap(), 12);
 }
+
+#[test]
+fn every_looked_up_token_is_a_hit_or_has_a_reason() {
+    // Full B = 2 and window B = 2 W = 4 (hits need the 2 blocks before the hit point).
+    let mut c = coordinator(48, vec![full(2), window(2, 4)]);
+    let mut last = c.stats().hits;
+    let mut delta = |c: &Coordinator| {
+        let now = c.stats().hits;
+        let d = [
+            now.hits - last.hits,
+            now.miss_window_tail - last.miss_window_tail,
+            now.miss_never_cached - last.miss_never_cached,
+            now.miss_evicted - last.miss_evicted,
+            now.miss_alignment - last.miss_alignment,
+        ];
+        assert_eq!(d.iter().sum::<u64>(), now.queries - last.queries);
+        last = now;
+        d
+    };
+    // A prompt looked up before anything is cached, then again once it was: the second hits
+    // 8 of 10 (the last token is computed, and 9 is not a multiple of 2).
+    let first = tokens(10);
+    add(&mut c, 1, &first);
+    assert_eq!(c.find_cache_hit(1).unwrap(), 0);
+    assert_eq!(delta(&c), [0, 0, 8, 0, 2]);
+    assert!(allocate(&mut c, 1, 0, 10));
+    c.free_request(1).unwrap();
+    add(&mut c, 2, &first);
+    assert_eq!(c.find_cache_hit(2).unwrap(), 8);
+    assert_eq!(delta(&c), [8, 0, 0, 0, 2]);
+    assert_eq!(c.stats().hits.alone, vec![8, 8]);
+    c.free_request(2).unwrap();
+    // A long request computed 4 tokens at a time: its early window blocks are released as it
+    // goes; taking every free block then evicts them (and the first prompt's).
+    let long: Vec<u32> = (200..220).collect();
+    add(&mut c, 4, &long);
+    for computed in (0..20).step_by(4) {
+        assert!(allocate(&mut c, 4, computed, 4));
+    }
+    let mut taken = Vec::new();
+    let free = c.pool().num_free_blocks();
+    c.pool().get_new_blocks(free, &mut taken).unwrap();
+    // The long request's first 12 tokens, then others: its full-attention blocks are cached
+    // (and held), the window blocks a hit at 12 needs are gone: window tail 12; the next full
+    // unit (tokens 12..14 of this prompt) was never cached: 2; alignment 1.
+    let mut shares_twelve = long[..12].to_vec();
+    shares_twelve.extend([7, 7, 7]);
+    add(&mut c, 6, &shares_twelve);
+    assert_eq!(c.find_cache_hit(6).unwrap(), 0);
+    assert_eq!(delta(&c), [0, 12, 2, 0, 1]);
+    // The first prompt again: evicted.
+    add(&mut c, 7, &first);
+    assert_eq!(c.find_cache_hit(7).unwrap(), 0);
+    assert_eq!(delta(&c), [0, 0, 0, 8, 2]);
+    let stats = c.stats().hits;
+    assert_eq!(stats.shortened, vec![12, 0]);
+    c.pool().free_blocks(&taken).unwrap();
+}

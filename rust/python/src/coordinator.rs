@@ -367,6 +367,13 @@ impl PyCoordinator {
         dict.set_item("num_evictions", stats.pool.num_evictions)?;
         dict.set_item("prefix_queries", stats.prefix_queries)?;
         dict.set_item("prefix_hits", stats.prefix_hits)?;
+        let hits = &stats.hits;
+        dict.set_item("prefix_miss_window_tail", hits.miss_window_tail)?;
+        dict.set_item("prefix_miss_never_cached", hits.miss_never_cached)?;
+        dict.set_item("prefix_miss_evicted", hits.miss_evicted)?;
+        dict.set_item("prefix_miss_alignment", hits.miss_alignment)?;
+        dict.set_item("prefix_alone_hits_per_group", hits.alone.clone())?;
+        dict.set_item("prefix_shortened_per_group", hits.shortened.clone())?;
         Ok(dict)
     }
 }

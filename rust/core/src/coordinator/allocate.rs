@@ -18,6 +18,7 @@
 use std::collections::HashMap;
 
 use super::eviction_order::release_tier;
+use super::hit_stats::SeenKeys;
 use super::keys::GroupKeys;
 use super::request::{HitEnd, PendingHit, RequestState};
 use super::CoordinatorConfig;
@@ -27,7 +28,7 @@ use crate::error::CoreError;
 use crate::manager::{
     cache_full_blocks, pending_release, release_nulls, AttentionManager, CacheContext, GroupBlocks,
 };
-use crate::types::{BlockId, CacheKey, NULL_BLOCK};
+use crate::types::{BlockId, CacheKey, GroupId, NULL_BLOCK};
 
 /// One `allocate` call's arguments.
 #[derive(Clone, Copy, Debug)]
@@ -316,6 +317,7 @@ impl<P: BlockAllocator> Coordinator<P> {
                 let blocks = &mut state.groups[group];
                 let from = blocks.num_cached;
                 cache_full_blocks(manager.as_ref(), blocks, &context)?;
+                remember_cached(&self.pool, &mut self.seen_keys, keys, blocks, from);
                 if keys.units > 1 {
                     let index = &mut self.prefix_index;
                     index_prefixes(&self.pool, index, keys, blocks, from, self.copy_epoch);
@@ -354,6 +356,28 @@ fn blocks_unchanged(
 /// Whether group `group`'s hit ends in a block the request takes (its row's last entry).
 fn taken_end(hit: &PendingHit, group: usize) -> bool {
     matches!(hit.ends[group], Some(HitEnd::Take { .. }))
+}
+
+/// Records in `seen` the unit keys of the blocks `blocks.num_cached` was advanced over (from
+/// `from`) whose key is now cached (see `hit_stats`).
+fn remember_cached<P: BlockAllocator>(
+    pool: &P,
+    seen: &mut SeenKeys,
+    keys: GroupKeys<'_>,
+    blocks: &GroupBlocks,
+    from: usize,
+) {
+    let end = blocks
+        .num_cached
+        .min(blocks.blocks.len())
+        .min(keys.num_full());
+    for index in from..end {
+        if blocks.blocks[index] != NULL_BLOCK && pool.cached_block(keys.full(index)).is_some() {
+            for &hash in keys.unit_hashes(index, keys.units) {
+                seen.insert(keys.group as GroupId, hash);
+            }
+        }
+    }
 }
 
 /// Records every key (partial and full) of the blocks `blocks.num_cached` was advanced over

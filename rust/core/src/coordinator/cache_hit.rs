@@ -31,13 +31,14 @@
 
 use std::collections::HashMap;
 
+use super::hit_stats::Lookup;
 use super::keys::GroupKeys;
 use super::request::{HitEnd, PendingHit};
-use super::{Coordinator, PrefixEntry};
+use super::{AttentionKind, Coordinator, PrefixEntry};
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::manager::{hit_row, AttentionManager};
-use crate::types::{BlockId, CacheKey};
+use crate::types::{BlockId, CacheKey, GroupId};
 
 impl<P: BlockAllocator> Coordinator<P> {
     /// Longest prefix (tokens) every group can hit, stored on the request as its pending hit
@@ -61,13 +62,38 @@ impl<P: BlockAllocator> Coordinator<P> {
         Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
         let num_tokens = state.tokens.len();
         let alignment = self.hit_alignment;
-        let mut hit = (num_tokens - 1) / alignment * alignment;
+        let max_hit = (num_tokens - 1) / alignment * alignment;
         let lookup = EndLookup {
             pool: &self.pool,
             prefix_index: &self.prefix_index,
             epoch: self.copy_epoch,
         };
         let keys_of = |group: usize| self.keys.keys(&state.hash_chains, group);
+        // What each group alone accepts; the common hit is at most their minimum, and the fixed
+        // point from there ends where the one from `max_hit` would (each group's answer is the
+        // longest it accepts up to the length asked).
+        let alone: Vec<usize> = (0..self.managers.len())
+            .map(|group| {
+                let manager = self.managers[group].as_ref();
+                longest_group_hit(&lookup, manager, keys_of(group), max_hit) / alignment * alignment
+            })
+            .collect();
+        let mut hit = alone.iter().copied().min().expect("at least one group");
+        // The group whose cached prefix ends first: among full-attention groups if any.
+        let full_groups = self
+            .hit_order
+            .iter()
+            .copied()
+            .filter(|&group| self.config.groups[group].kind == AttentionKind::Full);
+        let limiting = full_groups
+            .min_by_key(|&group| alone[group])
+            .or_else(|| {
+                self.hit_order
+                    .iter()
+                    .copied()
+                    .min_by_key(|&group| alone[group])
+            })
+            .expect("at least one group");
         loop {
             let mut shortened = false;
             for &group in &self.hit_order {
@@ -102,8 +128,20 @@ impl<P: BlockAllocator> Coordinator<P> {
                 }
             }
         }
-        self.prefix_queries += num_tokens as u64;
-        self.prefix_hits += hit as u64;
+        let keys = keys_of(limiting);
+        let next_unit = alone[limiting] / (self.managers[limiting].block_size() / keys.units);
+        let next_was_cached = keys
+            .hashes
+            .get(next_unit)
+            .is_some_and(|&hash| self.seen_keys.contains(limiting as GroupId, hash));
+        self.hit_stats.record(Lookup {
+            num_tokens,
+            max_hit,
+            hit,
+            alone: &alone,
+            prefix_cached: alone[limiting],
+            next_was_cached,
+        });
         if hit > 0 {
             state.pending_hit = Some(PendingHit {
                 num_tokens: hit,

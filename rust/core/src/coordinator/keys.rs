@@ -13,6 +13,7 @@
 //!
 //! A full key and a partial key never coincide: they name prefixes of different lengths.
 
+use super::hit_stats::SeenKeys;
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::manager::GroupBlocks;
@@ -43,6 +44,13 @@ impl GroupKeys<'_> {
     /// The key of full block `index` (it must be hashed: `index < num_full()`).
     pub fn full(&self, index: usize) -> CacheKey {
         self.key((index + 1) * self.units - 1)
+    }
+
+    /// The chain entries of block `index`'s first `filled` units (those the request has).
+    pub fn unit_hashes(&self, index: usize, filled: usize) -> &[BlockHash] {
+        let start = (index * self.units).min(self.hashes.len());
+        let end = (index * self.units + filled).min(self.hashes.len());
+        &self.hashes[start..end]
     }
 
     /// The key of block `index` holding its first `filled` units (`1..=units`; `units` is the
@@ -103,6 +111,7 @@ impl KeyLayout {
 /// the last block boundary. Nothing happens in other groups or when no whole unit is there.
 pub(super) fn cache_partial_tail<P: BlockAllocator>(
     pool: &P,
+    seen: &mut SeenKeys,
     keys: GroupKeys<'_>,
     blocks: &GroupBlocks,
     block_size: usize,
@@ -117,8 +126,11 @@ pub(super) fn cache_partial_tail<P: BlockAllocator>(
     if filled == 0 || block == NULL_BLOCK {
         return Ok(());
     }
-    match keys.partial(index, filled) {
-        Some(key) => pool.cache_block(block, key).map(|_| ()),
-        None => Ok(()),
+    let Some(key) = keys.partial(index, filled) else {
+        return Ok(());
+    };
+    for &hash in keys.unit_hashes(index, filled) {
+        seen.insert(keys.group as GroupId, hash);
     }
+    pool.cache_block(block, key).map(|_| ())
 }

@@ -34,12 +34,14 @@ mod allocate;
 mod cache_hit;
 mod config;
 mod eviction_order;
+mod hit_stats;
 mod keys;
 mod request;
 mod table;
 
 pub use allocate::AllocateStep;
 pub use config::{AttentionKind, CoordinatorConfig, GroupSpec};
+pub use hit_stats::HitStats;
 pub use table::{BlockTable, RowRef};
 
 use std::collections::HashMap;
@@ -51,17 +53,20 @@ use crate::hashing::{BlockHasher, ExtraKeys};
 use crate::manager::{AdmissionLimits, AttentionManager, GroupBlocks};
 use crate::types::{BlockId, CacheKey, PoolStats};
 use crate::DefaultPool;
+use hit_stats::SeenKeys;
 use keys::KeyLayout;
 use request::RequestState;
 
 /// Prefix-cache counters of the coordinator plus the pool's counters.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CoordinatorStats {
     pub pool: PoolStats,
     /// Prompt tokens looked up by `find_cache_hit`.
     pub prefix_queries: u64,
     /// Tokens of those that were hits.
     pub prefix_hits: u64,
+    /// Why the other looked-up tokens were not hits, and what each group alone would hit.
+    pub hits: HitStats,
 }
 
 /// A new request for `add_request`.
@@ -94,8 +99,10 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     requests: HashMap<u64, RequestState, BuildHasherDefault<RequestIdHasher>>,
     /// Non-null table entries per group (a block shared by two requests counts twice).
     num_references: Vec<usize>,
-    prefix_queries: u64,
-    prefix_hits: u64,
+    /// Prefix-cache counters (`hit_stats`).
+    hit_stats: HitStats,
+    /// The keys cached so far (a Bloom filter), to tell evicted from never-cached misses.
+    seen_keys: SeenKeys,
     /// Number of the current `allocate_batch` call (duplicate-id detection).
     batch_number: u64,
     /// Scratch list of blocks, reused to avoid allocating per call.
@@ -166,6 +173,8 @@ impl<P: BlockAllocator> Coordinator<P> {
             .max()
             .unwrap_or(1);
         let prefix_index_limit = 2 * config.num_blocks * max_units;
+        let num_groups = config.groups.len();
+        let seen_keys = SeenKeys::new(config.num_blocks * max_units);
         let table = BlockTable::new(
             config.groups.len(),
             config.max_num_reqs,
@@ -183,8 +192,8 @@ impl<P: BlockAllocator> Coordinator<P> {
             table,
             pool,
             config,
-            prefix_queries: 0,
-            prefix_hits: 0,
+            hit_stats: HitStats::new(num_groups),
+            seen_keys,
             batch_number: 0,
             scratch: Vec::new(),
             order_scratch: Vec::new(),
@@ -367,6 +376,7 @@ impl<P: BlockAllocator> Coordinator<P> {
                 let keys = self.keys.keys(&state.hash_chains, group);
                 let cached = keys::cache_partial_tail(
                     &self.pool,
+                    &mut self.seen_keys,
                     keys,
                     &state.groups[group],
                     manager.block_size(),
@@ -460,8 +470,9 @@ impl<P: BlockAllocator> Coordinator<P> {
     pub fn stats(&self) -> CoordinatorStats {
         CoordinatorStats {
             pool: self.pool.stats(),
-            prefix_queries: self.prefix_queries,
-            prefix_hits: self.prefix_hits,
+            prefix_queries: self.hit_stats.queries,
+            prefix_hits: self.hit_stats.hits,
+            hits: self.hit_stats.clone(),
         }
     }
 

@@ -1,0 +1,180 @@
+//! Why looked-up prompt tokens were hits or not: counters summed over `find_cache_hit` calls.
+//!
+//! For a prompt of `n` tokens with hit alignment `L`, the longest hit possible is
+//! `h_max = (n - 1) / L * L` (the last token is always computed). Each group alone accepts some
+//! `a_g <= h_max` (what it would hit if it were the only group); the hit is `h <= min a_g`. Let
+//! `F` be the least `a_g` of the full-attention groups (of all groups in a model without full
+//! attention): how far the prefix itself is cached. The `n` tokens split into
+//!
+//! ```text
+//!   hits           h
+//!   window tail    F - h            the full-attention prefix is cached up to F, but a windowed
+//!                                   (or chunked) group lacks the blocks a hit point there needs
+//!   never cached   h_max - F        the limiting group's next unit was never cached here
+//!   evicted        h_max - F        ... or it was, and has been evicted since
+//!   alignment      n - h_max        the last token, and the tokens past the last multiple of L
+//! ```
+//!
+//! Per group: `alone` sums `a_g`, `shortened` sums `a_g - h` (the hit this group lost to the
+//! others). "Was it ever cached" is a Bloom filter over the keys this coordinator cached: no
+//! false "never cached", some false "evicted" (under 1% while the filter is at most 1/16 full;
+//! it is cleared when fuller, after which keys cached before count as never cached).
+
+use crate::types::{BlockHash, GroupId};
+
+/// See the module docs. All counts are tokens.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HitStats {
+    /// Prompt tokens looked up.
+    pub queries: u64,
+    /// Tokens of those that were hits.
+    pub hits: u64,
+    pub miss_window_tail: u64,
+    pub miss_never_cached: u64,
+    pub miss_evicted: u64,
+    pub miss_alignment: u64,
+    /// Per group: tokens it alone would have hit.
+    pub alone: Vec<u64>,
+    /// Per group: tokens it alone would have hit beyond the hit taken.
+    pub shortened: Vec<u64>,
+}
+
+/// One lookup's figures, as `HitStats::record` takes them.
+pub(super) struct Lookup<'a> {
+    pub num_tokens: usize,
+    pub max_hit: usize,
+    pub hit: usize,
+    /// Per group, what it alone accepts.
+    pub alone: &'a [usize],
+    /// How far the prefix itself is cached (`F` in the module docs).
+    pub prefix_cached: usize,
+    /// Whether the unit after `prefix_cached` was ever cached.
+    pub next_was_cached: bool,
+}
+
+impl HitStats {
+    pub(super) fn new(num_groups: usize) -> Self {
+        HitStats {
+            alone: vec![0; num_groups],
+            shortened: vec![0; num_groups],
+            ..HitStats::default()
+        }
+    }
+
+    pub(super) fn record(&mut self, lookup: Lookup<'_>) {
+        let limit = lookup.prefix_cached;
+        let hit = lookup.hit.min(limit);
+        self.queries += lookup.num_tokens as u64;
+        self.hits += hit as u64;
+        self.miss_window_tail += (limit - hit) as u64;
+        let uncached = (lookup.max_hit - limit) as u64;
+        if lookup.next_was_cached {
+            self.miss_evicted += uncached;
+        } else {
+            self.miss_never_cached += uncached;
+        }
+        self.miss_alignment += (lookup.num_tokens - lookup.max_hit) as u64;
+        for (group, &alone) in lookup.alone.iter().enumerate() {
+            self.alone[group] += alone as u64;
+            self.shortened[group] += alone.saturating_sub(hit) as u64;
+        }
+    }
+}
+
+/// A Bloom filter of the keys (group, chain hash) cached so far; see the module docs.
+#[derive(Debug)]
+pub(super) struct SeenKeys {
+    words: Vec<u64>,
+    inserted: usize,
+}
+
+const PROBES: usize = 3;
+const GROUP_MIX: u128 = 0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835;
+
+impl SeenKeys {
+    /// A filter of about `capacity * 16` bits (a power of two, 4 KiB to 2 MiB).
+    pub(super) fn new(capacity: usize) -> Self {
+        let bits = capacity
+            .saturating_mul(16)
+            .next_power_of_two()
+            .clamp(1 << 15, 1 << 24);
+        SeenKeys {
+            words: vec![0; bits / 64],
+            inserted: 0,
+        }
+    }
+
+    /// The filter's bits for a key: three probes derived from its 128-bit hash, the group mixed
+    /// in (the same hash in two groups is two keys).
+    fn positions(&self, group: GroupId, hash: BlockHash) -> [usize; PROBES] {
+        let mask = self.words.len() * 64 - 1;
+        let mixed = hash.0 ^ u128::from(group).wrapping_mul(GROUP_MIX);
+        let (high, low) = ((mixed >> 64) as u64, mixed as u64);
+        [0u64, 1, 2].map(|i| (low.wrapping_add(i.wrapping_mul(high | 1)) as usize) & mask)
+    }
+
+    pub(super) fn insert(&mut self, group: GroupId, hash: BlockHash) {
+        if self.inserted * 16 >= self.words.len() * 64 {
+            self.words.iter_mut().for_each(|word| *word = 0);
+            self.inserted = 0;
+        }
+        for bit in self.positions(group, hash) {
+            self.words[bit / 64] |= 1 << (bit % 64);
+        }
+        self.inserted += 1;
+    }
+
+    pub(super) fn contains(&self, group: GroupId, hash: BlockHash) -> bool {
+        self.positions(group, hash)
+            .iter()
+            .all(|&bit| self.words[bit / 64] & (1 << (bit % 64)) != 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_filter_holds_what_was_inserted_and_little_else() {
+        let mut seen = SeenKeys::new(1000);
+        for hash in 0..1000u128 {
+            seen.insert(0, BlockHash(hash * 7919));
+        }
+        assert!((0..1000u128).all(|hash| seen.contains(0, BlockHash(hash * 7919))));
+        let false_positives = (5000..15000u128)
+            .filter(|&hash| seen.contains(0, BlockHash(hash * 7919)))
+            .count();
+        assert!(false_positives < 100, "{false_positives} of 10000");
+        let other_group = (0..1000u128)
+            .filter(|&hash| seen.contains(1, BlockHash(hash * 7919)))
+            .count();
+        assert!(
+            other_group < 10,
+            "the group is part of the key: {other_group} of 1000"
+        );
+    }
+
+    #[test]
+    fn the_split_adds_up_to_the_queries() {
+        let mut stats = HitStats::new(2);
+        stats.record(Lookup {
+            num_tokens: 50,
+            max_hit: 48,
+            hit: 16,
+            alone: &[32, 40],
+            prefix_cached: 32,
+            next_was_cached: true,
+        });
+        assert_eq!(stats.hits, 16);
+        assert_eq!(stats.miss_window_tail, 16);
+        assert_eq!(stats.miss_evicted, 16);
+        assert_eq!(stats.miss_alignment, 2);
+        let misses = stats.miss_window_tail
+            + stats.miss_never_cached
+            + stats.miss_evicted
+            + stats.miss_alignment;
+        assert_eq!(stats.hits + misses, stats.queries);
+        assert_eq!((stats.alone, stats.shortened), (vec![32, 40], vec![16, 24]));
+    }
+}
