@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional, Union
 
-from hybrid_cache._core import HybridCacheError
+from hybrid_cache.errors import ConfigError, UnknownArchitectureError, UnknownModelError
 from hybrid_cache.presets import preset_names, read_preset
 
 AttentionKind = Literal["full", "sliding_window", "chunked_local"]
@@ -32,18 +32,6 @@ _DTYPE_ALIASES = {
     "fp8_e4m3": "float8_e4m3fn",
     "fp8_e5m2": "float8_e5m2",
 }
-
-
-class ConfigError(HybridCacheError, ValueError):
-    """A model config that is missing, malformed, or describes something we cannot serve."""
-
-
-class UnknownModelError(ConfigError):
-    """`--model` is neither a folder with a `config.json` nor a built-in preset name."""
-
-
-class UnknownArchitectureError(ConfigError):
-    """The config's architecture is not one we know how to read."""
 
 
 def normalize_dtype(name: str) -> str:

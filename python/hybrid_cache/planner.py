@@ -33,8 +33,13 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal, Optional, Union
 
-from hybrid_cache._core import HybridCacheError
 from hybrid_cache.config import AttentionKind, LayerSpec, ModelSpec, normalize_dtype
+from hybrid_cache.errors import (
+    BudgetTooSmallError,
+    InvalidBlockSizeError,
+    PlanError,
+    WindowTooLargeError,
+)
 from hybrid_cache.sizes import format_memory_size, parse_memory_size
 
 PlanMode = Literal["hybrid", "uniform"]
@@ -47,22 +52,6 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_PADDING_WASTE = 0.02
 # "auto" keeps per-type blocks within this many times the requested block size.
 PER_TYPE_MAX_BLOCK_RATIO = 8
-
-
-class PlanError(HybridCacheError, ValueError):
-    """Planning options that cannot produce a layout."""
-
-
-class InvalidBlockSizeError(PlanError):
-    """The block size is not a positive power of two."""
-
-
-class BudgetTooSmallError(PlanError):
-    """The KV-cache budget holds less than one block per group (plus the null block)."""
-
-
-class WindowTooLargeError(PlanError):
-    """A window/chunk covers the whole context while `strict_windows` is set."""
 
 
 def cdiv(numerator: int, denominator: int) -> int:

@@ -18,9 +18,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from hybrid_cache.attention.backends import get_attention_backend
 from hybrid_cache.attention.forward_context import get_forward_context
 from hybrid_cache.attention.params import AttentionParams
-from hybrid_cache.attention.selector import get_attention_backend
 
 
 @dataclass(frozen=True)

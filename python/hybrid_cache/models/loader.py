@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from hybrid_cache.config import TEXT_CONFIG_WRAPPERS
-from hybrid_cache.errors import HybridCacheError
+from hybrid_cache.errors import ModelLoadError, UnsupportedArchitectureError, WeightMismatchError
 from hybrid_cache.models.layers import RMSNorm
 from hybrid_cache.models.registry import (
     MODEL_REGISTRY,
@@ -28,18 +28,6 @@ from hybrid_cache.models.registry import (
 INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint entries that are not parameters (older exports saved rotary buffers).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class ModelLoadError(HybridCacheError):
-    """The model folder cannot be turned into a model (missing/malformed config or weights)."""
-
-
-class UnsupportedArchitectureError(ModelLoadError):
-    """config.json names an architecture this engine has no model file for."""
-
-
-class WeightMismatchError(ModelLoadError):
-    """A checkpoint tensor is missing, unexpected, or shaped differently from config.json."""
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
