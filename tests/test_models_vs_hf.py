@@ -14,8 +14,8 @@ import torch
 import transformers
 from engine_harness import greedy_generate
 from hybrid_cache.attention import attention_layers
-from hybrid_cache.models import hf_config, load_model
-from hybrid_cache.models.rotary import rope_inv_freq
+from hybrid_cache.models import load_model
+from hybrid_cache.models.rotary import rope_inv_freq, rope_parameters
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 WINDOW = 8
@@ -199,13 +199,11 @@ ROPE_CASES = [
 
 @pytest.mark.parametrize("rope", ROPE_CASES, ids=lambda rope: rope["rope_type"])
 def test_rope_tables_match_transformers(rope) -> None:
-    from hybrid_cache.models import hf_config
-
     hf = transformers.LlamaConfig(
         **{**BASE, "head_dim": 32, "rope_parameters": {**rope, "rope_theta": 50000.0}}
     )
     expected_inv_freq, expected_scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
-    ours = hf_config.rope_parameters(hf.to_dict())
+    ours = rope_parameters(hf.to_dict())
     inv_freq, scaling = rope_inv_freq(32, ours)
     torch.testing.assert_close(inv_freq, expected_inv_freq.float(), rtol=1e-6, atol=0)
     assert scaling == pytest.approx(expected_scaling)
@@ -223,8 +221,6 @@ def test_gemma3_old_and_new_rope_configs_agree() -> None:
         rope_scaling={"rope_type": "linear", "factor": 8.0},
     )
     for layer_type in ("sliding_attention", "full_attention"):
-        assert hf_config.rope_parameters(old, layer_type) == hf_config.rope_parameters(
-            new, layer_type
-        )
-    assert hf_config.rope_parameters(new, "sliding_attention")["rope_theta"] == 10_000.0
-    assert hf_config.rope_parameters(new, "full_attention")["factor"] == 8.0
+        assert rope_parameters(old, layer_type) == rope_parameters(new, layer_type)
+    assert rope_parameters(new, "sliding_attention")["rope_theta"] == 10_000.0
+    assert rope_parameters(new, "full_attention")["factor"] == 8.0

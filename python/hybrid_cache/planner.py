@@ -176,6 +176,19 @@ class KVCacheLayout:
         `_core.GroupSpec` for the coordinator."""
         return [(group.kind, group.block_size, group.window, group.chunk) for group in self.groups]
 
+    def group_attention(self) -> list[tuple[AttentionKind, Optional[int]]]:
+        """(kind, window or chunk) per group, in group-id order (`assign_layer_groups`)."""
+        return [
+            (group.kind, group.window if group.kind == "sliding_window" else group.chunk)
+            for group in self.groups
+        ]
+
+    @property
+    def full_accepts_reach(self) -> int:
+        """The smallest window/chunk a layer planned into a full-attention group may have: a
+        window that covers `max_model_len` never slides; in uniform mode every group is full."""
+        return 1 if self.mode == "uniform" else self.options.max_model_len
+
     def layer_slot(self, layer_index: int) -> tuple[int, int]:
         """(group id, slot) of a layer: which block table it reads and which tensor it writes."""
         for slot, layers in enumerate(self.tensor_slots):
