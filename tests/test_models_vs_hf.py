@@ -9,6 +9,9 @@ Float32 throughout; transformers runs the eager attention (sinks and softcaps ne
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -145,6 +148,31 @@ def test_greedy_tokens_match_transformers(name: str, tmp_path) -> None:
         assert sum(result.nulled_blocks) > 0, "no block left a window: the test proves nothing"
     # Sequences that repeat one token throughout would hide position bugs.
     assert sum(len(set(tokens)) > 1 for tokens in expected) >= 2
+
+
+def test_qwen2_max_window_layers_without_layer_types(tmp_path) -> None:
+    """The shape of many published Qwen2 configs: `use_sliding_window` and `max_window_layers`
+    but no `layer_types`. transformers slides from layer `max_window_layers` on and the layers
+    below attend fully; our model does the same (both read from the one ModelSpec)."""
+    hf_model, folder = make_hf_model("qwen2", tmp_path)  # 2 layers, max_window_layers=1
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("layer_types", None)
+    assert config["use_sliding_window"] and config["max_window_layers"] == 1
+    path.write_text(json.dumps(config))
+    reloaded = transformers.AutoConfig.from_pretrained(folder)
+    assert reloaded.layer_types == ["full_attention", "sliding_attention"]
+    ours = load_model(folder)
+    assert [layer.sliding_window for layer in attention_layers(ours)] == [None, WINDOW]
+    prompts = make_prompts()
+    expected = hf_greedy(hf_model, prompts)
+    result = greedy_generate(ours, prompts, MAX_NEW_TOKENS, block_size=4, prefill_chunk=5)
+    assert result.tokens == expected
+    assert sum(result.nulled_blocks) > 0, "no block left a window: the test proves nothing"
+    # The comparison sees the difference: windowing layer 0 as well changes the tokens.
+    attention_layers(ours)[0].sliding_window = WINDOW
+    windowed = greedy_generate(ours, prompts, MAX_NEW_TOKENS, block_size=4, prefill_chunk=5)
+    assert windowed.tokens != expected
 
 
 def test_prefill_in_one_chunk_matches_chunked(tmp_path) -> None:
