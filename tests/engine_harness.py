@@ -119,7 +119,8 @@ def greedy_generate(
 ) -> HarnessResult:
     """Greedy tokens for every prompt, all unfinished prompts batched in each forward."""
     state = PagedState(model, prompts, max_new_tokens, block_size)
-    assign_layer_groups(model, state.group_of_layer)
+    group_attention = [(spec.kind, spec.window) for spec in state.group_specs]
+    assign_layer_groups(model, state.group_of_layer, group_attention)
     set_attention_backend(model, backend)
     device = next(model.parameters()).device
     generated: list[list[int]] = [[] for _ in prompts]

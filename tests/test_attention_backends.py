@@ -393,7 +393,8 @@ def tiny_model(preset: str):
     config = {**read_preset(preset), "num_hidden_layers": 2}
     config["layer_types"] = ["sliding_attention", "full_attention"]
     model = load_model(config=config, load_format="dummy", seed=1)
-    assign_layer_groups(model, [0, 1])  # group 0: the windowed layer, group 1: full attention
+    # group 0: the windowed layer, group 1: full attention
+    assign_layer_groups(model, [0, 1], [("sliding_window", 16), ("full", None)])
     return model
 
 

@@ -55,7 +55,8 @@ def test_kernel_modules_are_found_in_the_package():
 
 
 def test_importing_the_package_needs_neither_torch_nor_triton():
-    # hybrid_cache.errors imports it for KernelArgumentError; torch is an optional extra.
+    # The kernels package imports hybrid_cache.errors for KernelArgumentError; torch is an
+    # optional extra.
     code = (
         "import sys; import hybrid_cache.kernels as k; "
         "assert issubclass(k.KernelArgumentError, ValueError); "

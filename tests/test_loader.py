@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from hybrid_cache.attention import attention_layers, build_attention_metadata, set_forward_context
-from hybrid_cache.config import apply_hf_overrides, model_spec_from_hf_config
+from hybrid_cache.config import apply_hf_overrides, load_hf_config, model_spec_from_hf_config
 from hybrid_cache.engine.llm import LLM
 from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.errors import HybridCacheError
@@ -19,7 +19,6 @@ from hybrid_cache.models import (
     UnsupportedArchitectureError,
     WeightMismatchError,
     load_model,
-    read_config,
 )
 from hybrid_cache.presets import read_preset
 
@@ -110,7 +109,7 @@ def test_malformed_config(llama_folder, tmp_path) -> None:
 
 def test_config_missing_a_required_field(llama_folder, tmp_path) -> None:
     folder = copy_folder(llama_folder[0], tmp_path)
-    config = read_config(folder)
+    config = load_hf_config(folder)
     del config["hidden_size"]
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="hidden_size"):
@@ -135,7 +134,7 @@ def test_no_weight_files(llama_folder, tmp_path) -> None:
 
 def test_shape_mismatch_with_config(llama_folder, tmp_path) -> None:
     folder = copy_folder(llama_folder[0], tmp_path)
-    config = read_config(folder)
+    config = load_hf_config(folder)
     config["intermediate_size"] = 96
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(WeightMismatchError, match="mlp"):
@@ -144,7 +143,7 @@ def test_shape_mismatch_with_config(llama_folder, tmp_path) -> None:
 
 def test_missing_tensor(llama_folder, tmp_path) -> None:
     folder = copy_folder(llama_folder[0], tmp_path)
-    config = read_config(folder)
+    config = load_hf_config(folder)
     config["num_hidden_layers"] = 3
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(WeightMismatchError, match="lacks"):
@@ -153,7 +152,7 @@ def test_missing_tensor(llama_folder, tmp_path) -> None:
 
 def test_unknown_architecture(llama_folder, tmp_path) -> None:
     folder = copy_folder(llama_folder[0], tmp_path)
-    config = read_config(folder)
+    config = load_hf_config(folder)
     config["architectures"] = ["FalconForCausalLM"]
     config["model_type"] = "falcon"
     (folder / "config.json").write_text(json.dumps(config))
@@ -172,7 +171,7 @@ def test_tied_embeddings_share_one_parameter(tmp_path) -> None:
 
 
 def test_dummy_weights_are_seeded(llama_folder) -> None:
-    config = read_config(llama_folder[0])
+    config = load_hf_config(llama_folder[0])
     first = load_model(config=config, load_format="dummy", seed=3).state_dict()
     again = load_model(config=config, load_format="dummy", seed=3).state_dict()
     other = load_model(config=config, load_format="dummy", seed=4).state_dict()

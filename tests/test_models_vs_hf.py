@@ -9,13 +9,16 @@ Float32 throughout; transformers runs the eager attention (sinks and softcaps ne
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
 from engine_harness import greedy_generate
 from hybrid_cache.attention import attention_layers
-from hybrid_cache.models import hf_config, load_model
-from hybrid_cache.models.rotary import rope_inv_freq
+from hybrid_cache.models import load_model
+from hybrid_cache.models.rotary import rope_inv_freq, rope_parameters
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 WINDOW = 8
@@ -147,6 +150,31 @@ def test_greedy_tokens_match_transformers(name: str, tmp_path) -> None:
     assert sum(len(set(tokens)) > 1 for tokens in expected) >= 2
 
 
+def test_qwen2_max_window_layers_without_layer_types(tmp_path) -> None:
+    """The shape of many published Qwen2 configs: `use_sliding_window` and `max_window_layers`
+    but no `layer_types`. transformers slides from layer `max_window_layers` on and the layers
+    below attend fully; our model does the same (both read from the one ModelSpec)."""
+    hf_model, folder = make_hf_model("qwen2", tmp_path)  # 2 layers, max_window_layers=1
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("layer_types", None)
+    assert config["use_sliding_window"] and config["max_window_layers"] == 1
+    path.write_text(json.dumps(config))
+    reloaded = transformers.AutoConfig.from_pretrained(folder)
+    assert reloaded.layer_types == ["full_attention", "sliding_attention"]
+    ours = load_model(folder)
+    assert [layer.sliding_window for layer in attention_layers(ours)] == [None, WINDOW]
+    prompts = make_prompts()
+    expected = hf_greedy(hf_model, prompts)
+    result = greedy_generate(ours, prompts, MAX_NEW_TOKENS, block_size=4, prefill_chunk=5)
+    assert result.tokens == expected
+    assert sum(result.nulled_blocks) > 0, "no block left a window: the test proves nothing"
+    # The comparison sees the difference: windowing layer 0 as well changes the tokens.
+    attention_layers(ours)[0].sliding_window = WINDOW
+    windowed = greedy_generate(ours, prompts, MAX_NEW_TOKENS, block_size=4, prefill_chunk=5)
+    assert windowed.tokens != expected
+
+
 def test_prefill_in_one_chunk_matches_chunked(tmp_path) -> None:
     _, folder = make_hf_model("gemma2", tmp_path)
     ours = load_model(folder)
@@ -199,13 +227,11 @@ ROPE_CASES = [
 
 @pytest.mark.parametrize("rope", ROPE_CASES, ids=lambda rope: rope["rope_type"])
 def test_rope_tables_match_transformers(rope) -> None:
-    from hybrid_cache.models import hf_config
-
     hf = transformers.LlamaConfig(
         **{**BASE, "head_dim": 32, "rope_parameters": {**rope, "rope_theta": 50000.0}}
     )
     expected_inv_freq, expected_scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
-    ours = hf_config.rope_parameters(hf.to_dict())
+    ours = rope_parameters(hf.to_dict())
     inv_freq, scaling = rope_inv_freq(32, ours)
     torch.testing.assert_close(inv_freq, expected_inv_freq.float(), rtol=1e-6, atol=0)
     assert scaling == pytest.approx(expected_scaling)
@@ -223,8 +249,6 @@ def test_gemma3_old_and_new_rope_configs_agree() -> None:
         rope_scaling={"rope_type": "linear", "factor": 8.0},
     )
     for layer_type in ("sliding_attention", "full_attention"):
-        assert hf_config.rope_parameters(old, layer_type) == hf_config.rope_parameters(
-            new, layer_type
-        )
-    assert hf_config.rope_parameters(new, "sliding_attention")["rope_theta"] == 10_000.0
-    assert hf_config.rope_parameters(new, "full_attention")["factor"] == 8.0
+        assert rope_parameters(old, layer_type) == rope_parameters(new, layer_type)
+    assert rope_parameters(new, "sliding_attention")["rope_theta"] == 10_000.0
+    assert rope_parameters(new, "full_attention")["factor"] == 8.0

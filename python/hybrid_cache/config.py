@@ -1,8 +1,10 @@
 """Model specs from a Hugging Face `config.json`: what the planner and the engine need to know.
 
-The planner only cares about each layer's KV footprint and attention type; the engine also needs
-a few model facts (hidden size, vocab, dtype). Both come from the same config so they cannot
-disagree. Field names and defaults follow transformers' own config classes (checked against
+The one reader of model configs: `load_hf_config` (folder, `config.json` or preset),
+`apply_hf_overrides` (the deep merge of `hf_overrides`) and `model_spec_from_hf_config`. The
+`ModelSpec` it makes is the only source of each layer's attention kind, window, chunk size and
+sinks: the planner plans from it and every model in `models/` is built from it, so the KV cache
+and the attention layers cannot disagree. Field names and defaults follow transformers' own config classes (checked against
 transformers 5.24): a field missing from `config.json` takes the class default, exactly as
 `AutoConfig` would, so a model built by transformers and our plan agree layer for layer.
 transformers itself is not imported: planning must work on a machine without it.
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional, Union
 
-from hybrid_cache._core import HybridCacheError
+from hybrid_cache.errors import ConfigError, UnknownArchitectureError, UnknownModelError
 from hybrid_cache.presets import preset_names, read_preset
 
 AttentionKind = Literal["full", "sliding_window", "chunked_local"]
@@ -32,18 +34,6 @@ _DTYPE_ALIASES = {
     "fp8_e4m3": "float8_e4m3fn",
     "fp8_e5m2": "float8_e5m2",
 }
-
-
-class ConfigError(HybridCacheError, ValueError):
-    """A model config that is missing, malformed, or describes something we cannot serve."""
-
-
-class UnknownModelError(ConfigError):
-    """`--model` is neither a folder with a `config.json` nor a built-in preset name."""
-
-
-class UnknownArchitectureError(ConfigError):
-    """The config's architecture is not one we know how to read."""
 
 
 def normalize_dtype(name: str) -> str:
@@ -64,7 +54,9 @@ def dtype_num_bytes(name: str) -> int:
 @dataclass(frozen=True)
 class LayerSpec:
     """One attention layer's KV-cache needs. `window` is set for sliding_window layers only
-    (a query at position i sees positions i-window+1..i), `chunk` for chunked_local only."""
+    (a query at position i sees positions i-window+1..i), `chunk` for chunked_local only.
+    `hf_layer_type` is transformers' name for the layer's type ("full_attention",
+    "sliding_attention", ...; Gemma-3 keys its rotary parameters by it)."""
 
     kind: AttentionKind
     num_kv_heads: int
@@ -73,6 +65,7 @@ class LayerSpec:
     dtype: str
     window: Optional[int] = None
     chunk: Optional[int] = None
+    hf_layer_type: Optional[str] = field(default=None, compare=False)
 
     def bytes_per_token(self, kv_cache_dtype: Optional[str] = None) -> int:
         """KV bytes one token takes in this layer (K and V), in the cache dtype if given."""
@@ -99,6 +92,12 @@ class ModelSpec:
     attention_sinks: bool
     hf_config: dict[str, Any] = field(compare=False, hash=False, repr=False)
     text_config: dict[str, Any] = field(compare=False, hash=False, repr=False)
+
+    @property
+    def text_architecture(self) -> str:
+        """The architecture the language model is built as: `architecture` itself, or for a
+        multimodal wrapper (Gemma-3 12B/27B) the text-only architecture it wraps."""
+        return TEXT_CONFIG_WRAPPERS.get(self.architecture, self.architecture)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,7 +292,7 @@ def load_hf_config(model: Union[str, os.PathLike]) -> dict[str, Any]:
         try:
             config = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ConfigError(f"cannot read {str(path)!r} as JSON: {error}") from error
+            raise ConfigError(f"cannot read {str(path)!r}: not valid JSON ({error})") from error
         if not isinstance(config, dict):
             raise ConfigError(f"{str(path)!r} must hold a JSON object, not {type(config).__name__}")
         return config
@@ -400,7 +399,9 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str = "<config>")
             chunk = read("attention_chunk_size")
             chunk = None if chunk is None else _positive_int(chunk, "attention_chunk_size")
             kind = "chunked_local" if chunk is not None else "full"
-        layers.append(LayerSpec(kind, num_kv_heads, head_dim, head_dim, dtype, window, chunk))
+        layers.append(
+            LayerSpec(kind, num_kv_heads, head_dim, head_dim, dtype, window, chunk, hf_type)
+        )
 
     return ModelSpec(
         name=name,

@@ -1,78 +1,165 @@
-"""Every exception hybrid-cache raises derives from `HybridCacheError`.
+"""Every exception hybrid-cache raises, all derived from `HybridCacheError`.
 
-The allocator's errors are defined by the Rust extension (one class per core error kind) and
-re-exported here; Python-side modules define their own subclasses next to the code that raises
-them and re-export them here too.
+This module is the package's ground floor: it imports nothing from `hybrid_cache`, so any module
+can import its errors from here without a cycle. The Rust extension raises the allocator's errors
+as these same classes (it imports them from here when it loads), and the modules that raise the
+Python-side ones re-export them next to their code (`hybrid_cache.config.ConfigError` is
+`hybrid_cache.errors.ConfigError`). A new error is one class here plus its `__all__` entry.
 """
 
-from typing import TYPE_CHECKING
-
-from hybrid_cache._core import (
-    DoubleFreeError,
-    DuplicateRequestError,
-    HybridCacheError,
-    InvalidArgumentError,
-    InvalidBlockError,
-    InvalidGroupError,
-    NoFreeBlocksError,
-    RequestTooLargeError,
-    TooManyRequestsError,
-    UnknownRequestError,
-)
-from hybrid_cache.config import ConfigError, UnknownArchitectureError, UnknownModelError
-from hybrid_cache.kernels.errors import KernelArgumentError
-from hybrid_cache.planner import (
-    BudgetTooSmallError,
-    InvalidBlockSizeError,
-    PlanError,
-    WindowTooLargeError,
-)
-from hybrid_cache.sizes import MemorySizeError
-
-if TYPE_CHECKING:
-    from hybrid_cache.attention.selector import (
-        AttentionBackendUnavailableError,
-        UnknownAttentionBackendError,
-    )
-    from hybrid_cache.engine.errors import (
-        EngineConfigError,
-        InsufficientKVCacheError,
-        InvalidRequestError,
-        InvalidSamplingParamsError,
-        PromptTooLongError,
-    )
-    from hybrid_cache.models.loader import (
-        ModelLoadError,
-        UnsupportedArchitectureError,
-        WeightMismatchError,
-    )
-
-# Errors of the model side, re-exported lazily so importing this module does not import torch.
-_LAZY_ERRORS = {
-    "ModelLoadError": "hybrid_cache.models.loader",
-    "UnsupportedArchitectureError": "hybrid_cache.models.loader",
-    "WeightMismatchError": "hybrid_cache.models.loader",
-    "UnknownAttentionBackendError": "hybrid_cache.attention.selector",
-    "AttentionBackendUnavailableError": "hybrid_cache.attention.selector",
-    # The engine's errors (they subclass classes defined above, so they cannot be eager here).
-    "EngineConfigError": "hybrid_cache.engine.errors",
-    "InsufficientKVCacheError": "hybrid_cache.engine.errors",
-    "InvalidRequestError": "hybrid_cache.engine.errors",
-    "InvalidSamplingParamsError": "hybrid_cache.engine.errors",
-    "PromptTooLongError": "hybrid_cache.engine.errors",
-}
+from __future__ import annotations
 
 
-def __getattr__(name: str) -> type:
-    if name in _LAZY_ERRORS:
-        import importlib
+class HybridCacheError(Exception):
+    """Base of every hybrid-cache error."""
 
-        return getattr(importlib.import_module(_LAZY_ERRORS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+# ---------------------------------------------------------------------------------------------
+# The allocator (raised by the Rust extension, `hybrid_cache._core`).
+
+
+class InvalidArgumentError(HybridCacheError):
+    """A size, count or parameter is out of range."""
+
+
+class NoFreeBlocksError(HybridCacheError):
+    """The pool has fewer free blocks than asked; nothing was taken."""
+
+
+class InvalidBlockError(HybridCacheError):
+    """A block id that is the null block, out of range, or not held."""
+
+
+class DoubleFreeError(HybridCacheError):
+    """A block freed more times than it is referenced."""
+
+
+class UnknownRequestError(HybridCacheError):
+    """A request id that was never added or is already freed."""
+
+
+class DuplicateRequestError(HybridCacheError):
+    """A request id added twice."""
+
+
+class InvalidGroupError(HybridCacheError):
+    """A group id out of range."""
+
+
+class RequestTooLargeError(HybridCacheError):
+    """A request the pool or table can never hold."""
+
+
+class TooManyRequestsError(HybridCacheError):
+    """Every block-table row is in use."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Model configs (`config.py`), memory sizes (`sizes.py`) and planning (`planner.py`).
+
+
+class ConfigError(HybridCacheError, ValueError):
+    """A model config that is missing, malformed, or describes something we cannot serve."""
+
+
+class UnknownModelError(ConfigError):
+    """`--model` is neither a folder with a `config.json` nor a built-in preset name."""
+
+
+class UnknownArchitectureError(ConfigError):
+    """The config's architecture is not one we know how to read."""
+
+
+class MemorySizeError(HybridCacheError, ValueError):
+    """A memory size that is not a non-negative byte count or a number with a known unit."""
+
+
+class PlanError(HybridCacheError, ValueError):
+    """Planning options that cannot produce a layout."""
+
+
+class InvalidBlockSizeError(PlanError):
+    """The block size is not a positive power of two."""
+
+
+class BudgetTooSmallError(PlanError):
+    """The KV-cache budget holds less than one block per group (plus the null block)."""
+
+
+class WindowTooLargeError(PlanError):
+    """A window/chunk covers the whole context while `strict_windows` is set."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Models (`models/loader.py`), attention (`attention/`) and the Triton kernels (`kernels/`).
+
+
+class ModelLoadError(HybridCacheError):
+    """The model folder cannot be turned into a model (missing/malformed config or weights)."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """config.json names an architecture this engine has no model file for."""
+
+
+class WeightMismatchError(ModelLoadError):
+    """A checkpoint tensor is missing, unexpected, or shaped differently from config.json."""
+
+
+class LayerGroupMismatchError(HybridCacheError, ValueError):
+    """An attention layer was put in a KV-cache group whose attention (kind, window or chunk)
+    differs from the layer's own: the cache would keep or drop tokens the layer does not."""
+
+
+class UnknownAttentionBackendError(HybridCacheError):
+    """The requested attention backend is not registered (or its module failed to import)."""
+
+
+class AttentionBackendUnavailableError(HybridCacheError):
+    """A backend was forced (or called) where it cannot run: wrong device, a missing package, or a
+    layer feature it does not implement. The message says why and what to choose instead."""
+
+
+class KernelArgumentError(HybridCacheError, ValueError):
+    """A kernel launcher was given tensors of the wrong shape, dtype, device or layout.
+
+    Raised before anything is launched; the message names the argument and what to change.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine (`engine/`) and the benchmark front (`bench/`). Each is also a `ValueError`: the
+# caller passed something the engine cannot run. A per-request error is attached to that
+# request's output (`finish_reason == "error"`); see `LLM.generate`.
+
+
+class EngineConfigError(HybridCacheError, ValueError):
+    """An `LLM(...)` argument is invalid (unknown mode, non-positive size, ...)."""
+
+
+class InvalidSamplingParamsError(HybridCacheError, ValueError):
+    """A `SamplingParams` field is out of range."""
+
+
+class InvalidRequestError(HybridCacheError, ValueError):
+    """A prompt cannot be run: empty, wrong shape, or token ids outside the vocabulary."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt has more tokens than `max_model_len`."""
+
+
+class InsufficientKVCacheError(InvalidRequestError, RequestTooLargeError):
+    """The request can never fit in the KV-cache pool, even running alone."""
+
+
+class BenchConfigError(HybridCacheError, ValueError):
+    """A benchmark flag is invalid or the flags contradict each other; the message says which."""
 
 
 __all__ = [
     "AttentionBackendUnavailableError",
+    "BenchConfigError",
     "BudgetTooSmallError",
     "ConfigError",
     "DoubleFreeError",
@@ -87,6 +174,7 @@ __all__ = [
     "InvalidRequestError",
     "InvalidSamplingParamsError",
     "KernelArgumentError",
+    "LayerGroupMismatchError",
     "MemorySizeError",
     "ModelLoadError",
     "NoFreeBlocksError",

@@ -33,8 +33,13 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal, Optional, Union
 
-from hybrid_cache._core import HybridCacheError
 from hybrid_cache.config import AttentionKind, LayerSpec, ModelSpec, normalize_dtype
+from hybrid_cache.errors import (
+    BudgetTooSmallError,
+    InvalidBlockSizeError,
+    PlanError,
+    WindowTooLargeError,
+)
 from hybrid_cache.sizes import format_memory_size, parse_memory_size
 
 PlanMode = Literal["hybrid", "uniform"]
@@ -47,22 +52,6 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_PADDING_WASTE = 0.02
 # "auto" keeps per-type blocks within this many times the requested block size.
 PER_TYPE_MAX_BLOCK_RATIO = 8
-
-
-class PlanError(HybridCacheError, ValueError):
-    """Planning options that cannot produce a layout."""
-
-
-class InvalidBlockSizeError(PlanError):
-    """The block size is not a positive power of two."""
-
-
-class BudgetTooSmallError(PlanError):
-    """The KV-cache budget holds less than one block per group (plus the null block)."""
-
-
-class WindowTooLargeError(PlanError):
-    """A window/chunk covers the whole context while `strict_windows` is set."""
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -186,6 +175,19 @@ class KVCacheLayout:
         """(kind, block_size, window, chunk) per group, in group-id order: the arguments of
         `_core.GroupSpec` for the coordinator."""
         return [(group.kind, group.block_size, group.window, group.chunk) for group in self.groups]
+
+    def group_attention(self) -> list[tuple[AttentionKind, Optional[int]]]:
+        """(kind, window or chunk) per group, in group-id order (`assign_layer_groups`)."""
+        return [
+            (group.kind, group.window if group.kind == "sliding_window" else group.chunk)
+            for group in self.groups
+        ]
+
+    @property
+    def full_accepts_reach(self) -> int:
+        """The smallest window/chunk a layer planned into a full-attention group may have: a
+        window that covers `max_model_len` never slides; in uniform mode every group is full."""
+        return 1 if self.mode == "uniform" else self.options.max_model_len
 
     def layer_slot(self, layer_index: int) -> tuple[int, int]:
         """(group id, slot) of a layer: which block table it reads and which tensor it writes."""

@@ -12,7 +12,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Union
 
-from hybrid_cache._core import HybridCacheError
+from hybrid_cache.errors import MemorySizeError
 
 MemorySize = Union[int, str]
 
@@ -30,10 +30,6 @@ _UNIT_BYTES = {
 }
 _SIZE_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 _BINARY_UNITS = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
-
-
-class MemorySizeError(HybridCacheError, ValueError):
-    """A memory size that is not a non-negative byte count or a number with a known unit."""
 
 
 def parse_memory_size(value: MemorySize) -> int:

@@ -1,5 +1,6 @@
 """Attention for the engine: per-step metadata, the forward context, backends and the layer."""
 
+from hybrid_cache.attention.backends import get_attention_backend, register_attention_backend
 from hybrid_cache.attention.forward_context import (
     ForwardContext,
     get_forward_context,
@@ -20,7 +21,6 @@ from hybrid_cache.attention.metadata import (
     compute_positions,
     compute_slot_mapping,
 )
-from hybrid_cache.attention.selector import get_attention_backend, register_attention_backend
 
 __all__ = [
     "Attention",

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 
+from hybrid_cache.attention.backends import get_attention_backend
 from hybrid_cache.attention.forward_context import get_forward_context
 from hybrid_cache.attention.params import AttentionParams
-from hybrid_cache.attention.selector import get_attention_backend
+from hybrid_cache.errors import LayerGroupMismatchError
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,49 @@ def attention_specs(model: nn.Module) -> list[AttentionSpec]:
     return [layer.spec for layer in attention_layers(model)]
 
 
-def assign_layer_groups(model: nn.Module, group_of_layer: Sequence[int]) -> None:
-    """Tells each attention layer which KV-cache group (block table) it reads."""
+GroupAttention = tuple[str, Optional[int]]  # (kind, window or chunk; None for full attention)
+
+
+def assign_layer_groups(
+    model: nn.Module,
+    group_of_layer: Sequence[int],
+    group_attention: Sequence[GroupAttention],
+    full_accepts_reach: Optional[int] = None,
+) -> None:
+    """Tells each attention layer which KV-cache group (block table) it reads, after checking
+    that the group keeps exactly what the layer attends to.
+
+    `group_of_layer[i]`: the group of the i-th attention layer (by layer index);
+    `group_attention[g]`: group g's (kind, window or chunk), as in `AttentionSpec`. A layer's own
+    (kind, window or chunk) must equal its group's, except that a full-attention group also
+    holds windowed or chunked layers whose window/chunk is at least `full_accepts_reach` (the
+    planner plans those as full attention since they never slide; 1 for its uniform mode,
+    where every group is full). Anything else raises `LayerGroupMismatchError` naming the layer,
+    and no layer is assigned."""
     layers = attention_layers(model)
-    assert len(group_of_layer) == len(layers), "one group id per attention layer"
+    if len(group_of_layer) != len(layers):
+        raise LayerGroupMismatchError(
+            f"{len(group_of_layer)} group ids for {len(layers)} attention layers"
+        )
+    for layer, group_id in zip(layers, group_of_layer):
+        if not 0 <= group_id < len(group_attention):
+            raise LayerGroupMismatchError(
+                f"layer {layer.layer_index} is assigned group {group_id}, but there are "
+                f"{len(group_attention)} groups"
+            )
+        spec = layer.spec
+        kind, reach = group_attention[group_id]
+        if (spec.kind, spec.window) == (kind, reach):
+            continue
+        demoted = spec.window is not None and full_accepts_reach is not None
+        if kind == "full" and demoted and spec.window >= full_accepts_reach:
+            continue
+        own = spec.kind if spec.window is None else f"{spec.kind} {spec.window}"
+        theirs = kind if reach is None else f"{kind} {reach}"
+        raise LayerGroupMismatchError(
+            f"layer {layer.layer_index} attends as {own}, but its KV-cache group {group_id} "
+            f"is {theirs}: the model and the KV-cache plan were built from different specs"
+        )
     for layer, group_id in zip(layers, group_of_layer):
         layer.group_id = int(group_id)
 

@@ -35,36 +35,49 @@ import importlib
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from hybrid_cache.errors import HybridCacheError
+from hybrid_cache.attention.backends import (
+    AUTO,
+    FLASH_ATTN,
+    REFERENCE,
+    TORCH,
+    TRITON,
+    available_attention_backends,
+    get_attention_backend,
+    register_attention_backend,
+    register_lazy_attention_backend,
+)
+from hybrid_cache.attention.layer import Attention, attention_layers
+from hybrid_cache.errors import AttentionBackendUnavailableError, UnknownAttentionBackendError
 
 if TYPE_CHECKING:
     from torch import nn
 
-
-class UnknownAttentionBackendError(HybridCacheError):
-    """The requested attention backend is not registered (or its module failed to import)."""
-
-
-class AttentionBackendUnavailableError(HybridCacheError):
-    """A backend was forced (or called) where it cannot run: wrong device, a missing package, or a
-    layer feature it does not implement. The message says why and what to choose instead."""
-
-
-AUTO = "auto"
-TORCH, REFERENCE, TRITON, FLASH_ATTN = "torch", "reference", "triton", "flash_attn"
-
-_BACKENDS: dict[str, Any] = {}
-# name -> module path imported on first use; the module must provide write_kv and paged_attention
-_LAZY_BACKENDS: dict[str, str] = {
-    TORCH: "hybrid_cache.attention.torch_batched",
-    REFERENCE: "hybrid_cache.attention.reference",
-    TRITON: "hybrid_cache.attention.triton_backend",
-    FLASH_ATTN: "hybrid_cache.attention.flash_attn_backend",
-}
+__all__ = [
+    "AUTO",
+    "FLASH_ATTN",
+    "REFERENCE",
+    "TORCH",
+    "TRITON",
+    "AttentionBackendUnavailableError",
+    "AttentionFeatures",
+    "UnknownAttentionBackendError",
+    "attention_backend_unavailable_reasons",
+    "attention_backends_by_group",
+    "available_attention_backends",
+    "describe_attention_backends",
+    "get_attention_backend",
+    "layer_attention_features",
+    "register_attention_backend",
+    "register_lazy_attention_backend",
+    "resolve_attention_backend",
+    "select_attention_backends",
+    "triton_interpreter_requested",
+    "triton_kernels_interpreted",
+]
 
 # The module whose @triton.jit decorators fixed, at its import, whether our kernels are
 # interpreted (CPU) or compiled (CUDA).
@@ -76,41 +89,6 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # FA2's paged-KV kernels need page_block_size % 256 == 0
 FLASH_ATTN_MAX_HEAD_DIM = 256
-
-
-def register_attention_backend(name: str, backend: Any) -> None:
-    """Makes `backend` (with `write_kv` and `paged_attention`) selectable as `name`."""
-    assert hasattr(backend, "write_kv") and hasattr(backend, "paged_attention"), (
-        f"backend {name!r} must define write_kv and paged_attention"
-    )
-    _BACKENDS[name] = backend
-
-
-def register_lazy_attention_backend(name: str, module_path: str) -> None:
-    """Registers a backend by module path, imported the first time it is selected."""
-    _LAZY_BACKENDS[name] = module_path
-
-
-def available_attention_backends() -> list[str]:
-    """Every registered name (whether or not it can run on this machine)."""
-    return sorted(set(_BACKENDS) | set(_LAZY_BACKENDS))
-
-
-def get_attention_backend(name: str = REFERENCE) -> Any:
-    """The backend registered as `name` (default: the reference, the oracle)."""
-    if name not in _BACKENDS and name in _LAZY_BACKENDS:
-        try:
-            register_attention_backend(name, importlib.import_module(_LAZY_BACKENDS[name]))
-        except ImportError as error:
-            raise UnknownAttentionBackendError(
-                f"attention backend {name!r} could not be imported ({error}); "
-                f"install its dependencies or pick one of {available_attention_backends()}"
-            ) from error
-    if name not in _BACKENDS:
-        raise UnknownAttentionBackendError(
-            f"unknown attention backend {name!r}; pick one of {available_attention_backends()}"
-        )
-    return _BACKENDS[name]
 
 
 @dataclass(frozen=True)
@@ -315,8 +293,6 @@ def resolve_attention_backend(
 def _layers_with_sinks(model: nn.Module) -> set[int]:
     """Layer indices whose attention module holds a `sinks` tensor (gpt-oss): the model passes it
     to its `Attention` child at run time, so it is found next to that child."""
-    from hybrid_cache.attention.layer import Attention
-
     found = set()
     for module in model.modules():
         if not isinstance(getattr(module, "sinks", None), torch.Tensor):
@@ -337,8 +313,6 @@ def layer_attention_features(
     `assign_layer_groups`; `block_sizes[g]` is group g's block size). `dtype` is the KV-cache
     dtype (default: the model's parameters'). `attention_sinks`: whether the layers use sinks
     (e.g. `ModelSpec.attention_sinks`); None detects it from the model's modules."""
-    from hybrid_cache.attention.layer import attention_layers
-
     if dtype is None:
         dtype = next(model.parameters()).dtype
     with_sinks = _layers_with_sinks(model) if attention_sinks is None else set()
@@ -386,8 +360,6 @@ def select_attention_backends(
             raise AttentionBackendUnavailableError(f"KV-cache group {group_id}: {error}") from None
     for name in set(chosen.values()):
         get_attention_backend(name)  # fail now (import errors), not in the first forward
-    from hybrid_cache.attention.layer import attention_layers
-
     for layer in attention_layers(model):
         layer.backend = chosen[layer.group_id]
     return chosen
@@ -396,8 +368,6 @@ def select_attention_backends(
 def attention_backends_by_group(model: nn.Module) -> dict[int, str]:
     """{group id: backend name} as the model's layers are set now. A group whose layers run
     different backends (set by hand) reports them joined with '+'."""
-    from hybrid_cache.attention.layer import attention_layers
-
     names: dict[int, list[str]] = {}
     for layer in attention_layers(model):
         group_names = names.setdefault(layer.group_id, [])
@@ -412,8 +382,6 @@ def describe_attention_backends(
     """One line for the engine's log, e.g.
     "attention backends: group 0 (full, B=16): triton; group 1 (sliding_window W=128, B=16): triton".
     """
-    from hybrid_cache.attention.layer import attention_layers
-
     kinds: dict[int, str] = {}
     for layer in attention_layers(model):
         spec = layer.spec

@@ -3,8 +3,9 @@
 One job per file:
 
     errors.py        BenchConfigError: a bad flag or contradicting flags, with what to change
-    settings.py      BenchSettings: the workload and engine flags of one benchmark run
-    workload.py      seeded random prompts with an optional shared prefix; `make_feed`
+    settings.py      BenchSettings: the workload and engine flags of one benchmark run;
+                     `make_feed`, the prompt feed of its workload
+    workload.py      seeded random prompts with an optional shared prefix
     multi_turn.py    chat sessions resending their history each turn; reusable-token hit rate
     metrics.py       RunResult: throughput, peak blocks, preemptions, concurrency, per-step series
     engine_run.py    runs one mode on the real engine (model forward timed apart from the step)

@@ -20,10 +20,14 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
+from hybrid_cache.bench.errors import BenchConfigError
 from hybrid_cache.bench.metrics import RunResult, counter_deltas
-from hybrid_cache.bench.settings import BenchSettings
+from hybrid_cache.bench.settings import BenchSettings, make_feed
 from hybrid_cache.bench.simulate import group_names
-from hybrid_cache.bench.workload import FIRST_ORDINARY_ID, make_feed
+from hybrid_cache.bench.workload import FIRST_ORDINARY_ID
+from hybrid_cache.engine.errors import InvalidRequestError
+from hybrid_cache.engine.llm import LLM
+from hybrid_cache.engine.sampling_params import SamplingParams
 
 WARM_UP_LEN = 32
 
@@ -109,8 +113,6 @@ class LogitsTimer(_Timer):
 
 
 def build_llm(settings: BenchSettings, mode: str) -> Any:
-    from hybrid_cache.engine.llm import LLM
-
     return LLM(
         settings.model,
         load_format=settings.load_format,
@@ -148,8 +150,6 @@ class ModeRun:
     own (`step_time_s`), with the model forward and LM head apart (hooks)."""
 
     def __init__(self, settings: BenchSettings, mode: str, progress: Any = None) -> None:
-        from hybrid_cache.engine.sampling_params import SamplingParams
-
         self.mode, self._progress = mode, progress
         self._llm = llm = build_llm(settings, mode)
         self._engine = engine = llm.engine
@@ -172,9 +172,6 @@ class ModeRun:
     def _add_prompts(self) -> None:
         """Adds what the feed hands out now. Raises `BenchConfigError` when a request does not
         fit the engine."""
-        from hybrid_cache.bench.errors import BenchConfigError
-        from hybrid_cache.engine.errors import InvalidRequestError
-
         for request_id, prompt in self._feed.next_prompts():
             try:
                 self._requests.append(self._engine.add_request(request_id, prompt, self._params))
@@ -190,8 +187,6 @@ class ModeRun:
     def step(self) -> float:
         """One engine step, timed; returns its seconds. Raises `BenchConfigError` when a request
         fails (a benchmark with a failed request measures something else)."""
-        from hybrid_cache.bench.errors import BenchConfigError
-
         result = self.result
         step_started = time.perf_counter()
         finished = self._engine.step()
@@ -241,8 +236,6 @@ class ModeRun:
 def warm_up(llm: Any, settings: BenchSettings) -> None:
     """Short untimed requests, so one-time costs (first torch calls, allocator setup, Triton
     compiles) fall outside the measurement; the prefix cache is emptied afterwards."""
-    from hybrid_cache.engine.sampling_params import SamplingParams
-
     prompt = {"prompt_token_ids": [FIRST_ORDINARY_ID] * min(settings.input_len, WARM_UP_LEN)}
     params = SamplingParams(max_tokens=2, temperature=0.0)
     for batch in warm_up_batches(llm.device.type, settings.num_prompts, settings.max_num_seqs):

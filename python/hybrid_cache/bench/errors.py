@@ -1,9 +1,7 @@
-"""Typed errors of the benchmark front."""
+"""Typed errors of the benchmark front (defined in `hybrid_cache.errors`, re-exported here)."""
 
 from __future__ import annotations
 
-from hybrid_cache.errors import HybridCacheError
+from hybrid_cache.errors import BenchConfigError
 
-
-class BenchConfigError(HybridCacheError, ValueError):
-    """A benchmark flag is invalid or the flags contradict each other; the message says which."""
+__all__ = ["BenchConfigError"]

@@ -29,6 +29,7 @@ from hybrid_cache.bench.engine_run import run_engine_mode
 from hybrid_cache.bench.metrics import RunResult
 from hybrid_cache.bench.settings import BenchSettings
 from hybrid_cache.bench.workload import make_prompts
+from hybrid_cache.config import load_model_spec
 
 HF_PAGE_SIZE = 64
 
@@ -38,8 +39,6 @@ def save_hf_model(settings: BenchSettings, folder: Path) -> Any:
     `folder`; returns the model (eval mode, float32)."""
     import torch
     import transformers
-
-    from hybrid_cache.config import load_model_spec
 
     spec = load_model_spec(settings.model, settings.hf_overrides)
     fields = {k: v for k, v in spec.hf_config.items() if k not in ("architectures", "model_type")}

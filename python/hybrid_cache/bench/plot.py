@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hybrid_cache.bench.metrics import RunResult
+from hybrid_cache.sizes import parse_memory_size
 
 MODE_STYLES = {"hybrid": "-", "uniform": "--"}
 
@@ -82,8 +83,6 @@ def plot_sweep(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from hybrid_cache.sizes import parse_memory_size
 
     figure, (hit_axis, speed_axis) = plt.subplots(
         2, 1, figsize=(8, 7), sharex=True, constrained_layout=True

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hybrid_cache.bench.errors import BenchConfigError
-from hybrid_cache.bench.multi_turn import MultiTurnShape
+from hybrid_cache.bench.multi_turn import MultiTurnFeed, MultiTurnShape
+from hybrid_cache.bench.workload import RandomFeed, make_prompts
 from hybrid_cache.planner import GROUP_LAYOUTS
 
 KV_CACHE_MODES = ("hybrid", "uniform")
@@ -104,3 +105,14 @@ def check_positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         flag = "--" + name.replace("_", "-")
         raise BenchConfigError(f"{flag} must be a positive integer, got {value!r}")
+
+
+def make_feed(settings: BenchSettings, vocab_size: int) -> Any:
+    """The prompt feed of a benchmark run: `RandomFeed` or, for `--workload multi-turn`,
+    `MultiTurnFeed` (both have `next_prompts`, `record`, `exhausted` and `reuse`)."""
+    if settings.multi_turn is not None:
+        return MultiTurnFeed(settings.multi_turn, vocab_size, settings.seed)
+    prompts = make_prompts(
+        settings.num_prompts, settings.input_len, settings.prefix_len, vocab_size, settings.seed
+    )
+    return RandomFeed(prompts)

@@ -15,8 +15,8 @@ from typing import Any, Optional
 from hybrid_cache.bench.cost_model import CostModel, Hardware
 from hybrid_cache.bench.errors import BenchConfigError
 from hybrid_cache.bench.metrics import RunResult, counter_deltas
-from hybrid_cache.bench.settings import BenchSettings
-from hybrid_cache.bench.workload import FIRST_ORDINARY_ID, make_feed
+from hybrid_cache.bench.settings import BenchSettings, make_feed
+from hybrid_cache.bench.workload import FIRST_ORDINARY_ID
 from hybrid_cache.config import ModelSpec, load_model_spec
 from hybrid_cache.engine.errors import InsufficientKVCacheError
 from hybrid_cache.engine.llm_engine import LLMEngine, SchedulerLimits

@@ -1,7 +1,7 @@
 """Seeded random prompts: `num_prompts` prompts of `input_len` token ids whose first
 `prefix_len` ids are shared by every prompt (a system prompt for the prefix cache to hit), fed
-to the engine all at once by `RandomFeed`. `make_feed` picks the feed of a run (this one, or the
-multi-turn workload of `multi_turn.py`).
+to the engine all at once by `RandomFeed` (`settings.make_feed` picks the feed of a run: this one,
+or the multi-turn workload of `multi_turn.py`).
 
 Ids are drawn from `[FIRST_ORDINARY_ID, vocab_size)` so they avoid the usual pad/bos/eos ids
 (0, 1, 2) of the presets; benchmarks also set `ignore_eos` so every request generates exactly
@@ -11,12 +11,9 @@ Ids are drawn from `[FIRST_ORDINARY_ID, vocab_size)` so they avoid the usual pad
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from hybrid_cache.bench.errors import BenchConfigError
-
-if TYPE_CHECKING:
-    from hybrid_cache.bench.multi_turn import ReuseFigures
 
 FIRST_ORDINARY_ID = 3
 
@@ -49,7 +46,7 @@ class RandomFeed:
 
     def __init__(self, prompts: list[list[int]]) -> None:
         self._prompts: Optional[list[list[int]]] = prompts
-        self.reuse: Optional[ReuseFigures] = None
+        self.reuse = None  # no reuse figures: `MultiTurnFeed.reuse` has them
 
     @property
     def exhausted(self) -> bool:
@@ -61,16 +58,3 @@ class RandomFeed:
 
     def record(self, request: Any) -> None:
         pass
-
-
-def make_feed(settings: Any, vocab_size: int) -> Any:
-    """The prompt feed of a benchmark run: `RandomFeed` or, for `--workload multi-turn`,
-    `MultiTurnFeed` (both have `next_prompts`, `record`, `exhausted` and `reuse`)."""
-    if settings.multi_turn is not None:
-        from hybrid_cache.bench.multi_turn import MultiTurnFeed
-
-        return MultiTurnFeed(settings.multi_turn, vocab_size, settings.seed)
-    prompts = make_prompts(
-        settings.num_prompts, settings.input_len, settings.prefix_len, vocab_size, settings.seed
-    )
-    return RandomFeed(prompts)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from hybrid_cache.planner import GROUP_LAYOUTS
+
 COMMAND_MODULES: tuple[str, ...] = ("plan", "generate", "bench")
 
 
 def add_group_layout_argument(parser: argparse.ArgumentParser) -> None:
     """`--kv-group-layout`, the planner's `group_layout`, for every command that plans."""
-    from hybrid_cache.planner import GROUP_LAYOUTS
-
     parser.add_argument(
         "--kv-group-layout",
         choices=GROUP_LAYOUTS,

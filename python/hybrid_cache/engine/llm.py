@@ -3,8 +3,8 @@
     llm = LLM(model="path/to/hf-folder")            # or a preset name, e.g. "tiny-gemma3"
     outputs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8))
 
-Construction: read the config (+ `hf_overrides`), build the model (weights from the folder, or
-seeded random weights with `load_format="dummy"`), size the KV cache (see `memory.py`), plan the
+Construction: read the config (+ `hf_overrides`) into the `ModelSpec`, build the model from that
+spec (weights from the folder, or seeded random weights with `load_format="dummy"`), size the KV cache (see `memory.py`), plan the
 layout (`planner.plan_kv_cache`, logged), and start the engine.
 """
 
@@ -107,7 +107,7 @@ class LLM:
             logger.info("%s is a preset without weights: using random (dummy) weights", model)
         self.model = load_model(
             model if is_folder else None,
-            config=self.spec.hf_config,
+            spec=self.spec,
             load_format=load_format if is_folder else "dummy",
             dtype=self.dtype,
             device=self.device,

@@ -115,7 +115,12 @@ class ModelRunner:
         self.sampler: Sampler = sampler
         self.block_sizes: list[int] = [group.block_size for group in kv_cache.groups]
         layer_indices = [spec.layer_index for spec in attention_specs(model)]
-        assign_layer_groups(model, [layout.layer_slot(index)[0] for index in layer_indices])
+        assign_layer_groups(
+            model,
+            [layout.layer_slot(index)[0] for index in layer_indices],
+            layout.group_attention(),
+            layout.full_accepts_reach,
+        )
         # Per group: "auto" picks the fastest backend that can run it (see attention/selector.py).
         select_attention_backends(model, attention_backend, device, self.block_sizes, dtype=dtype)
         logger.info(describe_attention_backends(model, self.block_sizes))

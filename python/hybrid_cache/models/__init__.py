@@ -4,8 +4,9 @@ from hybrid_cache.models.loader import (
     ModelLoadError,
     UnsupportedArchitectureError,
     WeightMismatchError,
+    build_model,
     load_model,
-    read_config,
+    model_spec_of,
 )
 from hybrid_cache.models.registry import MODEL_REGISTRY, register_model, supported_architectures
 
@@ -14,8 +15,9 @@ __all__ = [
     "ModelLoadError",
     "UnsupportedArchitectureError",
     "WeightMismatchError",
+    "build_model",
     "load_model",
-    "read_config",
+    "model_spec_of",
     "register_model",
     "supported_architectures",
 ]

@@ -7,7 +7,7 @@ Differences from Llama, each a place where a token can flip if missed:
 - attention scale is query_pre_attn_scalar ** -0.5, not head_dim ** -0.5;
 - attention logits are soft-capped (`attn_logit_softcapping`) and so are the final logits
   (`final_logit_softcapping`);
-- `layer_types` alternates sliding and full layers (default: even layers slide).
+- sliding and full layers alternate (the `ModelSpec`'s layers; by default even layers slide).
 """
 
 from __future__ import annotations
@@ -15,40 +15,37 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid_cache.attention.layer import Attention
-from hybrid_cache.models import hf_config
-from hybrid_cache.models.hf_config import Config
+from hybrid_cache.config import ModelSpec
 from hybrid_cache.models.layers import GatedMLP, ProjectedSelfAttention, RMSNorm
-from hybrid_cache.models.rotary import RotaryEmbedding
+from hybrid_cache.models.rotary import RotaryEmbedding, rope_parameters
 
 
 class GemmaAttention(ProjectedSelfAttention):
-    def __init__(self, config: Config, layer_index: int, layer_type: str, qk_norm: bool) -> None:
+    def __init__(self, spec: ModelSpec, layer_index: int, qk_norm: bool) -> None:
+        config = spec.text_config
         bias = bool(config.get("attention_bias", False))
-        super().__init__(config, qkv_bias=bias, o_bias=bias, qk_norm=qk_norm, qk_norm_offset=1.0)
-        # Gemma-3 gives local and global layers different rotary bases; Gemma-2 one for all.
-        rope_layer_type = layer_type if qk_norm else None
-        self.rotary = RotaryEmbedding(
-            self.head_dim, hf_config.rope_parameters(config, rope_layer_type)
-        )
-        window = hf_config.sliding_window(config) if layer_type == "sliding_attention" else None
-        self.attn = Attention(
+        super().__init__(
+            spec,
             layer_index,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
+            qkv_bias=bias,
+            o_bias=bias,
             scale=config["query_pre_attn_scalar"] ** -0.5,
-            sliding_window=window,
             softcap=config.get("attn_logit_softcapping"),
+            qk_norm=qk_norm,
+            qk_norm_offset=1.0,
         )
+        # Gemma-3 gives local and global layers different rotary bases; Gemma-2 one for all.
+        rope_layer_type = spec.layers[layer_index].hf_layer_type if qk_norm else None
+        self.rotary = RotaryEmbedding(self.head_dim, rope_parameters(config, rope_layer_type))
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config: Config, layer_index: int, layer_type: str, qk_norm: bool) -> None:
+    def __init__(self, spec: ModelSpec, layer_index: int, qk_norm: bool) -> None:
         super().__init__()
-        hidden, eps = config["hidden_size"], config["rms_norm_eps"]
+        config = spec.text_config
+        hidden, eps = spec.hidden_size, config["rms_norm_eps"]
         self.input_layernorm = RMSNorm(hidden, eps, offset=1.0)
-        self.self_attn = GemmaAttention(config, layer_index, layer_type, qk_norm)
+        self.self_attn = GemmaAttention(spec, layer_index, qk_norm)
         self.post_attention_layernorm = RMSNorm(hidden, eps, offset=1.0)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset=1.0)
         self.mlp = GatedMLP(
@@ -66,15 +63,14 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
-    def __init__(self, config: Config, layer_types: list[str], qk_norm: bool) -> None:
+    def __init__(self, spec: ModelSpec, qk_norm: bool) -> None:
         super().__init__()
-        self.hidden_size = config["hidden_size"]
-        self.embed_tokens = nn.Embedding(config["vocab_size"], self.hidden_size)
+        self.hidden_size = spec.hidden_size
+        self.embed_tokens = nn.Embedding(spec.vocab_size, self.hidden_size)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, index, layer_type, qk_norm)
-            for index, layer_type in enumerate(layer_types)
+            GemmaDecoderLayer(spec, index, qk_norm) for index in range(spec.num_layers)
         )
-        self.norm = RMSNorm(self.hidden_size, config["rms_norm_eps"], offset=1.0)
+        self.norm = RMSNorm(self.hidden_size, spec.text_config["rms_norm_eps"], offset=1.0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -88,21 +84,14 @@ class Gemma2ForCausalLM(nn.Module):
     """`forward(input_ids [T], positions [T]) -> hidden [T, H]`; `compute_logits(hidden)`."""
 
     QK_NORM = False
-    SLIDING_WINDOW_PATTERN = 2  # without layer_types: layer i slides unless (i + 1) % pattern == 0
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.config = config
-        pattern = config.get("sliding_window_pattern", self.SLIDING_WINDOW_PATTERN)
-        default_types = [
-            "sliding_attention" if (index + 1) % pattern else "full_attention"
-            for index in range(config["num_hidden_layers"])
-        ]
-        layer_types = config.get("layer_types") or default_types
-        assert len(layer_types) == config["num_hidden_layers"], "layer_types must list every layer"
-        self.model = GemmaModel(config, list(layer_types), self.QK_NORM)
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
-        self.final_logit_softcapping = config.get("final_logit_softcapping")
+        self.spec = spec
+        self.config = spec.text_config
+        self.model = GemmaModel(spec, self.QK_NORM)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.final_logit_softcapping = self.config.get("final_logit_softcapping")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -2,7 +2,8 @@
 
 - Attention has biases on all projections and one learned sink logit per head: the sink joins the
   softmax denominator and contributes no value, so a head can attend "nowhere".
-- Sliding and full layers alternate (`layer_types`); the window is small (128 in the release).
+- Sliding and full layers alternate (the `ModelSpec`'s layers); the window is small (128 in the
+  release).
 - The MLP routes each token to `num_experts_per_tok` of `num_local_experts` experts: router logits
   (with bias) -> top-k -> softmax over the k chosen logits. Each expert is a clamped SwiGLU:
   gate/up interleaved in one projection (even columns gate, odd up), gate clamped above at
@@ -16,31 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_cache.attention.layer import Attention
-from hybrid_cache.models import hf_config
-from hybrid_cache.models.hf_config import Config
+from hybrid_cache.config import ModelSpec
 from hybrid_cache.models.layers import ProjectedSelfAttention, RMSNorm
-from hybrid_cache.models.rotary import RotaryEmbedding
+from hybrid_cache.models.rotary import RotaryEmbedding, rope_parameters
 
 
 class GptOssAttention(ProjectedSelfAttention):
-    def __init__(self, config: Config, layer_index: int, layer_type: str) -> None:
-        bias = bool(config.get("attention_bias", True))
-        super().__init__(config, qkv_bias=bias, o_bias=bias)
-        self.sinks = nn.Parameter(torch.empty(self.num_heads))
-        self.rotary = RotaryEmbedding(self.head_dim, hf_config.rope_parameters(config))
-        window = hf_config.sliding_window(config) if layer_type == "sliding_attention" else None
-        self.attn = Attention(
-            layer_index,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            scale=self.head_dim**-0.5,
-            sliding_window=window,
-        )
+    """Biased projections and, from `ModelSpec.attention_sinks`, one sink logit per head."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.attn(q, k, v, sinks=self.sinks)
+    def __init__(self, spec: ModelSpec, layer_index: int) -> None:
+        bias = bool(spec.text_config.get("attention_bias", True))
+        super().__init__(spec, layer_index, qkv_bias=bias, o_bias=bias)
+        self.rotary = RotaryEmbedding(self.head_dim, rope_parameters(spec.text_config))
 
 
 class GptOssRouter(nn.Module):
@@ -58,9 +46,10 @@ class GptOssRouter(nn.Module):
 
 
 class GptOssExperts(nn.Module):
-    def __init__(self, config: Config) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        experts, hidden = config["num_local_experts"], config["hidden_size"]
+        config = spec.text_config
+        experts, hidden = config["num_local_experts"], spec.hidden_size
         intermediate = config["intermediate_size"]
         self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * intermediate))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * intermediate))
@@ -89,12 +78,13 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMLP(nn.Module):
-    def __init__(self, config: Config) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
+        config = spec.text_config
         self.router = GptOssRouter(
-            config["hidden_size"], config["num_local_experts"], config["num_experts_per_tok"]
+            spec.hidden_size, config["num_local_experts"], config["num_experts_per_tok"]
         )
-        self.experts = GptOssExperts(config)
+        self.experts = GptOssExperts(spec)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         top_experts, top_weights = self.router(hidden)
@@ -102,16 +92,17 @@ class GptOssMLP(nn.Module):
 
 
 class GptOssDecoderLayer(nn.Module):
-    def __init__(self, config: Config, layer_index: int, layer_type: str) -> None:
+    def __init__(self, spec: ModelSpec, layer_index: int) -> None:
         super().__init__()
+        config = spec.text_config
         self.input_layernorm = RMSNorm(
-            config["hidden_size"], config["rms_norm_eps"], round_before_weight=False
+            spec.hidden_size, config["rms_norm_eps"], round_before_weight=False
         )
-        self.self_attn = GptOssAttention(config, layer_index, layer_type)
+        self.self_attn = GptOssAttention(spec, layer_index)
         self.post_attention_layernorm = RMSNorm(
-            config["hidden_size"], config["rms_norm_eps"], round_before_weight=False
+            spec.hidden_size, config["rms_norm_eps"], round_before_weight=False
         )
-        self.mlp = GptOssMLP(config)
+        self.mlp = GptOssMLP(spec)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
@@ -119,20 +110,14 @@ class GptOssDecoderLayer(nn.Module):
 
 
 class GptOssModel(nn.Module):
-    def __init__(self, config: Config) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        default_types = [
-            "sliding_attention" if index % 2 == 0 else "full_attention"
-            for index in range(config["num_hidden_layers"])
-        ]
-        layer_types = config.get("layer_types") or default_types
-        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
-            GptOssDecoderLayer(config, index, layer_type)
-            for index, layer_type in enumerate(layer_types)
+            GptOssDecoderLayer(spec, index) for index in range(spec.num_layers)
         )
         self.norm = RMSNorm(
-            config["hidden_size"], config["rms_norm_eps"], round_before_weight=False
+            spec.hidden_size, spec.text_config["rms_norm_eps"], round_before_weight=False
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -145,11 +130,12 @@ class GptOssModel(nn.Module):
 class GptOssForCausalLM(nn.Module):
     """`forward(input_ids [T], positions [T]) -> hidden [T, H]`; `compute_logits(hidden)`."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.config = config
-        self.model = GptOssModel(config)
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        self.spec = spec
+        self.config = spec.text_config
+        self.model = GptOssModel(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_cache.models import cpu_ops, hf_config
-from hybrid_cache.models.hf_config import Config
+from hybrid_cache.attention.layer import Attention
+from hybrid_cache.config import ModelSpec
+from hybrid_cache.models import cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -83,35 +84,50 @@ class GatedMLP(nn.Module):
 class ProjectedSelfAttention(nn.Module):
     """The part of self-attention every model shares: q/k/v/o projections (transformers' names,
     so checkpoints load as they are), optional per-head q/k RMSNorm, rotary embedding, then the
-    paged `Attention`. Subclasses set `self.rotary` and `self.attn` (rope, window, scale and
-    softcap differ per model) and override `attend` to pass extra inputs such as sinks."""
+    paged `Attention`. Subclasses set `self.rotary` (rope parameters differ per model).
+
+    The layer's attention comes from the `ModelSpec` and nothing else: its kind, window or chunk
+    from `spec.layers[layer_index]`, its kv heads and head dim likewise, and a learned sink logit
+    per query head (`self.sinks`, passed to `Attention`) when `spec.attention_sinks` (gpt-oss)."""
 
     def __init__(
         self,
-        config: Config,
+        spec: ModelSpec,
+        layer_index: int,
         *,
         qkv_bias: bool,
         o_bias: bool,
+        scale: float | None = None,
+        softcap: float | None = None,
         qk_norm: bool = False,
         qk_norm_offset: float = 0.0,
     ) -> None:
         super().__init__()
-        hidden = config["hidden_size"]
-        self.num_heads = config["num_attention_heads"]
-        self.num_kv_heads = hf_config.num_kv_heads(config)
-        self.head_dim = hf_config.head_dim(config)
+        layer = spec.layers[layer_index]
+        hidden = spec.hidden_size
+        self.num_heads = spec.num_attention_heads
+        self.num_kv_heads = layer.num_kv_heads
+        self.head_dim = layer.head_dim_k
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
         self.qk_norm = qk_norm
         if qk_norm:
-            eps = config["rms_norm_eps"]
+            eps = spec.text_config["rms_norm_eps"]
             self.q_norm = RMSNorm(self.head_dim, eps, offset=qk_norm_offset)
             self.k_norm = RMSNorm(self.head_dim, eps, offset=qk_norm_offset)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.attn(q, k, v)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if spec.attention_sinks else None
+        self.attn = Attention(
+            layer_index,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scale=self.head_dim**-0.5 if scale is None else scale,
+            sliding_window=layer.window,
+            chunk=layer.chunk,
+            softcap=softcap,
+        )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -121,5 +137,5 @@ class ProjectedSelfAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.attend(q, k, v)
+        out = self.attn(q, k, v, sinks=self.sinks)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

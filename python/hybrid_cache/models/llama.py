@@ -2,58 +2,43 @@
 
 Module and parameter names follow transformers' checkpoints (`model.layers.N.self_attn.q_proj`…),
 so loading is a name-for-name copy. Options the variants switch on: biases on q/k/v (Qwen2), per
-head RMSNorm on q and k before rotary (Qwen3), a sliding window on every layer (Mistral) or on the
-layers `layer_types` marks as sliding.
+head RMSNorm on q and k before rotary (Qwen3). Which layers slide, and how far, is the
+`ModelSpec`'s (every layer for Mistral with a window; Qwen2/3's layers from `max_window_layers`
+on with `use_sliding_window`, or `layer_types`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from hybrid_cache.attention.layer import Attention
-from hybrid_cache.models import hf_config
-from hybrid_cache.models.hf_config import Config
+from hybrid_cache.config import ModelSpec
 from hybrid_cache.models.layers import GatedMLP, ProjectedSelfAttention, RMSNorm
-from hybrid_cache.models.rotary import RotaryEmbedding
+from hybrid_cache.models.rotary import RotaryEmbedding, rope_parameters
 
 
 class LlamaAttention(ProjectedSelfAttention):
     def __init__(
-        self, config: Config, layer_index: int, qkv_bias: bool, o_bias: bool, qk_norm: bool
+        self, spec: ModelSpec, layer_index: int, qkv_bias: bool, o_bias: bool, qk_norm: bool
     ) -> None:
-        super().__init__(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
-        layer_type = hf_config.layer_types(config, default=self.default_layer_type(config))[
-            layer_index
-        ]
-        window = hf_config.sliding_window(config) if layer_type == "sliding_attention" else None
-        self.rotary = RotaryEmbedding(self.head_dim, hf_config.rope_parameters(config))
-        self.attn = Attention(
-            layer_index,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            scale=self.head_dim**-0.5,
-            sliding_window=window,
-        )
-
-    @staticmethod
-    def default_layer_type(config: Config) -> str:
-        """Without `layer_types`, a config with a sliding window (Mistral) slides on every layer."""
-        return "sliding_attention" if hf_config.sliding_window(config) else "full_attention"
+        super().__init__(spec, layer_index, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
+        self.rotary = RotaryEmbedding(self.head_dim, rope_parameters(spec.text_config))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: Config, layer_index: int, qkv_bias: bool, o_bias: bool, qk_norm: bool
+        self, spec: ModelSpec, layer_index: int, qkv_bias: bool, o_bias: bool, qk_norm: bool
     ) -> None:
         super().__init__()
+        config = spec.text_config
         eps = config["rms_norm_eps"]
-        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
-        self.self_attn = LlamaAttention(config, layer_index, qkv_bias, o_bias, qk_norm)
-        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps)
+        self.self_attn = LlamaAttention(spec, layer_index, qkv_bias, o_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
         self.mlp = GatedMLP(
-            config["hidden_size"],
+            spec.hidden_size,
             config["intermediate_size"],
             config.get("hidden_act", "silu"),
             bias=bool(config.get("mlp_bias", False)),
@@ -65,14 +50,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, spec: ModelSpec, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, index, qkv_bias, o_bias, qk_norm)
-            for index in range(config["num_hidden_layers"])
+            LlamaDecoderLayer(spec, index, qkv_bias, o_bias, qk_norm)
+            for index in range(spec.num_layers)
         )
-        self.norm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+        self.norm = RMSNorm(spec.hidden_size, spec.text_config["rms_norm_eps"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -84,14 +69,15 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """`forward(input_ids [T], positions [T]) -> hidden [T, H]`; `compute_logits(hidden)`."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.config = config
-        self.model = LlamaModel(config, **self.attention_options(config))
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        self.spec = spec
+        self.config = spec.text_config
+        self.model = LlamaModel(spec, **self.attention_options(spec.text_config))
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
     @classmethod
-    def attention_options(cls, config: Config) -> dict[str, bool]:
+    def attention_options(cls, config: dict[str, Any]) -> dict[str, bool]:
         bias = bool(config.get("attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
 

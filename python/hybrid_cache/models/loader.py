@@ -1,5 +1,8 @@
 """Builds a model from a Hugging Face folder (config.json + safetensors) or with random weights.
 
+The model is built from a `ModelSpec` (`hybrid_cache.config`, the one config reader): its layers'
+attention kinds, windows, chunks and sinks are the spec's, the same the KV-cache planner reads.
+
 Weight names in the checkpoints equal our parameter names (the model files mirror transformers'
 module tree), so loading is: read every tensor, check its shape against the parameter, copy (cast
 to the requested dtype). Tied embeddings share one parameter. Every way a folder can be wrong ends
@@ -10,86 +13,77 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from hybrid_cache.config import TEXT_CONFIG_WRAPPERS
-from hybrid_cache.errors import HybridCacheError
-from hybrid_cache.models.layers import RMSNorm
-from hybrid_cache.models.registry import (
-    MODEL_REGISTRY,
-    MODEL_TYPE_TO_ARCHITECTURE,
-    supported_architectures,
+from hybrid_cache.config import (
+    ModelSpec,
+    apply_hf_overrides,
+    load_model_spec,
+    model_spec_from_hf_config,
 )
+from hybrid_cache.errors import (
+    ConfigError,
+    ModelLoadError,
+    UnknownArchitectureError,
+    UnsupportedArchitectureError,
+    WeightMismatchError,
+)
+from hybrid_cache.models.layers import RMSNorm
+from hybrid_cache.models.registry import MODEL_REGISTRY, supported_architectures
 
 INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint entries that are not parameters (older exports saved rotary buffers).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Fields a config must state for a model to be built (the planner alone takes class defaults).
+STATED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
-class ModelLoadError(HybridCacheError):
-    """The model folder cannot be turned into a model (missing/malformed config or weights)."""
-
-
-class UnsupportedArchitectureError(ModelLoadError):
-    """config.json names an architecture this engine has no model file for."""
-
-
-class WeightMismatchError(ModelLoadError):
-    """A checkpoint tensor is missing, unexpected, or shaped differently from config.json."""
-
-
-def read_config(model_dir: str | Path) -> dict[str, Any]:
-    """The parsed config.json of `model_dir`."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ModelLoadError(f"{path} not found: a model folder needs a Hugging Face config.json")
+def model_spec_of(
+    model: str | Path | None,
+    config: Mapping[str, Any] | None,
+    hf_overrides: Mapping[str, Any] | None,
+) -> ModelSpec:
+    """The spec a model is built from, read by the one config reader (`hybrid_cache.config`):
+    `config` (a config dict) or else the folder's config.json, with `hf_overrides` deep-merged.
+    The reader's `ConfigError`s come out as `ModelLoadError`s (an unknown architecture as
+    `UnsupportedArchitectureError`)."""
     try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ModelLoadError(f"{path} is not valid JSON ({error})") from error
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object")
-    return config
-
-
-def architecture_of(config: dict[str, Any]) -> str:
-    """The registered architecture for a config (`architectures[0]`, else its `model_type`)."""
-    names = config.get("architectures") or []
-    if not names and config.get("model_type") in MODEL_TYPE_TO_ARCHITECTURE:
-        names = [MODEL_TYPE_TO_ARCHITECTURE[config["model_type"]]]
-    for name in names:
-        if name in MODEL_REGISTRY:
-            return name
-    raise UnsupportedArchitectureError(
-        f"unsupported architecture {names or config.get('model_type')!r}; "
-        f"supported: {supported_architectures()}"
-    )
-
-
-def language_model_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The config the language model is built from: `config` itself, or for a multimodal wrapper
-    (Gemma-3 12B/27B) its `text_config` under the text-only architecture's name. Only the text
-    model is built; a wrapper checkpoint's vision tower and weight prefixes are not supported."""
-    names = config.get("architectures") or []
-    for name in names:
-        if name in TEXT_CONFIG_WRAPPERS and isinstance(config.get("text_config"), dict):
-            return {**config["text_config"], "architectures": [TEXT_CONFIG_WRAPPERS[name]]}
-    return config
+        if config is None:
+            if model is None:
+                raise ModelLoadError("give a model folder or a config dict")
+            return load_model_spec(model, hf_overrides)
+        merged = apply_hf_overrides(config, hf_overrides) if hf_overrides else dict(config)
+        return model_spec_from_hf_config(merged, name=str(model or "<config>"))
+    except UnknownArchitectureError as error:
+        raise UnsupportedArchitectureError(str(error)) from error
+    except ConfigError as error:
+        raise ModelLoadError(str(error)) from error
 
 
 def build_model(
-    config: dict[str, Any], dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> nn.Module:
-    """The model for `config`, parameters of `dtype` allocated on `device`, not initialised."""
-    config = language_model_config(config)
-    model_class = MODEL_REGISTRY[architecture_of(config)]
+    """The model of `spec`, parameters of `dtype` allocated on `device`, not initialised. A
+    multimodal wrapper (Gemma-3 12B/27B) builds its language model only; a wrapper checkpoint's
+    vision tower and weight prefixes are not supported."""
+    model_class = MODEL_REGISTRY.get(spec.text_architecture)
+    if model_class is None:
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {spec.architecture!r}: no model file builds it; "
+            f"supported: {supported_architectures()}"
+        )
+    # The shape fields must be stated, not taken from a class default: the weights' shapes
+    # follow them, and a wrong default would only show up as a cryptic shape mismatch.
+    missing = [name for name in STATED_FIELDS if name not in spec.text_config]
+    if missing:
+        raise ModelLoadError(f"config.json is missing or has a bad value: {missing}")
     try:
         with torch.device("meta"):
-            model = model_class(config)
+            model = model_class(spec)
     except (KeyError, TypeError, ValueError, AssertionError) as error:
         raise ModelLoadError(f"config.json is missing or has a bad value: {error!r}") from error
     return model.to(dtype).to_empty(device=device)
@@ -134,7 +128,7 @@ def tie_embeddings(model: nn.Module) -> None:
     model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def load_weights(model: nn.Module, model_dir: Path, config: dict[str, Any]) -> None:
+def load_weights(model: nn.Module, model_dir: Path, config: Mapping[str, Any]) -> None:
     """Copies every checkpoint tensor into its parameter; strict about names and shapes."""
     tied = bool(config.get("tie_word_embeddings", False))
     if tied:
@@ -187,29 +181,31 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 def load_model(
     model: str | Path | None = None,
     *,
-    config: dict[str, Any] | None = None,
+    spec: ModelSpec | None = None,
+    config: Mapping[str, Any] | None = None,
     load_format: str = "auto",
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = 0,
-    hf_overrides: dict[str, Any] | None = None,
+    hf_overrides: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """A model in eval mode from a HF folder (`load_format="auto"`) or with seeded random weights
-    (`load_format="dummy"`, from the folder's config.json or an explicit `config` dict)."""
+    (`load_format="dummy"`). It is built from `spec` when given (the engine passes the one it
+    plans from), else from the spec of `config` or of the folder's config.json, with
+    `hf_overrides` deep-merged (`model_spec_of`)."""
     if load_format not in ("auto", "dummy"):
         raise ModelLoadError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-    if config is None:
-        if model is None:
-            raise ModelLoadError("give a model folder or a config dict")
-        config = read_config(model)
-    config = {**config, **(hf_overrides or {})}
-    built = build_model(config, dtype, device)
+    if spec is None:
+        spec = model_spec_of(model, config, hf_overrides)
+    elif config is not None or hf_overrides:
+        raise ModelLoadError("give either a spec or a config (with hf_overrides), not both")
+    built = build_model(spec, dtype, device)
     if load_format == "dummy":
-        if config.get("tie_word_embeddings", False):
+        if spec.hf_config.get("tie_word_embeddings", False):
             tie_embeddings(built)
         init_dummy_weights(built, seed)
     else:
         if model is None:
             raise ModelLoadError("load_format='auto' needs a model folder")
-        load_weights(built, Path(model), config)
+        load_weights(built, Path(model), spec.hf_config)
     return built.eval()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from hybrid_cache.models.hf_config import Config
+from typing import Any
+
 from hybrid_cache.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
-    def attention_options(cls, config: Config) -> dict[str, bool]:
+    def attention_options(cls, config: dict[str, Any]) -> dict[str, bool]:
         return {"qkv_bias": True, "o_bias": False, "qk_norm": False}

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from hybrid_cache.models.hf_config import Config
+from typing import Any
+
 from hybrid_cache.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
-    def attention_options(cls, config: Config) -> dict[str, bool]:
+    def attention_options(cls, config: dict[str, Any]) -> dict[str, bool]:
         bias = bool(config.get("attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}

@@ -1,4 +1,5 @@
-"""Architecture name (config.json `architectures[0]`) -> model class."""
+"""Architecture name -> model class (built from a `ModelSpec`; the architecture is the spec's
+`text_architecture`, which `hybrid_cache.config` resolves from `architectures` or `model_type`)."""
 
 from __future__ import annotations
 
@@ -21,19 +22,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
 }
 
-# For configs without `architectures`: their `model_type`.
-MODEL_TYPE_TO_ARCHITECTURE: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
-}
-
 
 def supported_architectures() -> list[str]:
+    """The architectures a model can be built for (the planner reads a few more)."""
     return sorted(MODEL_REGISTRY)
 
 

@@ -1,5 +1,10 @@
-"""Rotary position embeddings: the inverse frequencies of each `rope_type` (default, linear,
-llama3, yarn) and the neox-style rotation of queries and keys.
+"""Rotary position embeddings: the rotary parameters of a config (`rope_parameters`), the inverse
+frequencies of each `rope_type` (default, linear, llama3, yarn) and the neox-style rotation of
+queries and keys.
+
+Configs on disk come in two generations: transformers >= 5 writes `rope_parameters` (nested by
+layer type for Gemma-3), older ones write `rope_theta` + `rope_scaling` (+ Gemma-3's
+`rope_local_base_freq`); `rope_parameters` accepts both so a model file reads one shape.
 
 A step's cos/sin tables depend only on its positions and the rope parameters, so they are built
 once per step and shared by every layer with the same parameters (cached on the positions
@@ -19,6 +24,32 @@ from hybrid_cache.step_cache import cached_on
 
 # Attribute of a step's positions tensor holding its cos/sin tables, keyed by rope parameters.
 _TABLES = "_rotary_tables"
+ROPE_TYPES_WITH_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
+
+
+def rope_parameters(config: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
+    """The rotary parameters of `layer_type` (or of every layer), with `rope_type`, `rope_theta`
+    and, for scaled types, `original_max_position_embeddings` filled in."""
+    params = config.get("rope_parameters")
+    if params and layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    elif params and any(isinstance(value, dict) for value in params.values()):
+        params = params.get("full_attention", next(iter(params.values())))
+    if not params:
+        params = dict(config.get("rope_scaling") or {})
+        if layer_type == "sliding_attention" and "rope_local_base_freq" in config:
+            params = {"rope_theta": config["rope_local_base_freq"]}
+        params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    if "partial_rotary_factor" in config:
+        params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    if params["rope_type"] in ROPE_TYPES_WITH_ORIGINAL_LENGTH:
+        params.setdefault(
+            "original_max_position_embeddings",
+            config.get("original_max_position_embeddings", config["max_position_embeddings"]),
+        )
+    return params
 
 
 def _default_inv_freq(dim: int, base: float) -> torch.Tensor:

@@ -1,70 +1,24 @@
 //! One Python exception class per `CoreError` variant, all subclasses of `HybridCacheError`.
+//!
+//! The classes are defined in Python, in `hybrid_cache/errors.py` (the package's ground floor,
+//! importing nothing from the package), and imported from there the first time one is needed:
+//! at module load, when `register` adds them to `_core`. One class object serves both names,
+//! `hybrid_cache._core.X` and `hybrid_cache.errors.X`.
 
 use hybrid_cache_attention::AttentionError;
 use hybrid_cache_core::CoreError;
-use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
-pyo3::create_exception!(
-    _core,
-    HybridCacheError,
-    PyException,
-    "Base of every hybrid-cache error."
-);
-pyo3::create_exception!(
-    _core,
-    InvalidArgumentError,
-    HybridCacheError,
-    "A size, count or parameter is out of range."
-);
-pyo3::create_exception!(
-    _core,
-    NoFreeBlocksError,
-    HybridCacheError,
-    "The pool has fewer free blocks than asked; nothing was taken."
-);
-pyo3::create_exception!(
-    _core,
-    InvalidBlockError,
-    HybridCacheError,
-    "A block id that is the null block, out of range, or not held."
-);
-pyo3::create_exception!(
-    _core,
-    DoubleFreeError,
-    HybridCacheError,
-    "A block freed more times than it is referenced."
-);
-pyo3::create_exception!(
-    _core,
-    UnknownRequestError,
-    HybridCacheError,
-    "A request id that was never added or is already freed."
-);
-pyo3::create_exception!(
-    _core,
-    DuplicateRequestError,
-    HybridCacheError,
-    "A request id added twice."
-);
-pyo3::create_exception!(
-    _core,
-    InvalidGroupError,
-    HybridCacheError,
-    "A group id out of range."
-);
-pyo3::create_exception!(
-    _core,
-    RequestTooLargeError,
-    HybridCacheError,
-    "A request the pool or table can never hold."
-);
-pyo3::create_exception!(
-    _core,
-    TooManyRequestsError,
-    HybridCacheError,
-    "Every block-table row is in use."
-);
+pyo3::import_exception!(hybrid_cache.errors, HybridCacheError);
+pyo3::import_exception!(hybrid_cache.errors, InvalidArgumentError);
+pyo3::import_exception!(hybrid_cache.errors, NoFreeBlocksError);
+pyo3::import_exception!(hybrid_cache.errors, InvalidBlockError);
+pyo3::import_exception!(hybrid_cache.errors, DoubleFreeError);
+pyo3::import_exception!(hybrid_cache.errors, UnknownRequestError);
+pyo3::import_exception!(hybrid_cache.errors, DuplicateRequestError);
+pyo3::import_exception!(hybrid_cache.errors, InvalidGroupError);
+pyo3::import_exception!(hybrid_cache.errors, RequestTooLargeError);
+pyo3::import_exception!(hybrid_cache.errors, TooManyRequestsError);
 
 /// Converts a core error into its Python exception.
 pub fn to_py(error: CoreError) -> PyErr {
