@@ -7,15 +7,18 @@
 //! asserts, through the public API only:
 //!
 //! - every block other than the null block is exactly one of free (in the free queue once, ref
-//!   count 0) or used (ref count = number of table entries naming it); the null block is never
+//!   count 0) or used (ref count = number of table entries naming it, plus the copy sources
+//!   a hit holds until its request's next allocate); the null block is never
 //!   referenced, never free, never handed out;
 //! - each row has the length and the null prefix the window/chunk arithmetic says, and the
 //!   persistent block table mirrors it; unused rows are empty;
 //! - a block is named by one group only, never twice in one row, and by two requests only when
 //!   both hold the same full block (same index, same tokens of the whole prefix, same adapter,
 //!   same salt): sharing happens only through a cache hit;
-//! - shadow KV: the harness records the tokens each full block holds; a hit hands a request a
-//!   block whose recorded tokens equal its own, and a block handed out fresh was free before;
+//! - shadow KV: the harness records the tokens each block holds (and carries out the block
+//!   copies the coordinator asks for); a hit hands a request blocks whose recorded tokens equal
+//!   its own, the block a hit ends inside (taken or copied) at least up to the hit, and a block
+//!   handed out fresh was free before;
 //! - LRU order: fresh blocks come from the front of the free queue (tier by tier); a freed
 //!   request frees exactly its unshared blocks and keeps every free block free (the order it
 //!   frees them in, by position across groups and per tier, is checked by the coordinator's
@@ -214,6 +217,13 @@ pub struct Harness<P: BlockAllocator> {
     requests: BTreeMap<u64, Tracked>,
     /// Recorded contents of blocks that held a full block (kept while free: still hittable).
     contents: HashMap<BlockId, Content>,
+    /// What a held block that is not full holds so far (a freed request's partial tail may be
+    /// taken by a hit that ends inside it).
+    partial: HashMap<BlockId, Content>,
+    /// What a copy destination received (its source's contents), until the hit is checked.
+    copied: HashMap<BlockId, Content>,
+    /// Per request, the copy sources its hit holds until its next successful allocate.
+    copy_sources: HashMap<u64, Vec<BlockId>>,
     /// Whether checks read `free_queue_order` (see `run_ops`).
     observe_queue: bool,
 }
@@ -227,6 +237,9 @@ impl<P: BlockAllocator> Harness<P> {
             coordinator,
             requests: BTreeMap::new(),
             contents: HashMap::new(),
+            partial: HashMap::new(),
+            copied: HashMap::new(),
+            copy_sources: HashMap::new(),
             observe_queue,
         }
     }
@@ -442,6 +455,7 @@ impl<P: BlockAllocator> Harness<P> {
             Ok(done) => {
                 assert!(!invalid, "allocate({step:?}) accepted invalid arguments");
                 if done {
+                    self.after_allocated(&[step]);
                     let hit_blocks = self.applied(step, &before, true);
                     self.check_lru_after_allocate(step.request_id, &before, &hit_blocks);
                 } else {
@@ -465,6 +479,7 @@ impl<P: BlockAllocator> Harness<P> {
             .allocate_batch(&steps)
             .expect("well-formed steps are accepted");
         assert!(done <= steps.len());
+        self.after_allocated(&steps[..done]);
         for &step in &steps[..done] {
             // An earlier step of the batch may release a block a later one takes fresh, so the
             // fresh blocks' ref counts before the batch prove nothing; `check` still does.
@@ -472,6 +487,33 @@ impl<P: BlockAllocator> Harness<P> {
         }
         if let Some(&refused) = steps.get(done) {
             self.sync_pending_hit(refused.request_id);
+        }
+    }
+
+    /// After successful allocates of `steps`: their requests' earlier copy sources are released,
+    /// and the copies asked for now are carried out on the recorded contents (the step runs),
+    /// their sources remembered.
+    fn after_allocated(&mut self, steps: &[AllocateStep]) {
+        for step in steps {
+            self.copy_sources.remove(&step.request_id);
+        }
+        for copy in self.coordinator.take_block_copies() {
+            let owner = steps
+                .iter()
+                .map(|step| step.request_id)
+                .find(|&id| {
+                    (0..self.specs.len()).any(|group| {
+                        self.coordinator
+                            .request_blocks(id, group)
+                            .unwrap()
+                            .contains(&copy.dst)
+                    })
+                })
+                .expect("a copy's destination belongs to a request just allocated");
+            let source = self.contents.get(&copy.src).cloned();
+            let source = source.expect("a copy source is a full block seen before");
+            self.copied.insert(copy.dst, source);
+            self.copy_sources.entry(owner).or_default().push(copy.src);
         }
     }
 
@@ -505,7 +547,7 @@ impl<P: BlockAllocator> Harness<P> {
                     index >= old_rows[group].len(),
                     "allocate replaced entry {index} of group {group} with another block"
                 );
-                if index * spec.block_size < hit_tokens {
+                if (index + 1) * spec.block_size <= hit_tokens {
                     let expected = content_of(&request, group, index, spec.block_size);
                     assert_eq!(
                         self.contents.get(&block),
@@ -513,6 +555,34 @@ impl<P: BlockAllocator> Harness<P> {
                         "request {id} group {group} hit block {block} at {index} holds other tokens"
                     );
                     if before.ref_counts[block as usize] == 0 {
+                        touched_free.insert(block);
+                    }
+                } else if index * spec.block_size < hit_tokens {
+                    // The hit ends inside this block: a copy of a cached block, or a taken free
+                    // one (a full block or a freed request's partial tail). It must hold this
+                    // request's tokens up to the hit; the request overwrites the rest.
+                    let copy = self.copied.remove(&block);
+                    let was_copied = copy.is_some();
+                    let source = copy
+                        .or_else(|| self.contents.remove(&block))
+                        .or_else(|| self.partial.remove(&block));
+                    let expected = content_of(&request, group, index, spec.block_size);
+                    let holds = source.as_ref().is_some_and(|source| {
+                        source.group == group
+                            && source.index == index
+                            && source.lora_id == expected.lora_id
+                            && source.cache_salt == expected.cache_salt
+                            && source.prefix.len() >= hit_tokens
+                            && source.prefix[..hit_tokens] == expected.prefix[..hit_tokens]
+                    });
+                    assert!(
+                        holds,
+                        "request {id} group {group}: the block {block} its hit ends inside \
+                         holds other tokens ({source:?})"
+                    );
+                    self.contents.remove(&block);
+                    self.partial.remove(&block);
+                    if !was_copied && before.ref_counts[block as usize] == 0 {
                         touched_free.insert(block);
                     }
                 } else {
@@ -529,7 +599,13 @@ impl<P: BlockAllocator> Harness<P> {
                         "fresh block {block} (request {id} group {group}) was in use"
                     );
                     self.contents.remove(&block);
+                    self.partial.remove(&block);
                 }
+            }
+        }
+        for &source in self.copy_sources.get(&id).into_iter().flatten() {
+            if before.ref_counts[source as usize] == 0 {
+                touched_free.insert(source);
             }
         }
         touched_free
@@ -598,10 +674,11 @@ impl<P: BlockAllocator> Harness<P> {
         self.sync_pending_hit(id);
         let hit_dropped = pending_before > 0 && self.requests[&id].pending_hit == 0;
         let total = step.num_computed_tokens + step.num_new_tokens;
+        // Plus one per group for a copy source the hit touches out of the free queue.
         let most_needed: usize = self
             .specs
             .iter()
-            .map(|spec| total.div_ceil(spec.block_size))
+            .map(|spec| total.div_ceil(spec.block_size) + 1)
             .sum();
         let free = self.coordinator.pool().num_free_blocks();
         assert!(
@@ -669,6 +746,7 @@ impl<P: BlockAllocator> Harness<P> {
     fn free(&mut self, id: u64) {
         let before = self.snapshot();
         let result = self.coordinator.free_request(id);
+        let sources = self.copy_sources.remove(&id).unwrap_or_default();
         if self.requests.remove(&id).is_none() {
             assert!(matches!(result, Err(CoreError::UnknownRequest { .. })));
             assert_eq!(before, self.snapshot(), "a failed free changes nothing");
@@ -691,7 +769,11 @@ impl<P: BlockAllocator> Harness<P> {
         let mut old_before = before.free_queue.clone();
         old_before.sort_unstable();
         assert_eq!(old_after, old_before, "freeing keeps every free block free");
-        let mut expected_set: Vec<BlockId> = Vec::new();
+        let mut expected_set: Vec<BlockId> = sources
+            .iter()
+            .copied()
+            .filter(|&b| before.ref_counts[b as usize] == 1)
+            .collect();
         for group in 0..self.specs.len() {
             let row = before.row(id, group);
             expected_set.extend(
@@ -722,6 +804,7 @@ impl<P: BlockAllocator> Harness<P> {
         if done {
             assert_eq!(self.coordinator.stats().pool.num_cached_blocks, 0);
             self.contents.clear();
+            self.partial.clear();
         } else {
             assert_eq!(before, self.snapshot(), "a refused reset changes nothing");
         }
@@ -769,6 +852,7 @@ impl<P: BlockAllocator> Harness<P> {
                 self.coordinator.allocate(step).expect("well-formed step"),
                 "an admitted request alone in the pool was refused at {step:?}"
             );
+            self.after_allocated(&[step]);
             self.applied(step, &before, true);
             self.check();
         }
@@ -885,8 +969,13 @@ impl<P: BlockAllocator> Harness<P> {
             !free_set.contains(&NULL_BLOCK),
             "the null block is in the free queue"
         );
+        let mut source_refs: HashMap<BlockId, usize> = HashMap::new();
+        for &block in self.copy_sources.values().flatten() {
+            *source_refs.entry(block).or_default() += 1;
+        }
         for block in 1..num_blocks as BlockId {
-            let references = holders.get(&block).map_or(0, |entry| entry.2.len());
+            let references = holders.get(&block).map_or(0, |entry| entry.2.len())
+                + source_refs.get(&block).copied().unwrap_or(0);
             assert_eq!(
                 pool.ref_count(block) as usize,
                 references,
@@ -926,6 +1015,13 @@ impl<P: BlockAllocator> Harness<P> {
                     full.iter().all(|&f| f) && contents.windows(2).all(|w| w[0] == w[1]),
                     "block {block} shared by requests {ids:?} that hold different tokens"
                 );
+            }
+            if !full[0] {
+                let request = &self.requests[&ids[0]];
+                let known = request.num_allocated.min(request.tokens.len());
+                let mut content = content_of(request, *group, *index, block_size);
+                content.prefix.truncate(known);
+                self.partial.insert(block, content);
             }
             if full[0] {
                 match self.contents.get(&block) {
