@@ -151,6 +151,28 @@ def test_a_budget_that_holds_everything_hits_every_history(layout) -> None:
         assert counters["prefix_hits"] + misses == counters["prefix_queries"]
 
 
+def test_lpm_admission_keeps_the_histories_first_come_first_served_evicts() -> None:
+    """8 sessions served in waves over a pool that holds a few histories: first come first
+    served admits each wave's misses first, and their blocks evict the histories the later
+    sessions would hit; longest-prefix-first admits the hits first."""
+    shape = MultiTurnShape(
+        num_sessions=8, num_turns=4, system_len=16, turn_input_len=48, output_len=16
+    )
+    rates = {}
+    for policy in ("fcfs", "lpm"):
+        settings = BenchSettings.for_multi_turn(
+            "tiny-gemma3",
+            shape,
+            kv_cache_memory="512KiB",
+            hf_overrides={"sliding_window": 32},
+            scheduling_policy=policy,
+        )
+        result = simulate_mode(settings, "hybrid")
+        assert result.num_requests == 32
+        rates[policy] = result.reuse.hit_rate
+    assert rates["lpm"] > rates["fcfs"] + 0.1, rates
+
+
 def test_multi_turn_bench_on_the_engine_reports_reuse(tmp_path, capsys) -> None:
     json_path = tmp_path / "multi.json"
     assert main([*SMALL_RUN, "--kv-cache-memory", "1MiB", "--output-json", str(json_path)]) == 0
@@ -194,6 +216,7 @@ def test_budget_sweep_prints_a_row_per_budget_and_plots(tmp_path, capsys) -> Non
         (["--kv-cache-memory", "1MiB,,2MiB"], "has an empty entry"),
         (["--kv-cache-memory", "1MiB,2XB"], "MemorySizeError"),
         (["--max-model-len", "50"], "a session's last turn"),
+        (["--scheduling-policy", "lifo"], "--scheduling-policy must be one of fcfs, lpm"),
     ],
 )
 def test_bad_multi_turn_flags_give_typed_errors(extra, message, capsys) -> None:

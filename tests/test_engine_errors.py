@@ -164,6 +164,7 @@ def test_abort_returns_every_block(llm):
         {"max_num_batched_tokens": -4},
         {"max_model_len": 0},
         {"gpu_memory_utilization": 1.5},
+        {"scheduling_policy": "lifo"},
     ],
 )
 def test_bad_engine_arguments_raise_typed_errors(kwargs):

@@ -318,6 +318,25 @@ def test_prefix_hits_preemption_and_chunks_together(tiny):
     assert_all_blocks_free(llm)
 
 
+def test_longest_prefix_first_admission_gives_the_same_tokens(tiny):
+    # "lpm" admits the prompts whose prefix is cached first (here the second batch's prompts
+    # that share the first's prefix), with preemption in a small pool: same tokens.
+    shared = tuple(make_prompts(51, lengths=(20,))[0])
+    warm = make_prompts(52, lengths=(6,), prefix=shared)
+    prompts = make_prompts(53, (4, 30)) + make_prompts(54, lengths=(3, 9), prefix=shared)
+    largest = max(len(p) for p in prompts) + NUM_NEW_TOKENS
+    pool = small_pool_bytes(tiny, max_num_batched_tokens=8, largest=largest)
+    llm = tiny.llm(
+        kv_cache_memory=pool, max_num_batched_tokens=8, max_num_seqs=3, scheduling_policy="lpm"
+    )
+    assert generate_ids(llm, warm) == hf_greedy(tiny.hf, warm)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [output.token_ids for output in outputs] == hf_greedy(tiny.hf, prompts)
+    assert outputs[3].num_cached_tokens > 0, "a prompt sharing the warm prefix hit it"
+    assert llm.stats.num_preemptions > 0
+    assert_all_blocks_free(llm)
+
+
 def test_seeded_sampling_is_reproducible_across_batches_and_preemption(tiny):
     prompts = make_prompts(7, lengths=(24, 26, 28, 30))
     params = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=i) for i in range(4)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from hybrid_cache.engine import scheduler as scheduler_module
 from hybrid_cache.engine.errors import InsufficientKVCacheError
 from hybrid_cache.engine.request import FinishReason, Request, RequestStatus
 from hybrid_cache.engine.sampling_params import SamplingParams
@@ -50,6 +51,10 @@ class FakeKVCacheManager:
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         return []
+
+    def probe_cache_hit(self, request: Request) -> int:
+        self.events.append(("probe", request.request_id))
+        return self.hits.get(request.request_id, 0)
 
     def allocate_batch(
         self, requests: list[Request], num_computed_tokens: list[int], num_new_tokens: list[int]
@@ -200,6 +205,69 @@ def test_prefix_hit_is_skipped_and_recorded():
     assert output.scheduled[0].num_computed_tokens == 8
     assert output.scheduled[0].num_new_tokens == 2
     assert request.num_cached_tokens == 8
+
+
+def admitted_order(scheduler: Scheduler) -> list[str]:
+    """Request ids in the order the scheduler first admits them, one step at a time."""
+    order: list[str] = []
+    while scheduler.has_unfinished_requests():
+        output, _ = run_step(scheduler)
+        order += [s.request.request_id for s in output.scheduled if s.num_computed_tokens == 0]
+        order += [
+            s.request.request_id
+            for s in output.scheduled
+            if s.num_computed_tokens > 0 and s.request.request_id not in order
+        ]
+    return order
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_lpm_admits_the_longest_cached_prefix_first(policy):
+    # One admission per step (max_num_seqs=1): fcfs takes arrival order, lpm the longest hit
+    # first, ties (no hit) in arrival order.
+    kv = FakeKVCacheManager(num_blocks=100)
+    kv.hits.update({"1": 4, "2": 8})
+    scheduler = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=100, policy=policy)
+    for index in range(4):
+        scheduler.add_request(make_request(index, 10, max_tokens=1))
+    expected = ["0", "1", "2", "3"] if policy == "fcfs" else ["2", "1", "0", "3"]
+    assert admitted_order(scheduler) == expected
+    assert not scheduler.overtaken, "no overtake count is left behind"
+    probes = [event for event in kv.events if event[0] == "probe"]
+    assert bool(probes) == (policy == "lpm"), "fcfs never probes the cache"
+
+
+def test_lpm_admits_a_request_overtaken_too_often(monkeypatch):
+    # With at most 2 overtakes, the request without a hit goes first once two later requests
+    # with hits were admitted before it.
+    monkeypatch.setattr(scheduler_module, "LPM_MAX_OVERTAKES", 2)
+    kv = FakeKVCacheManager(num_blocks=100)
+    kv.hits.update({"1": 8, "2": 8, "3": 8})
+    scheduler = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=100, policy="lpm")
+    for index in range(4):
+        scheduler.add_request(make_request(index, 10, max_tokens=1))
+    assert admitted_order(scheduler) == ["1", "2", "0", "3"]
+
+
+def test_lpm_preemption_keeps_the_waiting_queue_in_arrival_order():
+    # One running request at a time: lpm admits 2 (its hit) before the older 0 and 1. When it
+    # cannot grow it preempts itself and goes back behind them (arrival order), not in front.
+    kv = FakeKVCacheManager(num_blocks=5)  # 4 usable blocks of 4 tokens
+    kv.hits["2"] = 4
+    scheduler = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=100, policy="lpm")
+    requests = [make_request(index, 8) for index in range(3)]
+    for request in requests:
+        scheduler.add_request(request)
+    output, _ = run_step(scheduler)
+    assert [s.request.request_id for s in output.scheduled] == ["2"]
+    kv.held["elsewhere"] = 2  # the rest of the pool is taken: request 2 cannot grow
+    output, _ = run_step(scheduler)
+    assert output.num_preemptions == 1
+    assert [r.request_id for r in scheduler.waiting] == ["0", "1", "2"]
+    del kv.held["elsewhere"]
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert [len(r.output_token_ids) for r in requests] == [4, 4, 4]
 
 
 def test_abort_running_and_waiting_returns_blocks():

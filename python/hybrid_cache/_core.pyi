@@ -152,6 +152,15 @@ class Coordinator:
         """(num_groups, max_num_reqs) int32 view: table entries in use per row."""
     def num_used_blocks_per_group(self) -> list[int]:
         """Non-null table entries per group (a block shared by two requests counts twice)."""
+    def probe_cache_hit(
+        self,
+        prompt_token_ids: Sequence[int] | npt.NDArray[np.integer],
+        lora_id: Optional[int] = None,
+        cache_salt: Optional[str] = None,
+        mm_hashes: Optional[Sequence[tuple[int, int, int | bytes]]] = None,
+    ) -> int:
+        """The hit find_cache_hit would find for this prompt, without adding a request or
+        changing anything (not counted in the statistics)."""
     def take_block_copies(self) -> list[tuple[int, int]]:
         """(src, dst) page copies the allocations since the last call asked for: the caller
         copies page src into page dst in every layer slot before running the step. A hit that

@@ -122,6 +122,7 @@ def build_llm(settings: BenchSettings, mode: str) -> Any:
         kv_cache_mode=mode,
         kv_group_layout=settings.kv_group_layout,
         enable_prefix_caching=settings.enable_prefix_caching,
+        scheduling_policy=settings.scheduling_policy,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         hf_overrides=settings.hf_overrides or None,

@@ -8,6 +8,7 @@ from typing import Any, Optional
 from hybrid_cache.bench.errors import BenchConfigError
 from hybrid_cache.bench.multi_turn import MultiTurnFeed, MultiTurnShape
 from hybrid_cache.bench.workload import RandomFeed, make_prompts
+from hybrid_cache.engine.scheduler import SCHEDULING_POLICIES
 from hybrid_cache.planner import GROUP_LAYOUTS
 
 KV_CACHE_MODES = ("hybrid", "uniform")
@@ -35,6 +36,7 @@ class BenchSettings:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
     load_format: str = "dummy"
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
@@ -85,6 +87,11 @@ class BenchSettings:
             raise BenchConfigError(
                 f"--kv-group-layout must be one of {', '.join(GROUP_LAYOUTS)}, "
                 f"got {self.kv_group_layout!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise BenchConfigError(
+                f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                f"{self.scheduling_policy!r}"
             )
         if self.load_format not in ("auto", "dummy"):
             raise BenchConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")

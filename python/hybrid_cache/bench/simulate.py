@@ -70,6 +70,7 @@ def simulated_engine(
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         enable_prefix_caching=settings.enable_prefix_caching,
+        scheduling_policy=settings.scheduling_policy,
     )
     return LLMEngine(
         layout,

@@ -66,6 +66,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
+    parser.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        help="admission order of waiting requests: fcfs (first come first served) or lpm "
+        "(longest cached prefix first)",
+    )
     parser.add_argument("--load-format", choices=("auto", "dummy"), default="dummy")
     parser.add_argument("--hf-overrides", help="JSON object merged into config.json")
     parser.add_argument("--seed", type=int, default=0)
@@ -285,6 +291,7 @@ def settings_from_args(args: argparse.Namespace, kv_cache_memory: Optional[str])
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
         load_format=args.load_format,
         hf_overrides=parse_overrides(args.hf_overrides),
         seed=args.seed,

@@ -146,6 +146,13 @@ class KVCacheManager:
             return 0
         return self.coordinator.find_cache_hit(self.core_ids[request.request_id])
 
+    def probe_cache_hit(self, request: Request) -> int:
+        """The prefix-cache hit the request would get if it were admitted now (0 when caching
+        is off), without adding it or changing anything."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.coordinator.probe_cache_hit(request.all_token_ids)
+
     def allocate(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> bool:
         """All or nothing: blocks for `num_new_tokens` more tokens (applies the pending hit)."""
         core_id = self.core_ids[request.request_id]

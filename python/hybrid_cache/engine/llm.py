@@ -37,6 +37,7 @@ from hybrid_cache.engine.memory import kv_cache_budget
 from hybrid_cache.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepStats
 from hybrid_cache.engine.request import FinishReason, Request
 from hybrid_cache.engine.sampling_params import SamplingParams
+from hybrid_cache.engine.scheduler import SCHEDULING_POLICIES
 from hybrid_cache.engine.tokenizer import load_tokenizer
 from hybrid_cache.models import load_model
 from hybrid_cache.planner import GROUP_LAYOUTS, KVCacheLayout, PlanOptions, plan_kv_cache
@@ -70,6 +71,7 @@ class LLM:
         seed: int = 0,
         attention_backend: str = "auto",
         gpu_memory_utilization: float = 0.9,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         """`model`: a local Hugging Face folder (config.json + safetensors, tokenizer optional)
         or a built-in preset name (always random weights). `dtype` defaults to the config's on
@@ -80,7 +82,9 @@ class LLM:
         KV-cache groups as vLLM makes them, or one group per layer type; see `planner`).
         `attention_backend`: "auto" (per KV-cache group, the fastest backend that can run it;
         always the vectorised torch backend on the CPU), or "torch" / "reference" / "triton" /
-        "flash_attn" forced."""
+        "flash_attn" forced. `scheduling_policy`: "fcfs" (first come first served) or "lpm"
+        (longest cached prefix first among the first waiting requests; see `scheduler`)."""
+        check_choice("scheduling_policy", scheduling_policy, SCHEDULING_POLICIES)
         check_choice("load_format", load_format, ("auto", "dummy"))
         check_choice("kv_cache_mode", kv_cache_mode, ("hybrid", "uniform"))
         check_choice("kv_group_layout", kv_group_layout, GROUP_LAYOUTS)
@@ -141,6 +145,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_prefix_caching=enable_prefix_caching,
+                scheduling_policy=scheduling_policy,
             ),
             vocab_size=self.spec.vocab_size,
             eos_token_ids=eos_token_ids(self.spec.hf_config, self.tokenizer),

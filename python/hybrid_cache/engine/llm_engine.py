@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hybrid_cache.engine.errors import (
+    EngineConfigError,
     InsufficientKVCacheError,
     InvalidRequestError,
     PromptTooLongError,
@@ -30,7 +31,7 @@ from hybrid_cache.engine.outputs import EngineStats, PrefixMisses, StepStats
 from hybrid_cache.engine.request import Request
 from hybrid_cache.engine.sampler import Sampler
 from hybrid_cache.engine.sampling_params import SamplingParams
-from hybrid_cache.engine.scheduler import Scheduler
+from hybrid_cache.engine.scheduler import SCHEDULING_POLICIES, Scheduler
 from hybrid_cache.engine.step_runner import StepRunner, StepRunnerFactory
 from hybrid_cache.planner import KVCacheLayout
 
@@ -47,6 +48,15 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_prefix_caching: bool
+    # Admission order of waiting requests: "fcfs" or "lpm" (see `scheduler.py`).
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise EngineConfigError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                f"{self.scheduling_policy!r}"
+            )
 
 
 class LLMEngine:
@@ -75,7 +85,10 @@ class LLMEngine:
             hash_seed=seed,
         )
         self.scheduler: Scheduler = Scheduler(
-            self.kv_cache, limits.max_num_seqs, limits.max_num_batched_tokens
+            self.kv_cache,
+            limits.max_num_seqs,
+            limits.max_num_batched_tokens,
+            policy=limits.scheduling_policy,
         )
         self.sampler: Sampler = Sampler(seed)
         self.model_runner: StepRunner = make_runner(self.kv_cache, self.sampler)

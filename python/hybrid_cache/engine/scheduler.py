@@ -3,7 +3,14 @@
 Every step has a token budget (`max_num_batched_tokens`) and a cap on running requests
 (`max_num_seqs`). Running requests are served first, oldest first, each taking as many of its
 uncomputed tokens as the budget leaves (a long prompt is prefilled in chunks over several steps).
-Then waiting requests are admitted first come first served, starting after their prefix-cache hit.
+Then waiting requests are admitted, starting after their prefix-cache hit: first come first served
+(`"fcfs"`, the default), or longest cached prefix first (`"lpm"`, as SGLang's policy of that name):
+among the first `LPM_WINDOW` waiting requests, the one whose prompt the cache holds the most of
+goes first, so hits are taken before other admissions evict them. When many requests with
+cached histories arrive together (a wave of conversation turns, a batch over shared documents)
+first come first served admits the misses first and their allocations evict the very
+histories the later requests would hit; `"lpm"` keeps them. A request overtaken
+`LPM_MAX_OVERTAKES` times is admitted next whatever its hit, so nothing waits forever.
 
 When the pool has no blocks for a running request, the newest running request is preempted by
 recompute: its blocks are freed and it goes back to the front of the waiting queue; when
@@ -92,12 +99,27 @@ def _budget_shares(
     return requests, computed_counts, new_counts
 
 
+SCHEDULING_POLICIES = ("fcfs", "lpm")
+# "lpm": how many waiting requests (from the front) are weighed by their cached prefix, and how
+# often a request may be overtaken before it goes first.
+LPM_WINDOW = 32
+LPM_MAX_OVERTAKES = 64
+
+
 class Scheduler:
     """Decides each step's batch; keeps the waiting and running queues."""
 
     def __init__(
-        self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
     ) -> None:
+        assert policy in SCHEDULING_POLICIES, f"policy {policy!r} is validated by the caller"
+        self.policy: str = policy
+        # "lpm": times each waiting request was overtaken by a later one.
+        self.overtaken: dict[str, int] = {}
         assert max_num_seqs > 0 and max_num_batched_tokens > 0, "limits must be positive"
         self.kv_cache: KVCacheManager = kv_cache
         self.max_num_seqs: int = max_num_seqs
@@ -123,7 +145,7 @@ class Scheduler:
                 return request
         for request in self.waiting:
             if request.request_id == request_id:
-                self.waiting.remove(request)
+                self._unqueue(request)
                 self._finish(request, FinishReason.ABORT)
                 return request
         return None
@@ -241,6 +263,15 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        if self.policy == "lpm":
+            # Requests run out of arrival order: put it back where its arrival puts it.
+            waiting = self.waiting
+            position = next(
+                (i for i, r in enumerate(waiting) if r.arrival_index > request.arrival_index),
+                len(waiting),
+            )
+            waiting.insert(position, request)
+            return
         # Every running request arrived before every waiting one, and victims go newest first,
         # so pushing each to the front keeps the waiting queue in arrival order.
         assert not self.waiting or self.waiting[0].arrival_index > request.arrival_index, (
@@ -248,13 +279,29 @@ class Scheduler:
         )
         self.waiting.appendleft(request)
 
+    def _lpm_order(self) -> list[Request]:
+        """The first `LPM_WINDOW` waiting requests, the longest cached prefix first (ties in
+        arrival order); a request overtaken `LPM_MAX_OVERTAKES` times leads."""
+        window = list(itertools.islice(self.waiting, LPM_WINDOW))
+        overtaken = self.overtaken
+        probe = self.kv_cache.probe_cache_hit
+        scored = sorted(
+            (
+                (overtaken.get(request.request_id, 0) < LPM_MAX_OVERTAKES, -probe(request), i)
+                for i, request in enumerate(window)
+            ),
+        )
+        return [window[i] for _, _, i in scored]
+
     def _admit_waiting(self, token_budget: int, output: SchedulerOutput) -> None:
+        lpm = self.policy == "lpm" and len(self.waiting) > 1
+        order = iter(self._lpm_order()) if lpm else None
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting[0] if order is None else next(order, self.waiting[0])
             try:
                 row = self.kv_cache.add(request)
             except InsufficientKVCacheError as error:
-                self.waiting.popleft()
+                self._unqueue(request)
                 self._fail(request, error, output)
                 continue
             num_hit_tokens = self.kv_cache.find_cache_hit(request)
@@ -264,14 +311,16 @@ class Scheduler:
                 if self.running:
                     break  # blocks come back as running requests finish
                 # Nothing else holds blocks: this request can never start.
-                self.waiting.popleft()
+                self._unqueue(request)
                 error = InsufficientKVCacheError(
                     f"request {request.request_id!r} does not fit in an empty KV-cache pool; "
                     "raise kv_cache_memory or lower max_num_batched_tokens"
                 )
                 self._fail(request, error, output)
                 continue
-            self.waiting.popleft()
+            if lpm:
+                self._note_overtakes(request)
+            self._unqueue(request)
             if not request.has_been_scheduled:
                 request.num_cached_tokens = num_hit_tokens
                 request.has_been_scheduled = True
@@ -280,6 +329,21 @@ class Scheduler:
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, row, num_hit_tokens, num_new_tokens))
             token_budget -= num_new_tokens
+
+    def _unqueue(self, request: Request) -> None:
+        """Takes `request` out of the waiting queue (the front, unless "lpm" picked another)."""
+        if self.waiting[0] is request:
+            self.waiting.popleft()
+        else:
+            del self.waiting[next(i for i, r in enumerate(self.waiting) if r is request)]
+        self.overtaken.pop(request.request_id, None)
+
+    def _note_overtakes(self, request: Request) -> None:
+        """Counts one overtake for every waiting request that arrived before `request`."""
+        for earlier in self.waiting:
+            if earlier is request:
+                return
+            self.overtaken[earlier.request_id] = self.overtaken.get(earlier.request_id, 0) + 1
 
     def _fail(self, request: Request, error: Exception, output: SchedulerOutput) -> None:
         self._finish(request, FinishReason.ERROR)

@@ -789,3 +789,43 @@ fn every_looked_up_token_is_a_hit_or_has_a_reason() {
     assert_eq!(stats.shortened, vec![12, 0]);
     c.pool().free_blocks(&taken).unwrap();
 }
+
+#[test]
+fn a_probe_finds_the_hit_a_request_would_get_and_changes_nothing() {
+    // Full B = 4 keyed by units of 2, window B = 2 W = 4.
+    let mut c = coordinator(32, vec![full(4), window(2, 4)]);
+    let prompt = tokens(15);
+    add(&mut c, 1, &prompt);
+    assert!(allocate(&mut c, 1, 0, 15));
+    c.free_request(1).unwrap();
+    c.take_block_copies(); // the step that computed those blocks has run
+    let mut longer = prompt.clone();
+    longer.extend([1, 2, 3]);
+    let extra = ExtraKeys::default();
+    let stats = c.stats();
+    let order = c.pool().free_queue_order();
+    assert_eq!(c.probe_cache_hit(&longer, &extra).unwrap(), 14);
+    // Two tokens of a cached full block: a hit by a copy.
+    assert_eq!(c.probe_cache_hit(&tokens(3), &extra).unwrap(), 2);
+    let salted = ExtraKeys {
+        cache_salt: Some("tenant".into()),
+        ..ExtraKeys::default()
+    };
+    assert_eq!(c.probe_cache_hit(&longer, &salted).unwrap(), 0);
+    assert_eq!(c.stats(), stats, "a probe is not counted");
+    assert_eq!(
+        c.pool().free_queue_order(),
+        order,
+        "a probe touches nothing"
+    );
+    assert!(matches!(
+        c.probe_cache_hit(&[], &extra),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    add(&mut c, 2, &longer);
+    assert_eq!(
+        c.find_cache_hit(2).unwrap(),
+        14,
+        "the hit the probe promised"
+    );
+}

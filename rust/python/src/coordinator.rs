@@ -168,6 +168,21 @@ impl PyCoordinator {
             .max_blocks_needed(size("num_tokens", num_tokens)?))
     }
 
+    /// The hit `find_cache_hit` would find for this prompt, without adding a request or
+    /// changing anything (see `Coordinator::probe_cache_hit` in the core).
+    #[pyo3(signature = (prompt_token_ids, lora_id=None, cache_salt=None, mm_hashes=None))]
+    fn probe_cache_hit(
+        &self,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        lora_id: Option<i64>,
+        cache_salt: Option<String>,
+        mm_hashes: Option<Vec<(i64, i64, Bound<'_, PyAny>)>>,
+    ) -> PyResult<usize> {
+        let tokens = token_ids(prompt_token_ids)?;
+        let extra = extra_keys(lora_id, cache_salt, mm_hashes)?;
+        self.inner.probe_cache_hit(&tokens, &extra).map_err(to_py)
+    }
+
     #[pyo3(signature = (
         request_id, prompt_token_ids, max_total_tokens=None, lora_id=None, cache_salt=None,
         mm_hashes=None
@@ -186,30 +201,11 @@ impl PyCoordinator {
         let max_total_tokens = max_total_tokens
             .map(|tokens| size("max_total_tokens", tokens))
             .transpose()?;
-        let lora_id = lora_id
-            .map(|id| {
-                u64::try_from(id).map_err(|_| {
-                    invalid_argument(format!("lora_id must be non-negative, got {id}"))
-                })
-            })
-            .transpose()?;
-        let mut mm_items = Vec::new();
-        for (start_token, num_tokens, item_hash) in mm_hashes.unwrap_or_default() {
-            mm_items.push(MultimodalItem {
-                start_token: size("mm start_token", start_token)?,
-                num_tokens: size("mm num_tokens", num_tokens)?,
-                item_hash: hash128(&item_hash)?,
-            });
-        }
         let request = NewRequest {
             request_id,
             prompt_token_ids: &tokens,
             max_total_tokens,
-            extra: ExtraKeys {
-                lora_id,
-                cache_salt,
-                mm_items,
-            },
+            extra: extra_keys(lora_id, cache_salt, mm_hashes)?,
         };
         self.inner.add_request(request).map_err(to_py)
     }
@@ -376,6 +372,33 @@ impl PyCoordinator {
         dict.set_item("prefix_shortened_per_group", hits.shortened.clone())?;
         Ok(dict)
     }
+}
+
+/// The extra keys of a request (adapter, salt, multimodal items) from their Python forms.
+fn extra_keys(
+    lora_id: Option<i64>,
+    cache_salt: Option<String>,
+    mm_hashes: Option<Vec<(i64, i64, Bound<'_, PyAny>)>>,
+) -> PyResult<ExtraKeys> {
+    let lora_id = lora_id
+        .map(|id| {
+            u64::try_from(id)
+                .map_err(|_| invalid_argument(format!("lora_id must be non-negative, got {id}")))
+        })
+        .transpose()?;
+    let mut mm_items = Vec::new();
+    for (start_token, num_tokens, item_hash) in mm_hashes.unwrap_or_default() {
+        mm_items.push(MultimodalItem {
+            start_token: size("mm start_token", start_token)?,
+            num_tokens: size("mm num_tokens", num_tokens)?,
+            item_hash: hash128(&item_hash)?,
+        });
+    }
+    Ok(ExtraKeys {
+        lora_id,
+        cache_salt,
+        mm_items,
+    })
 }
 
 /// `numpy.asarray` over a `TableView` of the coordinator's memory.

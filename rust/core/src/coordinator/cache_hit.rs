@@ -37,8 +37,9 @@ use super::request::{HitEnd, PendingHit};
 use super::{AttentionKind, Coordinator, PrefixEntry};
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
+use crate::hashing::ExtraKeys;
 use crate::manager::{hit_row, AttentionManager};
-use crate::types::{BlockId, CacheKey, GroupId};
+use crate::types::{BlockHash, BlockId, CacheKey, GroupId};
 
 impl<P: BlockAllocator> Coordinator<P> {
     /// Longest prefix (tokens) every group can hit, stored on the request as its pending hit
@@ -61,6 +62,94 @@ impl<P: BlockAllocator> Coordinator<P> {
         }
         Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
         let num_tokens = state.tokens.len();
+        // Lent out while the lookup reads the coordinator; given back below.
+        let chains = std::mem::take(&mut state.hash_chains);
+        let CommonHit {
+            max_hit,
+            mut hit,
+            alone,
+            limiting,
+        } = self.common_hit(&chains, num_tokens);
+        let lookup = EndLookup {
+            pool: &self.pool,
+            prefix_index: &self.prefix_index,
+            epoch: self.copy_epoch,
+        };
+        let keys_of = |group: usize| self.keys.keys(&chains, group);
+        let mut rows = Vec::with_capacity(self.managers.len());
+        let mut ends = Vec::with_capacity(self.managers.len());
+        for (group, manager) in self.managers.iter().enumerate() {
+            // The fixed point only accepts cached blocks; a pool shared with another thread
+            // may have evicted one since, which makes the whole hit a miss.
+            match group_hit_row(&lookup, manager.as_ref(), keys_of(group), hit) {
+                Some((row, end)) => {
+                    rows.push(row);
+                    ends.push(end);
+                }
+                None => {
+                    hit = 0;
+                    break;
+                }
+            }
+        }
+        let keys = keys_of(limiting);
+        let next_unit = alone[limiting] / (self.managers[limiting].block_size() / keys.units);
+        let next_was_cached = keys
+            .hashes
+            .get(next_unit)
+            .is_some_and(|&hash| self.seen_keys.contains(limiting as GroupId, hash));
+        self.hit_stats.record(Lookup {
+            num_tokens,
+            max_hit,
+            hit,
+            alone: &alone,
+            prefix_cached: alone[limiting],
+            next_was_cached,
+        });
+        let state = self.requests.get_mut(&request_id).expect("checked above");
+        state.hash_chains = chains;
+        if hit > 0 {
+            state.pending_hit = Some(PendingHit {
+                num_tokens: hit,
+                rows,
+                ends,
+            });
+        }
+        Ok(hit)
+    }
+}
+
+impl<P: BlockAllocator> Coordinator<P> {
+    /// The hit `find_cache_hit` would find for a prompt of `tokens` with `extra` keys, without
+    /// adding a request or touching anything (not counted in the statistics): what a scheduler
+    /// weighs before it admits. 0 when prefix caching is off.
+    pub fn probe_cache_hit(&self, tokens: &[u32], extra: &ExtraKeys) -> Result<usize, CoreError> {
+        if tokens.is_empty() {
+            return Err(CoreError::InvalidArgument(
+                "the prompt must have at least one token".into(),
+            ));
+        }
+        extra.validate(tokens.len())?;
+        if !self.config.enable_prefix_caching {
+            return Ok(0);
+        }
+        let chains: Vec<Vec<BlockHash>> = self
+            .keys
+            .chain_block_sizes
+            .iter()
+            .map(|&block_size| {
+                let mut chain = Vec::new();
+                self.hasher
+                    .extend_chain(tokens, block_size, extra, &mut chain);
+                chain
+            })
+            .collect();
+        Ok(self.common_hit(&chains, tokens.len()).hit)
+    }
+
+    /// The fixed point over a prompt's hash chains (see the module docs), with what each group
+    /// alone accepts and the group whose cached prefix ends first.
+    fn common_hit(&self, chains: &[Vec<BlockHash>], num_tokens: usize) -> CommonHit {
         let alignment = self.hit_alignment;
         let max_hit = (num_tokens - 1) / alignment * alignment;
         let lookup = EndLookup {
@@ -68,7 +157,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             prefix_index: &self.prefix_index,
             epoch: self.copy_epoch,
         };
-        let keys_of = |group: usize| self.keys.keys(&state.hash_chains, group);
+        let keys_of = |group: usize| self.keys.keys(chains, group);
         // What each group alone accepts; the common hit is at most their minimum, and the fixed
         // point from there ends where the one from `max_hit` would (each group's answer is the
         // longest it accepts up to the length asked).
@@ -112,45 +201,21 @@ impl<P: BlockAllocator> Coordinator<P> {
                 break;
             }
         }
-        let mut rows = Vec::with_capacity(self.managers.len());
-        let mut ends = Vec::with_capacity(self.managers.len());
-        for (group, manager) in self.managers.iter().enumerate() {
-            // The fixed point only accepts cached blocks; a pool shared with another thread
-            // may have evicted one since, which makes the whole hit a miss.
-            match group_hit_row(&lookup, manager.as_ref(), keys_of(group), hit) {
-                Some((row, end)) => {
-                    rows.push(row);
-                    ends.push(end);
-                }
-                None => {
-                    hit = 0;
-                    break;
-                }
-            }
-        }
-        let keys = keys_of(limiting);
-        let next_unit = alone[limiting] / (self.managers[limiting].block_size() / keys.units);
-        let next_was_cached = keys
-            .hashes
-            .get(next_unit)
-            .is_some_and(|&hash| self.seen_keys.contains(limiting as GroupId, hash));
-        self.hit_stats.record(Lookup {
-            num_tokens,
+        CommonHit {
             max_hit,
             hit,
-            alone: &alone,
-            prefix_cached: alone[limiting],
-            next_was_cached,
-        });
-        if hit > 0 {
-            state.pending_hit = Some(PendingHit {
-                num_tokens: hit,
-                rows,
-                ends,
-            });
+            alone,
+            limiting,
         }
-        Ok(hit)
     }
+}
+
+/// What `common_hit` found.
+struct CommonHit {
+    max_hit: usize,
+    hit: usize,
+    alone: Vec<usize>,
+    limiting: usize,
 }
 
 impl<P: BlockAllocator> Coordinator<P> {
