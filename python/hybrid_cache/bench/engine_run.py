@@ -127,6 +127,7 @@ def build_llm(settings: BenchSettings, mode: str) -> Any:
         hf_overrides=settings.hf_overrides or None,
         seed=settings.seed,
         attention_backend=settings.attention_backend,
+        enforce_eager=settings.enforce_eager,
     )
 
 
