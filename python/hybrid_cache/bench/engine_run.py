@@ -185,6 +185,11 @@ class ModeRun:
                 ) from error
 
     @property
+    def llm(self) -> Any:
+        """The `LLM` this run steps."""
+        return self._llm
+
+    @property
     def done(self) -> bool:
         return not self._engine.has_unfinished_requests() and self._feed.exhausted
 
