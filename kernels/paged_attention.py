@@ -81,9 +81,10 @@ LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 # `num_seqs` changes every engine step, and the block table's row stride with it (the engine
-# passes only the columns the step's longest sequence reaches): both unspecialised, so a new
-# batch or table width never compiles a new variant (Triton would otherwise specialise an int
-# argument on == 1 and on divisibility by 16).
+# passes only the columns the step's longest sequence reaches), and the split count with the
+# batch size and lengths: all unspecialised, so a new batch, table width or split count never
+# compiles a new variant (Triton would otherwise specialise an int argument on == 1 and on
+# divisibility by 16).
 @triton.jit(do_not_specialize=["num_seqs", "stride_block_table_seq", "num_splits"])
 def _unified_attention_kernel(
     query_ptr,
