@@ -3,7 +3,8 @@ Triton kernels, timed apart from the run), and a pure-decode step against the ti
 weights and the visible KV cache once at the measured copy bandwidth.
 
     python scripts/gpu_engine_timing.py                 # gemma-3-12b, bf16 dummy weights,
-                                                        # 32 prompts x 4096 in / 128 out
+                                                        # 32 prompts x 4096 in / 128 out,
+                                                        # a 24 GiB KV budget (all 32 at once)
     python scripts/gpu_engine_timing.py --cpu-dry-run   # tiny-gemma3 on the CPU: logic only
 
 Prints per run its timed seconds and tokens/s, its warm-up and build seconds; then the first
@@ -118,7 +119,8 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=4096)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--kv-cache-memory", default="13.5GiB")
+    # Enough for all 32 requests at once (the decode target is a step of 32 running).
+    parser.add_argument("--kv-cache-memory", default="24GiB")
     parser.add_argument("--mode", choices=("hybrid", "uniform"), default="hybrid")
     parser.add_argument("--runs", type=int, default=2, help="timed runs, each with its warm-up")
     parser.add_argument("--enforce-eager", action="store_true")
