@@ -16,8 +16,31 @@ tokens of one sequence times the QUERIES_PER_KV query heads sharing one kv head,
 rows of the tile read every key once for the whole GQA group. Tiles are numbered without a host sync:
 sequence s owns tile numbers `qsl[s] // BLOCK_Q + s` onwards (always enough of them), a program
 finds its sequence by binary search and exits if its tile is past the sequence's queries.
-With kv splits > 1 (small decode batches), each program covers one contiguous run of the key
-tiles and stores its unnormalised (max, sum, accumulator); `_combine_splits_kernel` merges them.
+With kv splits > 1, each program covers one contiguous run of its tile's key tiles and stores
+its unnormalised (max, sum, accumulator); `_combine_splits_kernel` merges them.
+
+KV splits follow each tile's visible range, never the whole sequence: a tile's keys run from
+`begin` (the first query's window or chunk start; 0 for full attention) to its last query's
+position, the TILE_N-aligned tiles from the one holding `begin` onwards are shared out in
+contiguous runs of `cdiv(tiles, splits)`, and a split past the tile's last key is empty (it
+stores max -inf, sum 0, which the combine weighs 0). So a 16384-token row with a 4096 window
+spreads 4096 keys over its splits, and null pages left of the window are never loaded.
+
+Split count (`choose_num_kv_splits`, when the caller gives none), from the batch size and the
+visible length:
+
+    programs   = query tiles x kv heads        (decode-only: one tile per sequence)
+    wanted     = 2 x multiprocessors
+    splits     = 1                                              if programs >= wanted
+               = min(16, pow2ceil(wanted / programs),           fill the GPU,
+                     pow2floor((cdiv(visible, TILE_N) + 1) / 4))  but >= 4 key tiles a split
+    visible    = min(max_seq_len, W + queries per tile - 1, C)  (the bounds the host knows)
+
+and halved while the float32 partials would pass 64 MiB. On the CPU interpreter: 1. The split
+count is a runtime argument (as are the sequence count and the block table's row stride):
+only "split or not" is compiled, so a step's batch size and lengths never compile a variant;
+`plan_launch` names the variant of a call, `compile_variants` compiles every one a layer can
+meet (the engine's warm-up).
 
 Masks, for a query at position p and a key at position k (positions count from 0)::
 
@@ -38,6 +61,7 @@ the running max and sum start at (sink, 1) instead of (-inf, 0) (with kv splits,
 step adds it instead).
 """
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -57,10 +81,11 @@ LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 # `num_seqs` changes every engine step, and the block table's row stride with it (the engine
-# passes only the columns the step's longest sequence reaches): both unspecialised, so a new
-# batch or table width never compiles a new variant (Triton would otherwise specialise an int
-# argument on == 1 and on divisibility by 16).
-@triton.jit(do_not_specialize=["num_seqs", "stride_block_table_seq"])
+# passes only the columns the step's longest sequence reaches), and the split count with the
+# batch size and lengths: all unspecialised, so a new batch, table width or split count never
+# compiles a new variant (Triton would otherwise specialise an int argument on == 1 and on
+# divisibility by 16).
+@triton.jit(do_not_specialize=["num_seqs", "stride_block_table_seq", "num_splits"])
 def _unified_attention_kernel(
     query_ptr,
     key_cache_ptr,
@@ -78,6 +103,7 @@ def _unified_attention_kernel(
     sliding_window,
     chunk_size,
     num_seqs,
+    num_splits,
     stride_query_token,
     stride_query_head,
     stride_out_token,
@@ -100,7 +126,7 @@ def _unified_attention_kernel(
     USE_SINKS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    USE_SPLITS: tl.constexpr,  # num_splits > 1: store partials for the combine kernel
 ):
     tile_number = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -152,7 +178,7 @@ def _unified_attention_kernel(
     if DOT_IN_FP32:
         query_tile = query_tile.to(tl.float32)
 
-    if USE_SINKS and NUM_SPLITS == 1:  # with splits, the combine step adds the sink
+    if USE_SINKS and not USE_SPLITS:  # with splits, the combine step adds the sink
         sink = tl.load(sinks_ptr + query_head, mask=row_valid, other=0.0).to(tl.float32)
         running_max = tl.where(row_valid, sink * LOG2_E, float("-inf"))
         running_sum = tl.where(row_valid, 1.0, 0.0)
@@ -171,11 +197,17 @@ def _unified_attention_kernel(
         key_begin = tl.maximum(key_begin, (first_position // chunk_size) * chunk_size)
 
     block_table_row = block_table_ptr + seq.to(tl.int64) * stride_block_table_seq
-    # With NUM_SPLITS > 1 the tiles are shared out in contiguous runs, one per split.
+    # The tile's own key tiles, from the TILE_N-aligned tile holding key_begin up to key_end,
+    # shared out in contiguous runs, one per split: a row whose window is far shorter than its
+    # context spreads only its window over the splits. Keys left of key_begin in the first tile
+    # are masked (their pages, maybe the null block, are never loaded).
     first_tile_start = (key_begin // TILE_N) * TILE_N
-    tiles_per_split = tl.cdiv(tl.cdiv(key_end - first_tile_start, TILE_N), NUM_SPLITS)
-    split_begin = first_tile_start + split * tiles_per_split * TILE_N
-    split_end = tl.minimum(key_end, split_begin + tiles_per_split * TILE_N)
+    split_begin = first_tile_start
+    split_end = key_end
+    if USE_SPLITS:
+        tiles_per_split = tl.cdiv(tl.cdiv(key_end - first_tile_start, TILE_N), num_splits)
+        split_begin = first_tile_start + split * tiles_per_split * TILE_N
+        split_end = tl.minimum(key_end, split_begin + tiles_per_split * TILE_N)
     for tile_start in range(split_begin, split_end, TILE_N):
         key_position = tile_start + tl.arange(0, TILE_N)
         key_valid = (key_position >= key_begin) & (key_position < key_end)
@@ -227,7 +259,7 @@ def _unified_attention_kernel(
             probabilities.to(values.dtype), values, accumulator, input_precision=DOT_PRECISION
         )
 
-    if NUM_SPLITS == 1:
+    if not USE_SPLITS:
         # Every valid row saw at least its own key, so its sum is > 0; padding rows are not
         # stored.
         running_sum = tl.where(running_sum == 0.0, 1.0, running_sum)
@@ -243,11 +275,11 @@ def _unified_attention_kernel(
             mask=row_valid[:, None] & dim_valid[None, :],
         )
     else:
-        # Partials [num_tokens, num_query_heads, NUM_SPLITS] (+ HEAD_DIM_PADDED), contiguous.
-        # Every split stores, an empty one as (max -inf, sum 0, acc 0), so the combine step
-        # never reads an unwritten entry.
+        # Partials [num_tokens, num_query_heads, num_splits] (+ HEAD_DIM_PADDED), contiguous.
+        # Every split stores, an empty one (a row with fewer key tiles than splits) as
+        # (max -inf, sum 0, acc 0), so the combine step never reads an unwritten entry.
         num_query_heads = tl.num_programs(1) * QUERIES_PER_KV
-        partial_row = (query_token * num_query_heads + query_head) * NUM_SPLITS + split
+        partial_row = (query_token * num_query_heads + query_head) * num_splits + split
         tl.store(partial_max_ptr + partial_row, running_max, mask=row_valid)
         tl.store(partial_sum_ptr + partial_row, running_sum, mask=row_valid)
         tl.store(
@@ -257,7 +289,8 @@ def _unified_attention_kernel(
         )
 
 
-@triton.jit
+# `num_splits` is a runtime argument: one compiled combine serves every split count.
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     out_ptr,
     partial_out_ptr,
@@ -266,32 +299,33 @@ def _combine_splits_kernel(
     sinks_ptr,
     stride_out_token,
     stride_out_head,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     USE_SINKS: tl.constexpr,
 ):
     """Merges the per-split (max, sum, accumulator) of one (token, query head) into its output."""
     token = tl.program_id(0).to(tl.int64)
     query_head = tl.program_id(1)
-    row = token * tl.num_programs(1) + query_head
-    splits = tl.arange(0, NUM_SPLITS)
+    first = (token * tl.num_programs(1) + query_head) * num_splits
     dims = tl.arange(0, HEAD_DIM_PADDED)
-    split_max = tl.load(partial_max_ptr + row * NUM_SPLITS + splits)
-    split_sum = tl.load(partial_sum_ptr + row * NUM_SPLITS + splits)
-    overall_max = tl.max(split_max, axis=0)
+    overall_max = tl.load(partial_max_ptr + first)
+    for split in range(1, num_splits):
+        overall_max = tl.maximum(overall_max, tl.load(partial_max_ptr + first + split))
     if USE_SINKS:
         sink = tl.load(sinks_ptr + query_head).to(tl.float32) * LOG2_E
         overall_max = tl.maximum(overall_max, sink)
-    # The row's own key lies in some split, so overall_max is finite.
-    weight = tl.exp2(split_max - overall_max)
-    total = tl.sum(weight * split_sum, axis=0)
+    # The row's own key lies in some split, so overall_max is finite; an empty split has
+    # max -inf, hence weight 0 (and its accumulator is 0, never NaN).
+    total = tl.zeros([1], dtype=tl.float32)
+    result = tl.zeros([HEAD_DIM_PADDED], dtype=tl.float32)
+    for split in range(num_splits):
+        weight = tl.exp2(tl.load(partial_max_ptr + first + split) - overall_max)
+        total += weight * tl.load(partial_sum_ptr + first + split)
+        result += weight * tl.load(partial_out_ptr + (first + split) * HEAD_DIM_PADDED + dims)
     if USE_SINKS:
         total += tl.exp2(sink - overall_max)
-    accumulators = tl.load(
-        partial_out_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM_PADDED + dims[None, :]
-    )
-    result = tl.sum(weight[:, None] * accumulators, axis=0) / total
+    result = result / total
     tl.store(
         out_ptr + token * stride_out_token + query_head * stride_out_head + dims,
         result.to(out_ptr.dtype.element_ty),
@@ -328,6 +362,7 @@ def unified_attention(
     block_q: Optional[int] = None,
     tile_n: Optional[int] = None,
     num_kv_splits: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal paged attention for the queries of many sequences in one launch.
 
@@ -347,10 +382,15 @@ def unified_attention(
         sinks: [num_query_heads] per-head logit added to the softmax denominator (no value).
         block_q, tile_n: tuning knobs (query tokens per program, keys per inner step; powers
             of two, tile_n >= 16); chosen from the shapes when None.
-        num_kv_splits: split each query's key range over this many programs and merge their
-            partial softmaxes in a second small kernel (a power of two). Pays when there are
-            too few (sequence, kv head) pairs to fill the GPU, i.e. small decode batches with
-            long contexts; by default used for decode-only batches on CUDA in that case.
+        num_kv_splits: split each query tile's visible key range over this many programs
+            and merge their partial softmaxes in a second small kernel (a power of two). Pays
+            when there are too few (query tile, kv head) programs to fill the GPU and each
+            split still has keys to read; None: the module docstring's rule on CUDA, 1 on the
+            CPU interpreter.
+        max_seq_len: an upper bound of `seq_lens` known on the host (the engine's metadata
+            has it), so the split rule can see how many keys a full-attention row reads;
+            None: unknown (only a window or chunk bounds it). Only the split count depends on
+            it, never the compiled variant or the result.
 
     Returns `out`. Raises `KernelArgumentError` before launching on any bad argument. Not
     checked, as that would need a device sync: query_start_loc[-1] == num_tokens, every
@@ -416,26 +456,31 @@ def unified_attention(
             raise KernelArgumentError(f"{name} must be a power of two, got {value}")
     if tile_n is not None and tile_n < 16:
         raise KernelArgumentError(f"tile_n must be at least 16 (a dot's minimum), got {tile_n}")
+    max_seq_len = _optional_positive("max_seq_len", max_seq_len, int)
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    queries_per_kv = num_query_heads // num_kv_heads
-    queries_per_kv_padded = next_power_of_2(queries_per_kv)
-    if block_q is None:
-        # Decode-only batches get one token per program (plus GQA rows up to the 16 rows a
-        # tensor-core dot wants); batches with prefill chunks get 64-row tiles.
-        rows = 16 if num_tokens <= num_seqs else 64
-        block_q = max(1, rows // queries_per_kv_padded)
-    if tile_n is None:
-        tile_n = 32 if head_dim > 128 else 64
-    block_m = max(16, block_q * queries_per_kv_padded)
-    dot_in_fp32 = query.dtype == torch.float32 or (
-        # The interpreter stores bf16 as raw uint16 and mis-multiplies it; cast first there.
-        query.dtype == torch.bfloat16 and is_interpreted(kernel)
+    plan = plan_launch(
+        dtype=query.dtype,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        num_query_heads=num_query_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+        softcap=softcap,
+        has_sinks=sinks is not None,
+        interpreted=is_interpreted(kernel),
+        multiprocessors=_multiprocessors(query.device),
+        max_seq_len=max_seq_len,
+        block_q=block_q,
+        tile_n=tile_n,
+        num_kv_splits=num_kv_splits,
     )
-    if num_kv_splits is None:
-        num_kv_splits = _default_num_splits(query.device, num_tokens, num_seqs, num_kv_heads)
-    head_dim_padded = max(16, next_power_of_2(head_dim))
+    num_kv_splits = plan.num_kv_splits
+    head_dim_padded = plan.constants["HEAD_DIM_PADDED"]
     if num_kv_splits > 1:
         partial_out = torch.empty(
             num_tokens, num_query_heads, num_kv_splits, head_dim_padded,
@@ -447,7 +492,7 @@ def unified_attention(
         partial_sum = torch.empty_like(partial_max)
     else:
         partial_out = partial_max = partial_sum = out  # never touched with one split
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_kv_splits)
+    grid = (num_tokens // plan.block_q + num_seqs, num_kv_heads, num_kv_splits)
     kernel[grid](
         query,
         key_cache,
@@ -465,6 +510,7 @@ def unified_attention(
         sliding_window or 0,
         chunk_size or 1,
         num_seqs,
+        num_kv_splits,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -473,23 +519,8 @@ def unified_attention(
         key_cache.stride(1),
         key_cache.stride(2),
         block_table.stride(0),
-        QUERIES_PER_KV=queries_per_kv,
-        QUERIES_PER_KV_PADDED=queries_per_kv_padded,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=head_dim_padded,
-        BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        TILE_N=tile_n,
-        USE_WINDOW=sliding_window is not None,
-        USE_CHUNK=chunk_size is not None,
-        USE_SOFTCAP=softcap is not None,
-        USE_SINKS=sinks is not None,
-        DOT_IN_FP32=dot_in_fp32,
-        # fp32 caches ask for fp32 accuracy, not TF32; fp16/bf16 operands ignore this.
-        DOT_PRECISION="ieee" if dot_in_fp32 else None,
-        NUM_SPLITS=num_kv_splits,
-        num_warps=8 if block_m > 16 and head_dim > 128 else 4,
+        **plan.constants,
+        num_warps=plan.num_warps,
     )
     if num_kv_splits > 1:
         combine = _combine_splits_kernel
@@ -501,27 +532,307 @@ def unified_attention(
             sinks if sinks is not None else out,
             out.stride(0),
             out.stride(1),
+            num_kv_splits,
             HEAD_DIM=head_dim,
             HEAD_DIM_PADDED=head_dim_padded,
-            NUM_SPLITS=num_kv_splits,
             USE_SINKS=sinks is not None,
         )
     return out
 
 
+# The split rule (see the module docstring).
+MAX_KV_SPLITS = 16
+MIN_TILES_PER_SPLIT = 4
+PROGRAMS_PER_MULTIPROCESSOR = 2
+MAX_PARTIAL_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How `unified_attention` launches one call: tile shapes, split count, compile constants.
+
+    `variant` names the compiled kernels the call needs: the attention kernel's constexprs and
+    warps, plus whether the combine kernel runs. Everything else the kernels take (sequence
+    count, split count, strides, lengths) is a runtime argument, so two calls with the same
+    variant share their compiled code."""
+
+    block_q: int
+    tile_n: int
+    num_kv_splits: int
+    num_warps: int
+    constants: dict = field(hash=False)
+
+    @property
+    def variant(self) -> tuple:
+        return (*sorted(self.constants.items()), ("num_warps", self.num_warps))
+
+
+def visible_keys_bound(
+    max_seq_len: Optional[int],
+    sliding_window: Optional[int],
+    chunk_size: Optional[int],
+    queries_per_tile: int,
+) -> Optional[int]:
+    """Most keys one query tile can see: its sequence's length, a window W plus the tile's
+    other queries (W + queries - 1), a chunk C; None when nothing bounds it (full attention and
+    no `max_seq_len`)."""
+    bounds = [max_seq_len]
+    if sliding_window is not None:
+        bounds.append(sliding_window + queries_per_tile - 1)
+    if chunk_size is not None:
+        bounds.append(chunk_size)
+    known = [bound for bound in bounds if bound is not None]
+    return min(known) if known else None
+
+
+def choose_num_kv_splits(
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    num_query_heads: int,
+    num_kv_heads: int,
+    head_dim_padded: int,
+    block_q: int,
+    tile_n: int,
+    visible_keys: Optional[int],
+    multiprocessors: Optional[int],
+) -> int:
+    """The default split count: the module docstring's rule. `multiprocessors` None (the CPU
+    interpreter): 1."""
+    if multiprocessors is None or num_seqs == 0:
+        return 1
+    tiles = num_seqs if num_tokens <= num_seqs else -(-num_tokens // block_q)
+    programs = tiles * num_kv_heads
+    wanted = PROGRAMS_PER_MULTIPROCESSOR * multiprocessors
+    if programs >= wanted:
+        return 1
+    by_fill = next_power_of_2(-(-wanted // programs))
+    by_length = MAX_KV_SPLITS
+    if visible_keys is not None:
+        # +1: the visible range need not start on a tile boundary.
+        visible_tiles = -(-visible_keys // tile_n) + 1
+        by_length = _previous_power_of_2(max(1, visible_tiles // MIN_TILES_PER_SPLIT))
+    splits = min(MAX_KV_SPLITS, by_fill, by_length)
+    row_bytes = num_tokens * num_query_heads * (head_dim_padded + 2) * 4
+    while splits > 1 and splits * row_bytes > MAX_PARTIAL_BYTES:
+        splits //= 2
+    return splits
+
+
+def _previous_power_of_2(value: int) -> int:
+    return 1 << (max(1, value).bit_length() - 1)
+
+
+def plan_launch(
+    *,
+    dtype: torch.dtype,
+    num_tokens: int,
+    num_seqs: int,
+    num_query_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    sliding_window: Optional[int],
+    chunk_size: Optional[int],
+    softcap: Optional[float],
+    has_sinks: bool,
+    interpreted: bool,
+    multiprocessors: Optional[int],
+    max_seq_len: Optional[int] = None,
+    block_q: Optional[int] = None,
+    tile_n: Optional[int] = None,
+    num_kv_splits: Optional[int] = None,
+) -> LaunchPlan:
+    """The launch `unified_attention` makes for these (already checked) arguments, without
+    launching: the engine's warm-up and the tests ask it which variants a run will use."""
+    queries_per_kv = num_query_heads // num_kv_heads
+    queries_per_kv_padded = next_power_of_2(queries_per_kv)
+    decode_only = num_tokens <= num_seqs
+    if block_q is None:
+        # Decode-only batches get one token per program (plus GQA rows up to the 16 rows a
+        # tensor-core dot wants); batches with prefill chunks get 64-row tiles.
+        rows = 16 if decode_only else 64
+        block_q = max(1, rows // queries_per_kv_padded)
+    if tile_n is None:
+        tile_n = 32 if head_dim > 128 else 64
+    block_m = max(16, block_q * queries_per_kv_padded)
+    head_dim_padded = max(16, next_power_of_2(head_dim))
+    dot_in_fp32 = dtype == torch.float32 or (
+        # The interpreter stores bf16 as raw uint16 and mis-multiplies it; cast first there.
+        dtype == torch.bfloat16 and interpreted
+    )
+    if num_kv_splits is None:
+        visible = visible_keys_bound(
+            max_seq_len, sliding_window, chunk_size, 1 if decode_only else block_q
+        )
+        num_kv_splits = choose_num_kv_splits(
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            num_query_heads=num_query_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim_padded=head_dim_padded,
+            block_q=block_q,
+            tile_n=tile_n,
+            visible_keys=visible,
+            multiprocessors=multiprocessors,
+        )
+    constants = dict(
+        QUERIES_PER_KV=queries_per_kv,
+        QUERIES_PER_KV_PADDED=queries_per_kv_padded,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        USE_WINDOW=sliding_window is not None,
+        USE_CHUNK=chunk_size is not None,
+        USE_SOFTCAP=softcap is not None,
+        USE_SINKS=has_sinks,
+        DOT_IN_FP32=dot_in_fp32,
+        # fp32 caches ask for fp32 accuracy, not TF32; fp16/bf16 operands ignore this.
+        DOT_PRECISION="ieee" if dot_in_fp32 else None,
+        USE_SPLITS=num_kv_splits > 1,
+    )
+    return LaunchPlan(
+        block_q=block_q,
+        tile_n=tile_n,
+        num_kv_splits=num_kv_splits,
+        num_warps=8 if block_m > 16 and head_dim > 128 else 4,
+        constants=constants,
+    )
+
+
 _MULTIPROCESSORS: dict = {}
 
 
-def _default_num_splits(
-    device: torch.device, num_tokens: int, num_seqs: int, num_kv_heads: int
-) -> int:
-    """Splits for decode-only batches whose (sequence, kv head) programs underfill the GPU."""
-    if device.type != "cuda" or num_tokens > num_seqs:
-        return 1
+def _multiprocessors(device: torch.device) -> Optional[int]:
+    """The CUDA device's multiprocessor count (cached), None for any other device."""
+    if device.type != "cuda":
+        return None
     if device not in _MULTIPROCESSORS:
         _MULTIPROCESSORS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    programs = num_seqs * num_kv_heads
-    wanted = 2 * _MULTIPROCESSORS[device]
-    if programs >= wanted:
-        return 1
-    return min(16, next_power_of_2(-(-wanted // programs)))
+    return _MULTIPROCESSORS[device]
+
+
+def _default_num_splits(
+    device: torch.device,
+    num_tokens: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    *,
+    num_query_heads: Optional[int] = None,
+    head_dim: int = 128,
+    sliding_window: Optional[int] = None,
+    chunk_size: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
+) -> int:
+    """The split count `unified_attention` picks by default for such a batch on `device`."""
+    num_query_heads = num_query_heads or num_kv_heads
+    return plan_launch(
+        dtype=torch.bfloat16,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        num_query_heads=num_query_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+        softcap=None,
+        has_sinks=False,
+        interpreted=False,
+        multiprocessors=_multiprocessors(torch.device(device)),
+        max_seq_len=max_seq_len,
+    ).num_kv_splits
+
+
+def layer_variants(
+    *,
+    dtype: torch.dtype,
+    num_query_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    sliding_window: Optional[int],
+    chunk_size: Optional[int],
+    softcap: Optional[float],
+    has_sinks: bool,
+    interpreted: bool,
+) -> dict:
+    """{variant: (num_tokens, num_seqs, num_kv_splits) of a tiny call that compiles it}: every
+    variant a layer with these shapes can meet with the default tile shapes, whatever its
+    batches' sizes and lengths: a decode-only and a mixed batch, each without and with KV
+    splits (two splits stand for any count, a runtime argument)."""
+    variants = {}
+    for num_tokens, num_seqs in ((1, 1), (2, 1)):
+        for splits in (1, 2):
+            plan = plan_launch(
+                dtype=dtype,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+                num_query_heads=num_query_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                block_size=block_size,
+                sliding_window=sliding_window,
+                chunk_size=chunk_size,
+                softcap=softcap,
+                has_sinks=has_sinks,
+                interpreted=interpreted,
+                multiprocessors=None,
+                num_kv_splits=splits,
+            )
+            variants[plan.variant] = (num_tokens, num_seqs, splits)
+    return variants
+
+
+def compile_variants(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_query_heads: int,
+    *,
+    scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    chunk_size: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> list:
+    """Compiles (by launching once) every variant of `layer_variants` for a layer over these
+    caches, so that no step of a run meets a compile. The calls read page 1 of the caches
+    (which must have at least two pages) and write nothing there. Returns the variants."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    if num_blocks < 2:
+        raise KernelArgumentError(f"compile_variants needs 2 cache pages, got {num_blocks}")
+    device = key_cache.device
+    variants = layer_variants(
+        dtype=key_cache.dtype,
+        num_query_heads=num_query_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+        softcap=softcap,
+        has_sinks=sinks is not None,
+        interpreted=is_interpreted(_unified_attention_kernel),
+    )
+    for num_tokens, num_seqs, splits in variants.values():
+        query = torch.zeros(
+            num_tokens, num_query_heads, head_dim, dtype=key_cache.dtype, device=device
+        )
+        unified_attention(
+            query,
+            key_cache,
+            value_cache,
+            torch.ones(num_seqs, 2, dtype=torch.int32, device=device),
+            torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+            torch.tensor([num_tokens], dtype=torch.int32, device=device),
+            scale=scale,
+            sliding_window=sliding_window,
+            chunk_size=chunk_size,
+            softcap=softcap,
+            sinks=sinks,
+            num_kv_splits=splits,
+        )
+    return list(variants)

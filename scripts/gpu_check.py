@@ -4,10 +4,18 @@ One command, a few minutes on one GPU:
 
     python scripts/gpu_check.py            # add --quick for a smaller run
 
-Prints a markdown table: kernel time, torch SDPA over already-gathered dense K/V, flash-attn's
-`flash_attn_with_kvcache` where importable (its paged path needs block sizes that are
-multiples of 256), and the kernel's achieved bandwidth (bytes of K/V/Q/out it must move) as a
-share of the device's measured copy bandwidth. Exits non-zero if a correctness check fails.
+Correctness first: mixed and decode-only batches against the torch reference, then decode rows
+whose window (or chunk) is far shorter than their context, with the default split count and
+with 4 and 16 splits; pages left of each window are the null block 0 and block 0 (and every
+slot left of a window in its first page) is NaN, so a stray read fails the check.
+
+Then a markdown table: kernel time launched eagerly (what a step pays without CUDA graphs:
+Python checks and two launches included) and replayed from a CUDA graph (the kernels alone),
+torch SDPA over already-gathered dense K/V, flash-attn's `flash_attn_with_kvcache` where
+importable (its paged path needs block sizes that are multiples of 256), and the kernel's
+achieved bandwidth (bytes of K/V/Q/out it must move, graph time) as a share of the device's
+measured copy bandwidth, with windows much shorter than the context among the cases. Exits
+non-zero if a correctness check fails.
 """
 
 import argparse
@@ -69,8 +77,32 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def make_paged(torch, seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, window):
-    """Random paged batch; pages left of each sequence's window are the null block 0."""
+def bench_graph(triton, function):
+    """Milliseconds per call replayed from a CUDA graph (None where capture fails); the CPU dry
+    run times one eager call instead."""
+    if DEVICE != "cuda":
+        return bench(triton, function)
+    try:
+        return triton.testing.do_bench_cudagraph(function, rep=50)
+    except Exception as error:  # noqa: BLE001 - report and keep timing
+        print(f"note: CUDA graph timing failed ({type(error).__name__}: {error})")
+        return None
+
+
+def visible_begin(first_position: int, window, chunk) -> int:
+    begin = 0
+    if window:
+        begin = max(begin, first_position - window + 1)
+    if chunk:
+        begin = max(begin, first_position // chunk * chunk)
+    return begin
+
+
+def make_paged(
+    torch, seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, window, chunk=None
+):
+    """Random paged batch; pages left of each sequence's window (or chunk) are the null block 0,
+    NaN like the slots left of the window in its first page."""
     device = DEVICE
     pages = [cdiv(length, block_size) for length in seq_lens]
     num_blocks = sum(pages) + 1
@@ -81,11 +113,14 @@ def make_paged(torch, seq_lens, query_lens, heads, kv_heads, head_dim, block_siz
     block_table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
     order = (torch.randperm(num_blocks - 1) + 1).tolist()
     for seq, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens)):
-        begin = max(0, seq_len - query_len - window + 1) if window else 0
+        begin = visible_begin(seq_len - query_len, window, chunk)
         for page_index in range(pages[seq]):
             page = order.pop()
             if (page_index + 1) * block_size > begin:
                 block_table[seq, page_index] = page
+                if page_index * block_size < begin:  # the window starts inside this page
+                    key_cache[page, : begin - page_index * block_size] = float("nan")
+                    value_cache[page, : begin - page_index * block_size] = float("nan")
     starts = [0]
     for query_len in query_lens:
         starts.append(starts[-1] + query_len)
@@ -109,19 +144,29 @@ def copy_bandwidth(torch, triton) -> float:
     return 2 * size / (milliseconds * 1e-3)
 
 
-# Per size: correctness (seq_lens, query_lens, window), benchmark shapes, benchmark window.
+# Per size: correctness (seq_lens, query_lens, window), benchmark shapes, benchmark windows.
 SIZES = {
     "full": (
         ([1500, 37, 2048, 900], [1, 37, 512, 1], 1000),
         [("decode", 64, 4096, 1), ("decode", 16, 16384, 1), ("prefill", 4, 2048, 2048)],
-        4096,
+        (4096, 1024),
     ),
     "quick": (
         ([300, 37, 500], [1, 37, 64], 100),
         [("decode", 16, 2048, 1), ("prefill", 2, 1024, 1024)],
-        1024,
+        (1024, 256),
     ),
-    "tiny": (([20, 5, 33], [1, 5, 9], 10), [("decode", 2, 40, 1), ("prefill", 1, 24, 24)], 16),
+    "tiny": (
+        ([20, 5, 33], [1, 5, 9], 10),
+        [("decode", 2, 40, 1), ("prefill", 1, 24, 24)],
+        (16,),
+    ),
+}
+# Per size: decode rows whose window / chunk is far shorter than their context.
+SHORT_WINDOWS = {
+    "full": ([16384, 6000, 4100, 1500, 37], 256, 1024),
+    "quick": ([4096, 700, 37], 128, 512),
+    "tiny": ([90, 37, 5], 8, 16),
 }
 
 
@@ -161,6 +206,54 @@ def correctness(torch, kernels, size: str) -> list:
                     )
                     if status != "ok":
                         failures.append((str(dtype), block_size, window, kind, splits, error))
+    return failures + short_window_correctness(torch, kernels, size)
+
+
+def short_window_correctness(torch, kernels, size: str) -> list:
+    """Decode rows with a window (or chunk) far shorter than their context: default, 4 and 16
+    KV splits, each row's splits over its own window only."""
+    from hybrid_cache.kernels.paged_attention import _default_num_splits as default_num_splits
+
+    failures = []
+    seq_lens, window_size, chunk_size = SHORT_WINDOWS[size]
+    bound = {torch.float32: 2e-3, torch.bfloat16: 4e-2}
+    for dtype in (torch.bfloat16, torch.float32):
+        for block_size in (16, 256):
+            for window, chunk in ((window_size, None), (None, chunk_size)):
+                batch = make_paged(
+                    torch, seq_lens, [1] * len(seq_lens), 32, 4, 128, block_size, dtype,
+                    window, chunk,
+                )  # fmt: skip
+                sinks = torch.randn(32, device=DEVICE)
+                options = dict(sliding_window=window, chunk_size=chunk, softcap=30.0, sinks=sinks)
+                expected = kernels.reference_unified_attention(
+                    **{
+                        **batch,
+                        "query": batch["query"].float(),
+                        "key_cache": batch["key_cache"].float(),
+                        "value_cache": batch["value_cache"].float(),
+                    },
+                    **options,
+                )
+                default = default_num_splits(
+                    torch.device(DEVICE), len(seq_lens), len(seq_lens), 4, num_query_heads=32,
+                    sliding_window=window, chunk_size=chunk, max_seq_len=max(seq_lens),
+                )  # fmt: skip
+                for splits in (None, 4, 16):
+                    out = torch.full_like(batch["query"], float("nan"))
+                    kernels.unified_attention(
+                        **batch, out=out, num_kv_splits=splits, max_seq_len=max(seq_lens), **options
+                    )
+                    error = (out.float() - expected).abs().max().item()
+                    status = "ok" if error <= bound[dtype] else "FAIL"
+                    label = f"{splits}" if splits else f"default ({default})"
+                    print(
+                        f"correctness {str(dtype):15} block {block_size:3} window {window} "
+                        f"chunk {chunk} decode, contexts up to {max(seq_lens)}, splits {label}: "
+                        f"max abs error {error:.2e} (bound {bound[dtype]:.0e}) {status}"
+                    )
+                    if status != "ok":
+                        failures.append((str(dtype), block_size, window, chunk, splits, error))
     return failures
 
 
@@ -199,10 +292,10 @@ def benchmark(torch, triton, kernels, size: str, copy_bytes_per_second: float) -
     rows = []
     heads, kv_heads, head_dim, dtype = 32, 4, 128, torch.bfloat16
     element = torch.finfo(dtype).bits // 8
-    _, shapes, window_size = SIZES[size]
+    _, shapes, window_sizes = SIZES[size]
     for kind, num_seqs, seq_len, query_len in shapes:
         for block_size in (16, 256):
-            for window in (None, window_size):
+            for window in (None, *window_sizes):
                 batch = make_paged(
                     torch,
                     [seq_len] * num_seqs,
@@ -214,12 +307,15 @@ def benchmark(torch, triton, kernels, size: str, copy_bytes_per_second: float) -
                     dtype,
                     window,
                 )
-                kernel_ms = bench(
-                    triton,
-                    lambda batch=batch, window=window: kernels.unified_attention(
-                        **batch, sliding_window=window
-                    ),
-                )
+
+                def kernel(batch=batch, window=window, seq_len=seq_len):
+                    return kernels.unified_attention(
+                        **batch, sliding_window=window, max_seq_len=seq_len
+                    )
+
+                eager_ms = bench(triton, kernel)
+                graph_ms = bench_graph(triton, kernel)
+                kernel_ms = graph_ms if graph_ms is not None else eager_ms
                 visible = min(seq_len, window + query_len - 1) if window else seq_len
                 # Dense, already gathered K/V of exactly the visible keys, GQA expanded by SDPA.
                 start = seq_len - visible
@@ -252,14 +348,16 @@ def benchmark(torch, triton, kernels, size: str, copy_bytes_per_second: float) -
                 moved += 2 * batch["query"].numel() * element
                 share = moved / (kernel_ms * 1e-3) / copy_bytes_per_second
                 splits = default_num_splits(
-                    torch.device(DEVICE), num_seqs * query_len, num_seqs, kv_heads
-                )
+                    torch.device(DEVICE), num_seqs * query_len, num_seqs, kv_heads,
+                    num_query_heads=heads, sliding_window=window, max_seq_len=seq_len,
+                )  # fmt: skip
                 row = (
                     f"{kind} {num_seqs}x{seq_len}" + (f" q{query_len}" if query_len > 1 else ""),
                     block_size,
                     window or "-",
                     splits,
-                    f"{kernel_ms:.3f}",
+                    f"{eager_ms:.3f}",
+                    "n/a" if graph_ms is None else f"{graph_ms:.3f}",
                     sdpa_ms,
                     flash_ms,
                     f"{moved / (kernel_ms * 1e-3) / 1e9:.0f}",
@@ -304,10 +402,11 @@ def main() -> int:
         "block",
         "window",
         "kv splits",
-        "kernel ms",
+        "kernel ms (eager)",
+        "kernel ms (graph)",
         "SDPA ms (gathered)",
         "flash-attn ms",
-        "kernel GB/s",
+        "kernel GB/s (graph)",
         "% of copy BW",
     )
     print()

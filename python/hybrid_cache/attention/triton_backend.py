@@ -118,4 +118,46 @@ def paged_attention(
         chunk_size=params.chunk,
         softcap=params.softcap,
         sinks=sinks,
+        max_seq_len=metadata.max_seq_len or None,
     )
+
+
+def compile_kernel_variants(model: torch.nn.Module, kv_caches: list) -> list:
+    """Compiles every attention kernel variant the Triton layers of `model` can meet in a run
+    (`kernels.paged_attention.compile_variants`, once per distinct layer shape), reading page 1
+    of each layer's cache (`kv_caches[layer_index]`) and writing nothing. Call it after a first
+    forward, so that the model's sinks have reached the layers' params. Returns the variants."""
+    from hybrid_cache.attention.layer import attention_layers
+    from hybrid_cache.kernels.paged_attention import compile_variants
+
+    variants: list = []
+    seen: set = set()
+    for layer in attention_layers(model):
+        if layer.backend != "triton":
+            continue
+        k_cache, v_cache = kv_caches[layer.layer_index]
+        params = layer.params
+        shape = (
+            k_cache.dtype, k_cache.device, tuple(k_cache.shape[1:]), k_cache.stride(),
+            layer.num_heads, params.sliding_window, params.chunk, params.softcap is not None,
+            params.sinks is not None,
+        )  # fmt: skip
+        if shape in seen:
+            continue
+        seen.add(shape)
+        sinks = params.sinks
+        if sinks is not None:
+            sinks = sinks.to(k_cache.device).contiguous()
+        variants.extend(
+            compile_variants(
+                k_cache,
+                v_cache,
+                layer.num_heads,
+                scale=params.scale,
+                sliding_window=params.sliding_window,
+                chunk_size=params.chunk,
+                softcap=params.softcap,
+                sinks=sinks,
+            )
+        )
+    return variants

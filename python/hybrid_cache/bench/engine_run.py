@@ -128,6 +128,7 @@ def build_llm(settings: BenchSettings, mode: str) -> Any:
         hf_overrides=settings.hf_overrides or None,
         seed=settings.seed,
         attention_backend=settings.attention_backend,
+        enforce_eager=settings.enforce_eager,
     )
 
 
@@ -158,7 +159,9 @@ class ModeRun:
         self._params = SamplingParams(
             max_tokens=settings.output_len, temperature=0.0, ignore_eos=True
         )
+        warm_up_started = time.perf_counter()
         warm_up(llm, settings)
+        warm_up_s = time.perf_counter() - warm_up_started
         self._core_before = engine.kv_cache.stats()  # the core's cumulative prefix-cache counters
         engine.reset_step_stats()
         self._requests: list[Any] = []
@@ -169,6 +172,7 @@ class ModeRun:
         self.result = RunResult.starting(
             mode, False, llm.layout.num_blocks, group_names(llm.layout)
         )
+        self.result.warm_up_s = warm_up_s
 
     def _add_prompts(self) -> None:
         """Adds what the feed hands out now. Raises `BenchConfigError` when a request does not
@@ -180,6 +184,11 @@ class ModeRun:
                 raise BenchConfigError(
                     f"the workload does not fit the {self.mode} engine: {error}"
                 ) from error
+
+    @property
+    def llm(self) -> Any:
+        """The `LLM` this run steps."""
+        return self._llm
 
     @property
     def done(self) -> bool:
@@ -236,20 +245,38 @@ class ModeRun:
 
 def warm_up(llm: Any, settings: BenchSettings) -> None:
     """Short untimed requests, so one-time costs (first torch calls, allocator setup, Triton
-    compiles) fall outside the measurement; the prefix cache is emptied afterwards."""
+    compiles) fall outside the measurement; on CUDA then every Triton attention variant the
+    run's steps can meet (`compile_attention_variants`), whatever their batch sizes and
+    lengths. The prefix cache is emptied afterwards."""
     prompt = {"prompt_token_ids": [FIRST_ORDINARY_ID] * min(settings.input_len, WARM_UP_LEN)}
     params = SamplingParams(max_tokens=2, temperature=0.0)
     for batch in warm_up_batches(llm.device.type, settings.num_prompts, settings.max_num_seqs):
         llm.generate([prompt] * batch, params, use_tqdm=False)
+    if llm.device.type == "cuda":
+        compile_attention_variants(llm)
     assert llm.reset_prefix_cache(), "the warm-up requests must have given their blocks back"
+
+
+def compile_attention_variants(llm: Any) -> list:
+    """Compiles every Triton attention variant of the engine's layers (decode-only and mixed
+    batches, with and without KV splits): the warm-up's short prompts alone would leave the
+    split variants of long contexts to the timed run. Returns them (none without Triton
+    layers)."""
+    runner = llm.engine.model_runner
+    kv_caches = getattr(runner, "kv_caches", None)
+    if kv_caches is None:
+        return []
+    from hybrid_cache.attention.triton_backend import compile_kernel_variants
+
+    return compile_kernel_variants(llm.model, kv_caches)
 
 
 def warm_up_batches(device_type: str, num_prompts: int, max_num_seqs: int) -> list[int]:
     """Batch sizes of the warm-up: one request on the CPU; on CUDA 1, 2, 4, ... up to the run's
-    largest batch, because the Triton kernels compile a variant per number of KV splits, which a
-    decode step picks from its batch size (fewer sequences, more splits), and a variant first met
-    inside the timed run costs seconds there (on an H200, a first hybrid run of a tiny preset
-    took 6.8-8.1 s against 1.4 s warm without this warm-up)."""
+    largest batch, so each batch-size class meets its first torch and Triton calls here (the
+    attention kernels' split count is a runtime argument, and `compile_attention_variants`
+    compiles their split variants; before both, a first hybrid run of a tiny preset took
+    6.8-8.1 s on an H200 against 1.4 s warm)."""
     if device_type != "cuda":
         return [1]
     largest = max(1, min(num_prompts, max_num_seqs))

@@ -64,6 +64,9 @@ class RunResult:
     # Process CPU time of the timed loop (real engine only): on a shared machine it moves less
     # with other processes' load than wall time does.
     cpu_time_s: Optional[float] = None
+    # Seconds of the untimed warm-up before the run (real engine only): first torch calls and,
+    # on CUDA, every Triton compile the run needs; apart from `elapsed_s`.
+    warm_up_s: Optional[float] = None
     # One entry per engine step.
     running_per_step: list[int] = field(default_factory=list)
     tokens_per_step: list[int] = field(default_factory=list)
@@ -211,6 +214,7 @@ class RunResult:
             "total_tokens_per_s": self.total_tokens_per_s,
             "output_tokens_per_s": self.output_tokens_per_s,
             "cpu_time_s": self.cpu_time_s,
+            "warm_up_s": self.warm_up_s,
             "total_tokens_per_cpu_s": self.total_tokens_per_cpu_s,
             "num_steps": self.num_steps,
             "mean_running": self.mean_running,

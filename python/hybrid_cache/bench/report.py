@@ -54,6 +54,11 @@ def format_mode(result: RunResult) -> list[str]:
             f"CPU-time throughput: {result.total_tokens_per_cpu_s:.2f} total tokens per CPU "
             f"second ({result.cpu_time_s:.2f} s of process CPU time, {result.elapsed_s:.2f} s wall)"
         )
+    if result.warm_up_s is not None:
+        lines.append(
+            f"Warm-up (untimed, compiles included): {result.warm_up_s:.2f} s, apart from the "
+            f"run's {result.elapsed_s:.2f} s"
+        )
     share = result.overhead_share()
     if share is not None and not result.simulated:
         largest = max(result.running_per_step)

@@ -41,6 +41,7 @@ class BenchSettings:
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     attention_backend: str = "auto"
+    enforce_eager: bool = False
     multi_turn: Optional[MultiTurnShape] = None
 
     @classmethod

@@ -77,6 +77,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-mode", choices=tuple(MODES), default="both")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every engine step eagerly (no CUDA graphs; today every step is eager anyway)",
+    )
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument(
         "--repeat",
@@ -296,6 +301,7 @@ def settings_from_args(args: argparse.Namespace, kv_cache_memory: Optional[str])
         hf_overrides=parse_overrides(args.hf_overrides),
         seed=args.seed,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
     )
     if args.workload == "multi-turn":
         shape = MultiTurnShape(

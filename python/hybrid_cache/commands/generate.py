@@ -48,6 +48,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every engine step eagerly (no CUDA graphs; today every step is eager anyway)",
+    )
     parser.add_argument("--hf-overrides", help="JSON object merged into config.json")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
@@ -77,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         seed=args.seed,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
     )
     params = SamplingParams(
         max_tokens=args.max_tokens,

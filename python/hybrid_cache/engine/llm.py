@@ -72,6 +72,7 @@ class LLM:
         attention_backend: str = "auto",
         gpu_memory_utilization: float = 0.9,
         scheduling_policy: str = "fcfs",
+        enforce_eager: bool = False,
     ) -> None:
         """`model`: a local Hugging Face folder (config.json + safetensors, tokenizer optional)
         or a built-in preset name (always random weights). `dtype` defaults to the config's on
@@ -83,8 +84,14 @@ class LLM:
         `attention_backend`: "auto" (per KV-cache group, the fastest backend that can run it;
         always the vectorised torch backend on the CPU), or "torch" / "reference" / "triton" /
         "flash_attn" forced. `scheduling_policy`: "fcfs" (first come first served) or "lpm"
-        (longest cached prefix first among the first waiting requests; see `scheduler`)."""
+        (longest cached prefix first among the first waiting requests; see `scheduler`).
+        `enforce_eager`: run every step eagerly. Every step runs eagerly today (CUDA graphs
+        for pure-decode steps are not built yet); the flag is checked and kept
+        (`self.enforce_eager`) so callers can already pass it."""
         check_choice("scheduling_policy", scheduling_policy, SCHEDULING_POLICIES)
+        if not isinstance(enforce_eager, bool):
+            raise EngineConfigError(f"enforce_eager must be True or False, got {enforce_eager!r}")
+        self.enforce_eager: bool = enforce_eager
         check_choice("load_format", load_format, ("auto", "dummy"))
         check_choice("kv_cache_mode", kv_cache_mode, ("hybrid", "uniform"))
         check_choice("kv_group_layout", kv_group_layout, GROUP_LAYOUTS)

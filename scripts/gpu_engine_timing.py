@@ -1,0 +1,192 @@
+"""Engine timing on one GPU: the same workload run twice (each run's warm-up, which compiles the
+Triton kernels, timed apart from the run), and a pure-decode step against the time to read the
+weights and the visible KV cache once at the measured copy bandwidth.
+
+    python scripts/gpu_engine_timing.py                 # gemma-3-12b, bf16 dummy weights,
+                                                        # 32 prompts x 4096 in / 128 out,
+                                                        # a 24 GiB KV budget (all 32 at once)
+    python scripts/gpu_engine_timing.py --cpu-dry-run   # tiny-gemma3 on the CPU: logic only
+
+Prints per run its timed seconds and tokens/s, its warm-up and build seconds; then the first
+run's time over the second's (target: within 1.10) and, for the pure-decode steps at the
+largest batch, the median step time over the ideal (weights + visible KV) / bandwidth (target:
+within 1.3). The visible KV is estimated from the workload: every running request at
+input_len + output_len / 2 tokens, each layer reading min(that, its window or chunk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def copy_bandwidth(torch) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write counted)."""
+    size = 1 << 30
+    source = torch.empty(size, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        target.copy_(source)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / 20
+    del source, target
+    return 2 * size / seconds
+
+
+def ideal_decode_bytes(llm, running: int, tokens_per_request: int) -> tuple[int, int]:
+    """(weight bytes, visible KV bytes) one decode step of `running` requests must read."""
+    from hybrid_cache.attention import attention_layers
+
+    weights = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+    element = llm.dtype.itemsize
+    kv = 0
+    for layer in attention_layers(llm.model):
+        reach = layer.sliding_window or layer.chunk or tokens_per_request
+        visible = min(tokens_per_request, reach)
+        kv += running * visible * 2 * layer.num_kv_heads * layer.head_dim * element
+    return weights, kv
+
+
+def decode_step_seconds(result) -> tuple[int, list[float]]:
+    """The largest pure-decode batch and its steps' seconds."""
+    decode = [
+        (running, seconds)
+        for running, tokens, seconds in zip(
+            result.running_per_step, result.tokens_per_step, result.step_time_s
+        )
+        if running == tokens and running > 0
+    ]
+    if not decode:
+        return 0, []
+    largest = max(running for running, _ in decode)
+    return largest, [seconds for running, seconds in decode if running == largest]
+
+
+def one_run(settings, mode: str, bandwidth):
+    from hybrid_cache.bench.engine_run import ModeRun
+
+    built = time.perf_counter()
+    run = ModeRun(settings, mode)
+    setup_s = time.perf_counter() - built
+    started, started_cpu = time.perf_counter(), time.process_time()
+    try:
+        while not run.done:
+            run.step()
+    finally:
+        run.close()
+    result = run.finish(time.perf_counter() - started, time.process_time() - started_cpu)
+    figures = {
+        "elapsed_s": result.elapsed_s,
+        "total_tokens_per_s": result.total_tokens_per_s,
+        "warm_up_s": result.warm_up_s,
+        "build_s": setup_s - (result.warm_up_s or 0.0),
+        "num_steps": result.num_steps,
+    }
+    running, steps = decode_step_seconds(result)
+    if steps:
+        tokens = settings.input_len + settings.output_len // 2
+        weights, kv = ideal_decode_bytes(run.llm, running, tokens)
+        figures.update(
+            decode_running=running,
+            decode_steps=len(steps),
+            decode_step_median_s=statistics.median(steps),
+            weight_bytes=weights,
+            visible_kv_bytes=kv,
+        )
+        if bandwidth:
+            figures["ideal_decode_step_s"] = (weights + kv) / bandwidth
+            figures["decode_step_over_ideal"] = (
+                figures["decode_step_median_s"] / (figures["ideal_decode_step_s"])
+            )
+    del run
+    gc.collect()
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gemma-3-12b")
+    parser.add_argument("--input-len", type=int, default=4096)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    # Enough for all 32 requests at once (the decode target is a step of 32 running).
+    parser.add_argument("--kv-cache-memory", default="24GiB")
+    parser.add_argument("--mode", choices=("hybrid", "uniform"), default="hybrid")
+    parser.add_argument("--runs", type=int, default=2, help="timed runs, each with its warm-up")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--output-json", help="write the figures here")
+    parser.add_argument(
+        "--cpu-dry-run", action="store_true", help="tiny-gemma3 on the CPU, tiny workload"
+    )
+    args = parser.parse_args()
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    import torch
+    from hybrid_cache.bench.settings import BenchSettings
+
+    if args.cpu_dry_run:
+        args.model, args.input_len, args.output_len = "tiny-gemma3", 48, 6
+        args.num_prompts, args.kv_cache_memory = 3, "2MiB"
+        bandwidth = None
+    elif not torch.cuda.is_available():
+        print("no CUDA device (use --cpu-dry-run to check the script on the CPU)")
+        return 2
+    else:
+        bandwidth = copy_bandwidth(torch)
+        print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    settings = BenchSettings(
+        model=args.model,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        kv_cache_memory=args.kv_cache_memory,
+        enforce_eager=args.enforce_eager,
+    )
+    print(
+        f"{args.model} {args.mode}: {args.num_prompts} prompts x {args.input_len} in / "
+        f"{args.output_len} out, KV {args.kv_cache_memory}"
+    )
+    runs = []
+    for index in range(args.runs):
+        figures = one_run(settings, args.mode, bandwidth)
+        runs.append(figures)
+        print(
+            f"run {index + 1}: {figures['elapsed_s']:.2f} s timed "
+            f"({figures['total_tokens_per_s']:.0f} tok/s, {figures['num_steps']} steps); "
+            f"warm-up {figures['warm_up_s']:.2f} s (compiles), build {figures['build_s']:.2f} s"
+        )
+        if "decode_step_median_s" in figures:
+            line = (
+                f"  pure-decode steps at {figures['decode_running']} running: median "
+                f"{figures['decode_step_median_s'] * 1e3:.2f} ms over {figures['decode_steps']}; "
+                f"weights {figures['weight_bytes'] / 1e9:.2f} GB + visible KV "
+                f"{figures['visible_kv_bytes'] / 1e9:.2f} GB"
+            )
+            if "ideal_decode_step_s" in figures:
+                line += (
+                    f" = {figures['ideal_decode_step_s'] * 1e3:.2f} ms at copy bandwidth: "
+                    f"{figures['decode_step_over_ideal']:.2f}x (target <= 1.3)"
+                )
+            print(line)
+    summary = {"settings": vars(args), "copy_bandwidth_bytes_per_s": bandwidth, "runs": runs}
+    if len(runs) > 1:
+        ratio = runs[0]["elapsed_s"] / runs[1]["elapsed_s"]
+        summary["first_over_second"] = ratio
+        print(f"first run / second run: {ratio:.3f} (target <= 1.10)")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The GPU scripts that `scripts/bench_gpu.sh` runs import, parse their arguments and (in their
+CPU dry-run modes, under TRITON_INTERPRET=1 where they use the kernels) run their own logic
+here, so a prepared GPU run does not fail on a typo. Their figures mean nothing on the CPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ["gpu_check.py", "gpu_engine_check.py", "gpu_engine_timing.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_gpu_script_parses_its_arguments(script):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--cpu-dry-run" in done.stdout
+
+
+def test_bench_gpu_script_parses():
+    done = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "bench_gpu.sh")], timeout=30)
+    assert done.returncode == 0
+
+
+def test_bench_gpu_dry_run_runs_the_build_kernel_and_timing_stages(tmp_path):
+    env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable}
+    env.pop("TRITON_INTERPRET", None)  # gpu_check's dry run sets it itself, before Triton loads
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "bench_gpu.sh"), str(tmp_path), "build kernels timing"],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=ROOT,
+        env=env,
+    )
+    log = (tmp_path / "gpu.log").read_text()
+    assert done.returncode == 0, log[-4000:]
+    assert "no build needed" in log and "== build: exit 0" in log
+    assert "== kernels: exit 0" in log and "== engine-timing: exit 0" in log
+    short = [line for line in log.splitlines() if "contexts up to" in line]
+    assert len(short) == 24 and all(line.endswith(" ok") for line in short), short
+    assert any("splits 16:" in line for line in short)
+    assert "| decode 2x40 | 16 | 16 |" in log  # a windowed timing row
+    figures = json.loads((tmp_path / "engine-timing.json").read_text())
+    assert len(figures["runs"]) == 2 and figures["first_over_second"] > 0
+    assert all(run["warm_up_s"] > 0 and run["decode_steps"] > 0 for run in figures["runs"])
