@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
+from hybrid_cache.engine.engine_config import SchedulerLimits
 from hybrid_cache.engine.errors import (
     InsufficientKVCacheError,
     InvalidRequestError,
@@ -39,14 +39,6 @@ logger = logging.getLogger(__name__)
 # Per-step figures kept for callers (plots, benchmarks). Bounded so a server that loops on
 # `step()` without calling `reset_step_stats()` does not grow forever (about 270 B a step).
 MAX_STEP_STATS = 100_000
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    enable_prefix_caching: bool
 
 
 class LLMEngine:
