@@ -9,8 +9,6 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: str
-NULL_BLOCK: int
-"""Block id 0: never handed out; table entries a window (or chunk) released hold it."""
 
 # The allocator's errors are the classes of `hybrid_cache.errors`, imported by the extension.
 from hybrid_cache.errors import DoubleFreeError as DoubleFreeError
@@ -23,6 +21,9 @@ from hybrid_cache.errors import NoFreeBlocksError as NoFreeBlocksError
 from hybrid_cache.errors import RequestTooLargeError as RequestTooLargeError
 from hybrid_cache.errors import TooManyRequestsError as TooManyRequestsError
 from hybrid_cache.errors import UnknownRequestError as UnknownRequestError
+
+# Block id 0: never handed out; table entries a window (or chunk) released hold it.
+NULL_BLOCK: int
 
 AttentionKind = Literal["full", "sliding_window", "chunked_local"]
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from hybrid_cache.checks import check_block_size, check_choice, check_positive_int, is_int
 from hybrid_cache.config import ModelSpec, load_model_spec, normalize_dtype
-from hybrid_cache.errors import ConfigError, EngineConfigError, PlanError
+from hybrid_cache.errors import ConfigError, EngineConfigError, MemorySizeError, PlanError
 from hybrid_cache.planner import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -103,7 +103,13 @@ class EngineConfig:
             )
         object.__setattr__(self, "hf_overrides", dict(self.hf_overrides or {}) or None)
         if self.kv_cache_memory is not None:
-            object.__setattr__(self, "kv_cache_memory", parse_memory_size(self.kv_cache_memory))
+            try:
+                memory = parse_memory_size(self.kv_cache_memory)
+            except MemorySizeError as error:
+                raise MemorySizeError(
+                    f"--kv-cache-memory: {error}{_hint('kv_cache_memory')}"
+                ) from error
+            object.__setattr__(self, "kv_cache_memory", memory)
         if self.max_model_len is not None:
             check_positive_int(
                 self.max_model_len, "--max-model-len", PlanError, _hint("max_model_len")
@@ -136,7 +142,10 @@ class EngineConfig:
         if self.dtype is None:
             object.__setattr__(self, "dtype", "auto")
         if isinstance(self.dtype, str) and self.dtype != "auto":
-            normalize_dtype(self.dtype)  # a ConfigError naming the dtypes it knows
+            try:
+                normalize_dtype(self.dtype)
+            except ConfigError as error:
+                raise ConfigError(f"--dtype: {error}{_hint('dtype')}") from error
         if not is_int(self.seed):
             raise EngineConfigError(f"--seed must be an integer, got {self.seed!r}{_hint('seed')}")
         if not isinstance(self.attention_backend, str):

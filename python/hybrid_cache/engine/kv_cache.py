@@ -104,6 +104,15 @@ class KVCacheManager:
         (block 0 is the null block and never handed out)."""
         return self.coordinator.max_blocks_needed(num_kv_tokens) <= self.num_blocks - 1
 
+    def does_not_fit(self, request: Request, when: str = "") -> InsufficientKVCacheError:
+        """The one error (and wording) for a request the pool can never hold: at admission,
+        when the core refuses it, or (`when`) when it fails alone in an empty pool."""
+        return InsufficientKVCacheError(
+            f"request {request.request_id!r} needs KV for {num_kv_tokens(request)} tokens, "
+            f"which does not fit the whole pool of {self.num_blocks - 1} blocks{when}; raise "
+            "kv_cache_memory, or lower max_tokens, the prompt length or max_num_batched_tokens"
+        )
+
     def add(self, request: Request) -> int:
         """Registers a request (prompt + output so far) and returns its block-table row."""
         assert request.request_id not in self.core_ids, f"{request} is already added"
@@ -113,11 +122,7 @@ class KVCacheManager:
                 core_id, request.all_token_ids, max_total_tokens=num_kv_tokens(request)
             )
         except _core.RequestTooLargeError as error:
-            raise InsufficientKVCacheError(
-                f"request {request.request_id!r} needs KV for {num_kv_tokens(request)} tokens, "
-                f"more than the pool of {self.num_blocks - 1} blocks can ever hold; raise "
-                "kv_cache_memory or lower max_tokens"
-            ) from error
+            raise self.does_not_fit(request) from error
         self.core_ids[request.request_id] = core_id
         self.rows[request.request_id] = row
         return row

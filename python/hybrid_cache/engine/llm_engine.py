@@ -20,7 +20,6 @@ from torch import nn
 
 from hybrid_cache.engine.engine_config import SchedulerLimits
 from hybrid_cache.engine.errors import (
-    InsufficientKVCacheError,
     InvalidRequestError,
     PromptTooLongError,
 )
@@ -129,11 +128,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
         if not self.kv_cache.can_ever_fit(num_kv_tokens(request)):
-            raise InsufficientKVCacheError(
-                f"request {request_id!r} needs KV for {num_kv_tokens(request)} tokens, more than "
-                f"the whole pool ({self.kv_cache.num_blocks - 1} blocks) holds; raise "
-                "kv_cache_memory, or lower max_tokens or the prompt length"
-            )
+            raise self.kv_cache.does_not_fit(request)
         self.num_requests_added += 1
         self.unfinished_request_ids.add(request_id)
         self.scheduler.add_request(request)

@@ -265,10 +265,7 @@ class Scheduler:
                     break  # blocks come back as running requests finish
                 # Nothing else holds blocks: this request can never start.
                 self.waiting.popleft()
-                error = InsufficientKVCacheError(
-                    f"request {request.request_id!r} does not fit in an empty KV-cache pool; "
-                    "raise kv_cache_memory or lower max_num_batched_tokens"
-                )
+                error = self.kv_cache.does_not_fit(request, " (it fails alone, at its first step)")
                 self._fail(request, error, output)
                 continue
             self.waiting.popleft()
