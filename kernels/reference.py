@@ -1,13 +1,16 @@
 """Torch references for the kernels: dense per-sequence gather plus an explicit mask.
 
-Slow and simple on purpose; the kernel tests use them as the oracle. They follow the kernels'
-contract exactly, including never touching a cache page left of the visible range (those may be
-the null block, whose contents are undefined).
+Slow and simple on purpose; the kernel tests use them as the oracle, and `reference_unified_attention`
+is also the engine's `"reference"` attention backend (`hybrid_cache.attention.reference` calls it),
+so there is one torch oracle. They follow the kernels' contract exactly, including never touching
+a cache page left of the visible range (those may be the null block, whose contents are
+undefined). Which keys a query sees is `hybrid_cache.attention.visibility`'s rule.
 """
 
 from typing import Optional
 
 import torch
+from hybrid_cache.attention.visibility import first_visible_position, is_visible
 
 
 def visible_key_begin(
@@ -19,12 +22,7 @@ def visible_key_begin(
     ever read. With a window W the query at p sees keys p-W+1 .. p (W keys including itself);
     with chunk C it sees keys from the start of its chunk, floor(p / C) * C, up to p.
     """
-    begin = 0
-    if sliding_window is not None:
-        begin = max(begin, first_query_position - sliding_window + 1)
-    if chunk_size is not None:
-        begin = max(begin, (first_query_position // chunk_size) * chunk_size)
-    return begin
+    return first_visible_position(first_query_position, sliding_window, chunk_size)
 
 
 def reference_unified_attention(
@@ -69,13 +67,9 @@ def reference_unified_attention(
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         query_positions = torch.arange(context_len, seq_len, device=query.device)
-        visible = key_positions[None, :] <= query_positions[:, None]
-        if sliding_window is not None:
-            visible &= key_positions[None, :] > query_positions[:, None] - sliding_window
-        if chunk_size is not None:
-            visible &= (key_positions[None, :] // chunk_size) == (
-                query_positions[:, None] // chunk_size
-            )
+        visible = is_visible(
+            query_positions[:, None], key_positions[None, :], sliding_window, chunk_size
+        )
         scores = scores.masked_fill(~visible[None], float("-inf"))
         if sinks is not None:
             # A sink is one more logit per head in the denominator, with no value.

@@ -215,7 +215,7 @@ def test_prompts_share_the_prefix_and_are_seeded() -> None:
         (["--prefix-len", "41"], "BenchConfigError: --prefix-len"),
         (["--max-model-len", "30"], "BenchConfigError: --max-model-len"),
         (["--kv-cache-memory", "12XB"], "MemorySizeError"),
-        (["--hf-overrides", "[1]"], "BenchConfigError: --hf-overrides"),
+        (["--hf-overrides", "[1]"], "error: ConfigError: --hf-overrides"),
         (["--plot", "out.jpg"], "BenchConfigError: --plot"),
         (["--simulate", "--compare-hf"], "BenchConfigError: --compare-hf"),
         (["--block-size", "0"], "BenchConfigError: --block-size"),

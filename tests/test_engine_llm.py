@@ -412,10 +412,11 @@ def test_generate_command_runs_a_preset(capsys):
 
 
 def test_block_table_is_a_zero_copy_view_of_the_core():
-    from hybrid_cache.engine.kv_cache import GroupDescription, KVCacheManager
+    from hybrid_cache._core import GroupSpec
+    from hybrid_cache.engine.kv_cache import KVCacheManager
     from hybrid_cache.engine.request import Request
 
-    groups = [GroupDescription("full", 4), GroupDescription("sliding_window", 4, window=8)]
+    groups = [GroupSpec("full", 4), GroupSpec("sliding_window", 4, window=8)]
     kv_cache = KVCacheManager(
         num_blocks=64, groups=groups, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16
     )

@@ -39,6 +39,11 @@ def chunked(chunk, num_kv_heads=2, head_dim=16):
     return LayerSpec("chunked_local", num_kv_heads, head_dim, head_dim, "bfloat16", chunk=chunk)
 
 
+def group_specs(layout):
+    """(kind, block_size, window, chunk) of each group's coordinator spec."""
+    return [(spec.kind, spec.block_size, spec.window, spec.chunk) for spec in layout.core_specs()]
+
+
 def model_of(layers):
     return ModelSpec(
         name="hand",
@@ -67,7 +72,7 @@ def test_design_check_one_full_one_windowed_share_one_tensor():
     assert layout.num_blocks == 64
     assert layout.tensor_slots == (((0,), (1,)),), "both groups' layers live in the one slot tensor"
     assert layout.tensor_bytes * layout.layers_per_group == page * 64
-    assert layout.to_group_specs() == [("full", 16, None, None), ("sliding_window", 16, 32, None)]
+    assert group_specs(layout) == [("full", 16, None, None), ("sliding_window", 16, 32, None)]
     assert layout.layer_slot(0) == (0, 0) and layout.layer_slot(1) == (1, 0)
 
 
@@ -153,7 +158,7 @@ def test_uniform_puts_every_layer_in_one_full_group():
     model = load_model_spec("gemma-2-9b")
     layout = plan_kv_cache(model, PlanOptions(40 * GiB, max_model_len=8192), "uniform")
     assert layout.num_groups == 1 and layout.layers_per_group == 42
-    assert layout.to_group_specs() == [("full", 16, None, None)]
+    assert group_specs(layout) == [("full", 16, None, None)]
     page = 16 * 8 * 512 * 2
     assert layout.page_bytes == page and layout.num_blocks == 40 * GiB // page // 42
 
@@ -202,7 +207,7 @@ def test_long_context_efficiency_is_at_least_97_percent(name, length):
 def test_window_covering_the_context_is_planned_as_full():
     model = load_model_spec("mistral-7b")  # window 4096
     layout = plan_kv_cache(model, PlanOptions(GiB, max_model_len=4096))
-    assert layout.to_group_specs() == [("full", 16, None, None)]
+    assert group_specs(layout) == [("full", 16, None, None)]
     assert any("never slide" in note for note in layout.notes)
     with pytest.raises(WindowTooLargeError, match="max-model-len"):
         plan_kv_cache(model, PlanOptions(GiB, max_model_len=4096, strict_windows=True))

@@ -15,8 +15,9 @@ import random
 
 import numpy as np
 import pytest
+from hybrid_cache._core import GroupSpec
 from hybrid_cache.engine.errors import InsufficientKVCacheError
-from hybrid_cache.engine.kv_cache import GroupDescription, KVCacheManager
+from hybrid_cache.engine.kv_cache import KVCacheManager
 from hybrid_cache.engine.request import FinishReason, Request, RequestStatus
 from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -133,7 +134,7 @@ def make_requests(seed: int, num_requests: int, max_model_len: int) -> list[Requ
 
 
 def make_scheduler(cls: type[Scheduler], num_blocks: int, max_num_batched_tokens: int):
-    groups = [GroupDescription("full", 16), GroupDescription("sliding_window", 16, window=32)]
+    groups = [GroupSpec("full", 16), GroupSpec("sliding_window", 16, window=32)]
     kv_cache = KVCacheManager(
         num_blocks,
         groups,

@@ -22,6 +22,9 @@ from hybrid_cache.errors import RequestTooLargeError as RequestTooLargeError
 from hybrid_cache.errors import TooManyRequestsError as TooManyRequestsError
 from hybrid_cache.errors import UnknownRequestError as UnknownRequestError
 
+# Block id 0: never handed out; table entries a window (or chunk) released hold it.
+NULL_BLOCK: int
+
 AttentionKind = Literal["full", "sliding_window", "chunked_local"]
 
 class GroupSpec:
@@ -39,6 +42,20 @@ class GroupSpec:
         window: Optional[int] = None,
         chunk: Optional[int] = None,
     ) -> None: ...
+    def max_live_blocks(self, max_total_tokens: int, max_num_batched_tokens: int) -> int:
+        """Most blocks a request of `max_total_tokens` tokens holds at once in this group when
+        a step computes at most `max_num_batched_tokens` tokens (the core's admission bound)."""
+
+def worst_case_live_blocks(
+    block_size: int,
+    reach: Optional[int],
+    max_total_tokens: int,
+    max_num_batched_tokens: int,
+) -> int:
+    """The same bound for a group of `block_size`-token blocks whose queries see `reach` tokens
+    back (a window or chunk; None for full attention): `cdiv(min(reach - 1 +
+    max_num_batched_tokens, max_total_tokens), block_size) + 1`, at most all of the request's
+    blocks. Unlike `GroupSpec`, a chunk need not be a multiple of the block size."""
 
 class BlockPool:
     """The lock-free block pool on its own (tests, benchmarks). Block 0 is the null block."""

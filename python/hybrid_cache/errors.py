@@ -74,8 +74,14 @@ class MemorySizeError(HybridCacheError, ValueError):
     """A memory size that is not a non-negative byte count or a number with a known unit."""
 
 
-class PlanError(HybridCacheError, ValueError):
-    """Planning options that cannot produce a layout."""
+class EngineConfigError(HybridCacheError, ValueError):
+    """An engine argument (`LLM(...)`, `EngineConfig`, or its command-line flag) is invalid:
+    unknown mode, non-positive size, ... The message names the flag and the argument."""
+
+
+class PlanError(EngineConfigError):
+    """Planning options that cannot produce a layout (an engine argument error too: `LLM(...)`
+    raises it for the plan options it takes)."""
 
 
 class InvalidBlockSizeError(PlanError):
@@ -131,10 +137,6 @@ class KernelArgumentError(HybridCacheError, ValueError):
 # The engine (`engine/`) and the benchmark front (`bench/`). Each is also a `ValueError`: the
 # caller passed something the engine cannot run. A per-request error is attached to that
 # request's output (`finish_reason == "error"`); see `LLM.generate`.
-
-
-class EngineConfigError(HybridCacheError, ValueError):
-    """An `LLM(...)` argument is invalid (unknown mode, non-positive size, ...)."""
 
 
 class InvalidSamplingParamsError(HybridCacheError, ValueError):

@@ -33,20 +33,18 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal, Optional, Union
 
+from hybrid_cache import _core
+from hybrid_cache.checks import check_block_size, check_choice, check_positive_int
 from hybrid_cache.config import AttentionKind, LayerSpec, ModelSpec, normalize_dtype
-from hybrid_cache.errors import (
-    BudgetTooSmallError,
-    InvalidBlockSizeError,
-    PlanError,
-    WindowTooLargeError,
-)
+from hybrid_cache.errors import BudgetTooSmallError, PlanError, WindowTooLargeError
 from hybrid_cache.sizes import format_memory_size, parse_memory_size
 
 PlanMode = Literal["hybrid", "uniform"]
+PLAN_MODES: tuple[str, ...] = ("hybrid", "uniform")
 GroupLayoutChoice = Literal["auto", "equal", "per-type"]
 GROUP_LAYOUTS: tuple[str, ...] = ("auto", "equal", "per-type")
-GroupSpecTuple = tuple[AttentionKind, int, Optional[int], Optional[int]]
 
+# The defaults of the plan options, here only (`EngineConfig` and the CLI take them from here).
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_PADDING_WASTE = 0.02
@@ -77,24 +75,11 @@ class PlanOptions:
     group_layout: GroupLayoutChoice = "auto"
 
     def __post_init__(self) -> None:
-        if self.group_layout not in GROUP_LAYOUTS:
-            raise PlanError(
-                f"group_layout must be one of {', '.join(GROUP_LAYOUTS)}, got {self.group_layout!r}"
-            )
+        check_choice(self.group_layout, GROUP_LAYOUTS, "group_layout", PlanError)
         object.__setattr__(self, "kv_cache_memory", parse_memory_size(self.kv_cache_memory))
-        block_size = self.block_size
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise InvalidBlockSizeError(
-                f"block size must be a positive power of two, got {block_size!r}"
-            )
-        if block_size & (block_size - 1):
-            raise InvalidBlockSizeError(
-                f"block size must be a positive power of two (8, 16, 32, ...), got {block_size}"
-            )
+        check_block_size(self.block_size)
         for name in ("max_model_len", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise PlanError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(getattr(self, name), name, PlanError)
         if not 0 <= self.max_padding_waste < 1:
             raise PlanError(f"max_padding_waste must be in [0, 1), got {self.max_padding_waste}")
         if self.kv_cache_dtype != "auto":
@@ -133,15 +118,22 @@ class GroupLayout:
         """Slot tensors this group's layers occupy."""
         return cdiv(len(self.layer_indices), self.layers_per_page)
 
+    @property
+    def reach(self) -> Optional[int]:
+        """The window or chunk (None for full attention)."""
+        return self.window if self.kind == "sliding_window" else self.chunk
+
+    def core_spec(self) -> _core.GroupSpec:
+        """The coordinator's spec of this group."""
+        return _core.GroupSpec(self.kind, self.block_size, window=self.window, chunk=self.chunk)
+
     def max_blocks_per_request(self, num_tokens: int, max_num_batched_tokens: int) -> int:
         """Worst-case blocks a request of `num_tokens` tokens holds at once in this group: the
-        window (or chunk) plus one step of new tokens, plus one block of misalignment."""
-        all_tokens = cdiv(num_tokens, self.block_size)
-        reach = self.window if self.kind == "sliding_window" else self.chunk
-        if reach is None:
-            return all_tokens
-        kept = min(reach - 1 + max_num_batched_tokens, num_tokens)
-        return min(all_tokens, cdiv(kept, self.block_size) + 1)
+        window (or chunk) plus one step of new tokens, plus one block of misalignment. The
+        core's own bound (`_core.worst_case_live_blocks`, what admission checks)."""
+        return _core.worst_case_live_blocks(
+            self.block_size, self.reach, num_tokens, max_num_batched_tokens
+        )
 
 
 @dataclass(frozen=True)
@@ -171,17 +163,13 @@ class KVCacheLayout:
         """Bytes of one slot tensor; the whole cache is `layers_per_group` of them."""
         return self.num_blocks * self.page_bytes
 
-    def to_group_specs(self) -> list[GroupSpecTuple]:
-        """(kind, block_size, window, chunk) per group, in group-id order: the arguments of
-        `_core.GroupSpec` for the coordinator."""
-        return [(group.kind, group.block_size, group.window, group.chunk) for group in self.groups]
+    def core_specs(self) -> list[_core.GroupSpec]:
+        """The coordinator's `GroupSpec` of each group, in group-id order."""
+        return [group.core_spec() for group in self.groups]
 
     def group_attention(self) -> list[tuple[AttentionKind, Optional[int]]]:
         """(kind, window or chunk) per group, in group-id order (`assign_layer_groups`)."""
-        return [
-            (group.kind, group.window if group.kind == "sliding_window" else group.chunk)
-            for group in self.groups
-        ]
+        return [(group.kind, group.reach) for group in self.groups]
 
     @property
     def full_accepts_reach(self) -> int:
@@ -250,8 +238,7 @@ def plan_kv_cache(
     model: ModelSpec, options: PlanOptions, mode: PlanMode = "hybrid"
 ) -> KVCacheLayout:
     """Plans the KV cache of `model` (see the module docstring for the rules)."""
-    if mode not in ("hybrid", "uniform"):
-        raise PlanError(f"mode must be 'hybrid' or 'uniform', got {mode!r}")
+    check_choice(mode, PLAN_MODES, "mode", PlanError)
     notes: list[str] = []
     if options.max_model_len > model.max_position_embeddings:
         notes.append(

@@ -23,7 +23,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-NULL_BLOCK = 0
+from hybrid_cache import _core
+
+NULL_BLOCK: int = _core.NULL_BLOCK  # the core's null block id (0), as the core exports it
 
 
 @dataclass

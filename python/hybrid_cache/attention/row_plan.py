@@ -34,6 +34,7 @@ import torch
 
 from hybrid_cache.attention import cpu_kernel
 from hybrid_cache.attention.metadata import NULL_BLOCK, AttentionMetadata, GroupMetadata
+from hybrid_cache.attention.visibility import first_visible_position, is_visible
 from hybrid_cache.step_cache import cached_on
 
 __all__ = [
@@ -126,18 +127,6 @@ class StepPlan:
     prefill: Optional[RowBatch]
 
 
-def _first_visible(first_query, sliding_window: Optional[int], chunk: Optional[int], maximum=None):
-    """The first position the query at `first_query` can see (the reference's rule), for a
-    torch tensor or, with `maximum=np.maximum`, a numpy array of positions."""
-    maximum = torch.maximum if maximum is None else maximum
-    low = first_query * 0
-    if sliding_window is not None:
-        low = maximum(low, first_query - sliding_window + 1)
-    if chunk is not None:
-        low = maximum(low, (first_query // chunk) * chunk)
-    return low
-
-
 def _kernel_rows(
     sequences: torch.Tensor,
     query_start: torch.Tensor,
@@ -153,7 +142,7 @@ def _kernel_rows(
         num_tokens,
         sequences,
         positions,
-        _first_visible(positions, sliding_window, chunk),
+        first_visible_position(positions, sliding_window, chunk),
     )
 
 
@@ -188,7 +177,7 @@ def _row_geometry(
 ) -> RowGeometry:
     """Padded key positions and masks for the sequences given (all with query_len >= 1)."""
     first_query = seq_lens - query_lens
-    low = _first_visible(first_query, sliding_window, chunk)
+    low = first_visible_position(first_query, sliding_window, chunk)
     num_visible = seq_lens - low
     max_visible = int(num_visible.max())
     columns = torch.arange(max_visible)
@@ -228,11 +217,7 @@ def _row_geometry(
         key_valid = columns[None, :] < num_visible[:, None]
         query = (first_query[:, None] + query_offsets)[:, :, None]  # positions [rows, Q, 1]
         key = key_positions[:, None, :]
-        mask = key_valid[:, None, :] & (key <= query)
-        if sliding_window is not None:
-            mask &= key > query - sliding_window
-        if chunk is not None:
-            mask &= (key // chunk) == (query // chunk)
+        mask = key_valid[:, None, :] & is_visible(query, key, sliding_window, chunk)
 
     query_rows = query_start[:, None] + query_offsets
     output_index = (torch.arange(len(query_lens))[:, None] * max_queries + query_columns[None, :])[
@@ -279,7 +264,7 @@ def _decode_only_spans(
     if num_seqs == 0 or starts[-1] != num_seqs or not (np.diff(starts) == 1).all():
         return None
     positions = seq_lens.numpy() - 1
-    low = _first_visible(positions, sliding_window, chunk, np.maximum)
+    low = first_visible_position(positions, sliding_window, chunk)
     return cpu_kernel.RowSpans(
         token_rows=torch.arange(num_seqs),
         every_token=True,

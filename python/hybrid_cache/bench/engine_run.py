@@ -22,10 +22,9 @@ from typing import Any, Callable, Optional
 
 from hybrid_cache.bench.errors import BenchConfigError
 from hybrid_cache.bench.metrics import RunResult, counter_deltas
-from hybrid_cache.bench.settings import BenchSettings, make_feed
+from hybrid_cache.bench.settings import BenchSettings, add_prompts, make_feed
 from hybrid_cache.bench.simulate import group_names
 from hybrid_cache.bench.workload import FIRST_ORDINARY_ID
-from hybrid_cache.engine.errors import InvalidRequestError
 from hybrid_cache.engine.llm import LLM
 from hybrid_cache.engine.sampling_params import SamplingParams
 
@@ -113,23 +112,7 @@ class LogitsTimer(_Timer):
 
 
 def build_llm(settings: BenchSettings, mode: str) -> Any:
-    return LLM(
-        settings.model,
-        load_format=settings.load_format,
-        kv_cache_memory=settings.kv_cache_memory,
-        max_model_len=settings.context_len,
-        block_size=settings.block_size,
-        kv_cache_mode=mode,
-        kv_group_layout=settings.kv_group_layout,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        scheduling_policy=settings.scheduling_policy,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        hf_overrides=settings.hf_overrides or None,
-        seed=settings.seed,
-        attention_backend=settings.attention_backend,
-        enforce_eager=settings.enforce_eager,
-    )
+    return LLM(settings.engine_config(mode))
 
 
 def run_engine_mode(settings: BenchSettings, mode: str, progress: Any = None) -> RunResult:
@@ -177,13 +160,7 @@ class ModeRun:
     def _add_prompts(self) -> None:
         """Adds what the feed hands out now. Raises `BenchConfigError` when a request does not
         fit the engine."""
-        for request_id, prompt in self._feed.next_prompts():
-            try:
-                self._requests.append(self._engine.add_request(request_id, prompt, self._params))
-            except InvalidRequestError as error:
-                raise BenchConfigError(
-                    f"the workload does not fit the {self.mode} engine: {error}"
-                ) from error
+        self._requests += add_prompts(self._engine, self._feed, self._params, self.mode)
 
     @property
     def llm(self) -> Any:

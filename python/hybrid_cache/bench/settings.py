@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hybrid_cache.bench.errors import BenchConfigError
 from hybrid_cache.bench.multi_turn import MultiTurnFeed, MultiTurnShape
 from hybrid_cache.bench.workload import RandomFeed, make_prompts
-from hybrid_cache.engine.scheduler import SCHEDULING_POLICIES
-from hybrid_cache.planner import GROUP_LAYOUTS
+from hybrid_cache.engine.engine_config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
+    EngineConfig,
+)
+from hybrid_cache.errors import EngineConfigError, InvalidRequestError
+from hybrid_cache.planner import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS
 
-KV_CACHE_MODES = ("hybrid", "uniform")
 WORKLOADS = ("random", "multi-turn")
+# `EngineConfig` fields a run sets for every mode (`model`, `max_model_len` and the mode are
+# per settings or per run).
+ENGINE_FLAGS = tuple(
+    field.name
+    for field in dataclasses.fields(EngineConfig)
+    if field.name not in ("model", "max_model_len", "kv_cache_mode")
+)
 
 
 @dataclass(frozen=True)
@@ -30,17 +44,20 @@ class BenchSettings:
     num_prompts: int
     prefix_len: int = 0
     max_model_len: Optional[int] = None
-    kv_cache_memory: Optional[str] = None
-    block_size: int = 16
+    kv_cache_memory: Optional[Any] = None
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_group_layout: str = "auto"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     load_format: str = "dummy"
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     attention_backend: str = "auto"
+    dtype: Any = "auto"
+    device: Any = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False
     multi_turn: Optional[MultiTurnShape] = None
 
@@ -62,12 +79,30 @@ class BenchSettings:
     def workload(self) -> str:
         return "random" if self.multi_turn is None else "multi-turn"
 
+    @staticmethod
+    def engine_flags(config: EngineConfig) -> dict[str, Any]:
+        """The keyword arguments of `BenchSettings` that carry `config`'s engine flags."""
+        flags = {name: getattr(config, name) for name in ENGINE_FLAGS}
+        flags["hf_overrides"] = dict(config.hf_overrides or {})
+        return {**flags, "max_model_len": config.max_model_len}
+
+    def engine_config(self, mode: str) -> EngineConfig:
+        """The engine's config in `mode` ("hybrid" or "uniform"); `max_model_len` is the
+        context length (the longest request unless given)."""
+        flags = {name: getattr(self, name) for name in ENGINE_FLAGS}
+        return EngineConfig(self.model, max_model_len=self.context_len, kv_cache_mode=mode, **flags)
+
     def __post_init__(self) -> None:
-        for name in ("input_len", "output_len", "num_prompts", "block_size", "max_num_seqs"):
+        for name in ("input_len", "output_len", "num_prompts"):
             check_positive(name, getattr(self, name))
-        check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        with engine_errors_as_bench_errors():
+            # The engine flags are the engine's to check (once, in `EngineConfig`).
+            EngineConfig(
+                self.model,
+                max_model_len=self.max_model_len,
+                **{name: getattr(self, name) for name in ENGINE_FLAGS},
+            )
         if self.max_model_len is not None:
-            check_positive("max_model_len", self.max_model_len)
             if self.max_model_len < self.longest_request:
                 what = (
                     "--input-len + --output-len"
@@ -84,18 +119,6 @@ class BenchSettings:
                 f"--prefix-len must be between 0 and --input-len ({self.input_len}), "
                 f"got {self.prefix_len}"
             )
-        if self.kv_group_layout not in GROUP_LAYOUTS:
-            raise BenchConfigError(
-                f"--kv-group-layout must be one of {', '.join(GROUP_LAYOUTS)}, "
-                f"got {self.kv_group_layout!r}"
-            )
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise BenchConfigError(
-                f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
-                f"{self.scheduling_policy!r}"
-            )
-        if self.load_format not in ("auto", "dummy"):
-            raise BenchConfigError(f"--load-format must be auto or dummy, got {self.load_format!r}")
 
     @property
     def longest_request(self) -> int:
@@ -107,6 +130,16 @@ class BenchSettings:
     @property
     def context_len(self) -> int:
         return self.max_model_len or self.longest_request
+
+
+@contextlib.contextmanager
+def engine_errors_as_bench_errors() -> Iterator[None]:
+    """An engine flag's `EngineConfigError` (or `PlanError`) as the bench front's
+    `BenchConfigError`, with the same message (it names the flag)."""
+    try:
+        yield
+    except EngineConfigError as error:
+        raise BenchConfigError(str(error)) from error
 
 
 def check_positive(name: str, value: Any) -> None:
@@ -124,3 +157,20 @@ def make_feed(settings: BenchSettings, vocab_size: int) -> Any:
         settings.num_prompts, settings.input_len, settings.prefix_len, vocab_size, settings.seed
     )
     return RandomFeed(prompts)
+
+
+def add_prompts(engine: Any, feed: Any, params: Any, mode: str) -> list[Any]:
+    """Adds to `engine` what `feed` hands out now and returns the requests. A request the
+    engine refuses (it can never fit, or is longer than `max_model_len`) is a
+    `BenchConfigError`: the workload does not fit the engine."""
+    requests = []
+    for request_id, prompt in feed.next_prompts():
+        try:
+            requests.append(engine.add_request(request_id, prompt, params))
+        except InvalidRequestError as error:
+            raise BenchConfigError(
+                f"one request of {len(prompt)}+{params.max_tokens} tokens does not fit the "
+                f"{mode} engine ({engine.kv_cache.num_blocks - 1} blocks of KV cache): {error}; "
+                "raise --kv-cache-memory (or --max-model-len)"
+            ) from error
+    return requests

@@ -15,14 +15,13 @@ from typing import Any, Optional
 from hybrid_cache.bench.cost_model import CostModel, Hardware
 from hybrid_cache.bench.errors import BenchConfigError
 from hybrid_cache.bench.metrics import RunResult, counter_deltas
-from hybrid_cache.bench.settings import BenchSettings, make_feed
+from hybrid_cache.bench.settings import BenchSettings, add_prompts, make_feed
 from hybrid_cache.bench.workload import FIRST_ORDINARY_ID
 from hybrid_cache.config import ModelSpec, load_model_spec
-from hybrid_cache.engine.errors import InsufficientKVCacheError
-from hybrid_cache.engine.llm_engine import LLMEngine, SchedulerLimits
+from hybrid_cache.engine.llm_engine import LLMEngine
 from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.engine.scheduler import SchedulerOutput
-from hybrid_cache.planner import KVCacheLayout, PlanOptions, plan_kv_cache
+from hybrid_cache.planner import KVCacheLayout, plan_kv_cache
 
 DUMMY_TOKEN_ID = FIRST_ORDINARY_ID
 
@@ -48,33 +47,20 @@ def plan_for_simulation(
     spec: ModelSpec, settings: BenchSettings, mode: str, cost: CostModel
 ) -> KVCacheLayout:
     """The layout one GPU would hold: `--kv-cache-memory`, else memory x utilization - weights."""
-    budget: Any = settings.kv_cache_memory
+    config = settings.engine_config(mode)
+    budget: Any = config.kv_cache_memory
     if budget is None:
         budget = cost.hardware.kv_cache_budget(cost.parameters.weight_bytes)
-    options = PlanOptions(
-        kv_cache_memory=budget,
-        max_model_len=settings.context_len,
-        block_size=settings.block_size,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        group_layout=settings.kv_group_layout,
-    )
-    return plan_kv_cache(spec, options, mode=mode)
+    return plan_kv_cache(spec, config.plan_options(budget, settings.context_len), mode=mode)
 
 
 def simulated_engine(
     settings: BenchSettings, spec: ModelSpec, layout: KVCacheLayout, runner: SimulatedRunner
 ) -> LLMEngine:
     """An `LLMEngine` with the bench limits whose every step runs through `runner`."""
-    limits = SchedulerLimits(
-        max_model_len=settings.context_len,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        scheduling_policy=settings.scheduling_policy,
-    )
     return LLMEngine(
         layout,
-        limits,
+        settings.engine_config(layout.mode).scheduler_limits(settings.context_len),
         vocab_size=spec.vocab_size,
         eos_token_ids=(),
         make_runner=lambda kv_cache, sampler: runner,
@@ -98,18 +84,7 @@ def simulate_mode(
     feed = make_feed(settings, spec.vocab_size)
     core_before = engine.kv_cache.stats()
 
-    def add_prompts() -> None:
-        for request_id, prompt in feed.next_prompts():
-            try:
-                engine.add_request(request_id, prompt, params)
-            except InsufficientKVCacheError as error:
-                raise BenchConfigError(
-                    f"one request of {len(prompt)}+{settings.output_len} tokens does not fit "
-                    f"the {mode} KV cache ({layout.num_blocks - 1} blocks); raise "
-                    "--kv-cache-memory"
-                ) from error
-
-    add_prompts()
+    add_prompts(engine, feed, params, mode)
     result = RunResult.starting(mode, True, layout.num_blocks, group_names(layout))
     while engine.has_unfinished_requests() or not feed.exhausted:
         finished = engine.step()
@@ -128,7 +103,7 @@ def simulate_mode(
             result.num_output_tokens += request.num_output_tokens
             feed.record(request)
         if finished:
-            add_prompts()
+            add_prompts(engine, feed, params, mode)
         if progress is not None and finished:
             progress.update(len(finished))
     result.num_preemptions = engine.stats.num_preemptions

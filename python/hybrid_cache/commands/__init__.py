@@ -2,8 +2,10 @@
 
 Adding a subcommand: write `commands/<name>.py` with `register(subparsers)` that adds its parser
 and sets `handler=<function(args) -> exit code>` with `set_defaults`, then add `<name>` to
-`COMMAND_MODULES`. Keep heavy imports (torch, the engine) inside the handler so `hybrid-cache
-plan` starts fast and works without them.
+`COMMAND_MODULES`. A command that builds an engine takes its flags from
+`engine.engine_config.add_engine_arguments` and its config from `engine_config_from_args`. Keep
+heavy imports (torch, the engine) inside the handler so `hybrid-cache plan` starts fast and
+works without them.
 """
 
 from __future__ import annotations
@@ -11,20 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from hybrid_cache.planner import GROUP_LAYOUTS
-
 COMMAND_MODULES: tuple[str, ...] = ("plan", "generate", "bench")
-
-
-def add_group_layout_argument(parser: argparse.ArgumentParser) -> None:
-    """`--kv-group-layout`, the planner's `group_layout`, for every command that plans."""
-    parser.add_argument(
-        "--kv-group-layout",
-        choices=GROUP_LAYOUTS,
-        default="auto",
-        help="KV-cache groups: equal-size ('equal'), one per layer type ('per-type'), or 'auto' "
-        "(per type where that makes fewer groups with little page padding; docs/PLANNER.md)",
-    )
 
 
 def register_all(subparsers: argparse._SubParsersAction) -> None:

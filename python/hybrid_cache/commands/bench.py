@@ -25,9 +25,12 @@ from typing import Any, Optional
 
 from hybrid_cache.bench.errors import BenchConfigError
 from hybrid_cache.bench.settings import WORKLOADS
-from hybrid_cache.commands import add_group_layout_argument
-
-MODES = {"hybrid": ("hybrid",), "uniform": ("uniform",), "both": ("hybrid", "uniform")}
+from hybrid_cache.engine.engine_config import (
+    BOTH_MODES,
+    add_engine_arguments,
+    engine_config_from_args,
+    modes_of,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,7 +39,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="throughput benchmark: hybrid vs uniform KV cache (real engine or --simulate)",
         description="Runs a fixed random workload and prints requests/s and tokens/s per mode.",
     )
-    parser.add_argument("--model", required=True, help="model folder with config.json, or preset")
+    add_engine_arguments(
+        parser,
+        both_modes=True,
+        help_texts={
+            "max_model_len": "default: the longest request",
+            "kv_cache_memory": "KV budget, e.g. 28MiB or 40GB; a comma-separated list runs each "
+            "(a budget sweep)",
+        },
+        load_format="dummy",
+        kv_cache_mode=BOTH_MODES,
+    )
     parser.add_argument(
         "--workload",
         choices=WORKLOADS,
@@ -54,34 +67,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--system-len", type=int, default=0, help="multi-turn: system prompt shared by sessions"
     )
     parser.add_argument("--turn-input-len", type=int, help="multi-turn: new user tokens per turn")
-    parser.add_argument("--max-model-len", type=int, help="default: the longest request")
-    parser.add_argument(
-        "--kv-cache-memory",
-        help="KV budget, e.g. 28MiB or 40GB; a comma-separated list runs each (a budget sweep)",
-    )
-    parser.add_argument("--block-size", type=int, default=16)
-    add_group_layout_argument(parser)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
-    )
-    parser.add_argument(
-        "--scheduling-policy",
-        default="fcfs",
-        help="admission order of waiting requests: fcfs (first come first served) or lpm "
-        "(longest cached prefix first)",
-    )
-    parser.add_argument("--load-format", choices=("auto", "dummy"), default="dummy")
-    parser.add_argument("--hf-overrides", help="JSON object merged into config.json")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-cache-mode", choices=tuple(MODES), default="both")
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="run every engine step eagerly (no CUDA graphs; today every step is eager anyway)",
-    )
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument(
         "--repeat",
@@ -106,7 +91,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--gpu-memory", default="80GB", help="--simulate: modelled GPU memory (default 80GB)"
     )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument(
         "--compare-hf",
         action="store_true",
@@ -244,9 +228,9 @@ def run_modes(args: argparse.Namespace, settings: Any) -> tuple[dict[str, Any], 
     (`--interleave`) both side by side each repeat, leading by turns; keeps each mode's fastest
     run, and every run's seconds (in each mode's run order)."""
     results: dict[str, Any] = {}
-    elapsed_all: dict[str, list] = {mode: [] for mode in MODES[args.kv_cache_mode]}
+    elapsed_all: dict[str, list] = {mode: [] for mode in modes_of(args)}
     for repeat in range(args.repeat):
-        modes = MODES[args.kv_cache_mode]
+        modes = modes_of(args)
         modes = modes if repeat % 2 == 0 else tuple(reversed(modes))
         if args.interleave:
             expected = {mode: times[-1] for mode, times in elapsed_all.items() if times}
@@ -286,23 +270,11 @@ def run_mode(args: argparse.Namespace, settings: Any, mode: str) -> Any:
 
 def settings_from_args(args: argparse.Namespace, kv_cache_memory: Optional[str]) -> Any:
     from hybrid_cache.bench.multi_turn import MultiTurnShape
-    from hybrid_cache.bench.settings import BenchSettings
+    from hybrid_cache.bench.settings import BenchSettings, engine_errors_as_bench_errors
 
-    flags = dict(
-        max_model_len=args.max_model_len,
-        kv_cache_memory=kv_cache_memory,
-        block_size=args.block_size,
-        kv_group_layout=args.kv_group_layout,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy,
-        load_format=args.load_format,
-        hf_overrides=parse_overrides(args.hf_overrides),
-        seed=args.seed,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-    )
+    with engine_errors_as_bench_errors():
+        config = engine_config_from_args(args, kv_cache_memory=kv_cache_memory)
+    flags = {**BenchSettings.engine_flags(config), "kv_cache_memory": kv_cache_memory}
     if args.workload == "multi-turn":
         shape = MultiTurnShape(
             num_sessions=args.num_sessions,
@@ -337,10 +309,6 @@ def check_flags(args: argparse.Namespace) -> None:
         raise BenchConfigError(f"--repeat must be positive, got {args.repeat}")
     if args.num_threads is not None and args.num_threads <= 0:
         raise BenchConfigError(f"--num-threads must be positive, got {args.num_threads}")
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
-        raise BenchConfigError(
-            f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
-        )
     if args.simulate:
         hardware_from_args(args)
 
@@ -394,15 +362,3 @@ def make_progress(description: str, settings: Any, num_modes: int = 1) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=settings.num_prompts * num_modes, desc=description, unit="req")
-
-
-def parse_overrides(text: Optional[str]) -> dict[str, Any]:
-    if text is None:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise BenchConfigError(f"--hf-overrides must be a JSON object: {error}") from error
-    if not isinstance(value, dict):
-        raise BenchConfigError(f"--hf-overrides must be a JSON object, got {type(value).__name__}")
-    return value

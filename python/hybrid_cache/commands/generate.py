@@ -13,8 +13,8 @@ import logging
 import random
 from typing import Any
 
-from hybrid_cache.commands import add_group_layout_argument
 from hybrid_cache.config import ConfigError
+from hybrid_cache.engine.engine_config import add_engine_arguments, engine_config_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="generate text or token ids with the engine (continuous batching, hybrid KV cache)",
         description="Runs prompts to completion and prints each output and the engine figures.",
     )
-    parser.add_argument("--model", required=True, help="model folder with config.json, or preset")
+    add_engine_arguments(parser)
     parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeat)")
     parser.add_argument(
         "--prompt-token-ids", action="append", default=[], help="comma-separated ids (repeat)"
@@ -34,26 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
-    parser.add_argument("--kv-cache-memory", help="KV budget, e.g. 512MiB (default: see docs)")
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-mode", choices=("hybrid", "uniform"), default="hybrid")
-    add_group_layout_argument(parser)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device")
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="run every engine step eagerly (no CUDA graphs; today every step is eager anyway)",
-    )
-    parser.add_argument("--hf-overrides", help="JSON object merged into config.json")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
@@ -65,25 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         # The engine logs its KV-cache plan at INFO; show it on stderr, above the outputs.
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    overrides = parse_overrides(args.hf_overrides)
-    llm = LLM(
-        args.model,
-        load_format=args.load_format,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        kv_cache_mode=args.kv_cache_mode,
-        kv_group_layout=args.kv_group_layout,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        hf_overrides=overrides,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-    )
+    llm = LLM(engine_config_from_args(args))
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -151,15 +114,3 @@ def build_prompts(args: argparse.Namespace, vocab_size: int) -> list[Any]:
             for _ in range(args.num_prompts)
         ]
     return prompts
-
-
-def parse_overrides(text: str | None) -> dict[str, Any] | None:
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"--hf-overrides must be a JSON object: {error}") from error
-    if not isinstance(value, dict):
-        raise ConfigError(f"--hf-overrides must be a JSON object, got {type(value).__name__}")
-    return value

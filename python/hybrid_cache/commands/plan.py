@@ -7,13 +7,17 @@ import argparse
 import json
 from collections import Counter
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any
 
-from hybrid_cache.commands import add_group_layout_argument
-from hybrid_cache.config import ConfigError, ModelSpec, load_model_spec
+from hybrid_cache.config import ModelSpec
+from hybrid_cache.engine.engine_config import (
+    BOTH_MODES,
+    REQUIRED,
+    add_engine_arguments,
+    engine_config_from_args,
+    modes_of,
+)
 from hybrid_cache.planner import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_PADDING_WASTE,
     KVCacheLayout,
     PlanOptions,
@@ -33,49 +37,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Groups, page size, blocks, capacity and max concurrency of a model's KV "
         "cache, for the hybrid allocator and a uniform one side by side.",
     )
-    parser.add_argument("--model", required=True, help="model folder with config.json, or preset")
-    parser.add_argument(
-        "--kv-cache-memory", required=True, help="KV budget: bytes or e.g. 40GiB, 512MB"
+    add_engine_arguments(
+        parser,
+        plan_only=True,
+        both_modes=True,
+        help_texts={"kv_cache_memory": "KV budget: bytes or e.g. 40GiB, 512MB"},
+        kv_cache_memory=REQUIRED,
+        kv_cache_mode=BOTH_MODES,
     )
-    parser.add_argument(
-        "--max-model-len", type=int, help="context length (default: max_position_embeddings)"
-    )
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    parser.add_argument("--kv-cache-mode", choices=("hybrid", "uniform", "both"), default="both")
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS
-    )
-    add_group_layout_argument(parser)
     parser.add_argument("--max-padding-waste", type=float, default=DEFAULT_MAX_PADDING_WASTE)
     parser.add_argument(
         "--strict-windows",
         action="store_true",
         help="error on windows >= max model len instead of planning them as full attention",
     )
-    parser.add_argument("--hf-overrides", help="JSON object merged into config.json")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = _parse_overrides(args.hf_overrides)
-    model = load_model_spec(args.model, overrides)
-    options = PlanOptions(
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=(
-            model.max_position_embeddings if args.max_model_len is None else args.max_model_len
-        ),
-        block_size=args.block_size,
+    config = engine_config_from_args(args)
+    model = config.model_spec()
+    options = config.plan_options(
+        config.kv_cache_memory,
+        config.resolved_max_model_len(model),
         kv_cache_dtype=args.kv_cache_dtype,
-        max_num_batched_tokens=args.max_num_batched_tokens,
         max_padding_waste=args.max_padding_waste,
         strict_windows=args.strict_windows,
-        group_layout=args.kv_group_layout,
     )
-    modes = ("hybrid", "uniform") if args.kv_cache_mode == "both" else (args.kv_cache_mode,)
     plans = {}
-    for mode in modes:
+    for mode in modes_of(args):
         layout = plan_kv_cache(model, options, mode)
         plans[mode] = (layout, report_plan(layout, model))
     if args.json:
@@ -83,18 +75,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_as_text(model, options, plans))
     return 0
-
-
-def _parse_overrides(text: Optional[str]) -> Optional[dict[str, Any]]:
-    if text is None:
-        return None
-    try:
-        overrides = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"--hf-overrides is not valid JSON ({error}): {text!r}") from error
-    if not isinstance(overrides, dict):
-        raise ConfigError("--hf-overrides must be a JSON object like '{\"sliding_window\": 512}'")
-    return overrides
 
 
 def _layer_summary(model: ModelSpec) -> str:

@@ -2,8 +2,9 @@
 
 One job per file:
 
-    llm.py            LLM: arguments, model + tokenizer, KV budget, plan, generate()
-    engine_args.py    argument checks, dtype, backend choice, plan logging
+    llm.py            LLM: its EngineConfig, model + tokenizer, KV budget, plan, generate()
+    engine_config.py  EngineConfig (validated once, the defaults) and the shared CLI flags
+    engine_args.py    dtype and end-of-sequence ids from the config, plan logging
     llm_engine.py     LLMEngine: add_request / step / abort_request, per-step figures
     step_runner.py    StepRunner: the execute(SchedulerOutput) contract a step runs through
     scheduler.py      continuous batching, chunked prefill, preemption by recompute

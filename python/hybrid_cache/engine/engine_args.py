@@ -1,5 +1,5 @@
-"""Turning `LLM(...)` arguments into engine settings: validation, dtype, end-of-sequence ids,
-and the plan summary the engine logs."""
+"""What `LLM` derives from its (already validated) `EngineConfig`: the dtype, the
+end-of-sequence ids, and the plan summary the engine logs."""
 
 from __future__ import annotations
 
@@ -10,21 +10,10 @@ from typing import Any, Union
 import torch
 
 from hybrid_cache.config import ModelSpec, normalize_dtype
-from hybrid_cache.engine.errors import EngineConfigError
 from hybrid_cache.planner import KVCacheLayout, report_plan
 from hybrid_cache.sizes import format_memory_size
 
 logger = logging.getLogger("hybrid_cache.engine.llm")
-
-
-def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise EngineConfigError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise EngineConfigError(f"{name} must be a positive int, got {value!r}")
 
 
 def resolve_dtype(

@@ -11,8 +11,6 @@ import itertools
 import operator
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -21,17 +19,6 @@ from hybrid_cache import _core
 from hybrid_cache.engine.errors import InsufficientKVCacheError
 from hybrid_cache.engine.request import Request
 from hybrid_cache.planner import KVCacheLayout
-
-
-@dataclass(frozen=True)
-class GroupDescription:
-    """What the coordinator needs to know about one KV-cache group."""
-
-    kind: str  # "full" | "sliding_window" | "chunked_local"
-    block_size: int
-    window: Optional[int] = None
-    chunk: Optional[int] = None
-
 
 _REQUEST_ID = operator.attrgetter("request_id")
 
@@ -50,10 +37,9 @@ class KVCacheManager:
         hash_seed: int = 0,
     ) -> KVCacheManager:
         """A manager for the planner's layout (its groups, in group-id order, and pool size)."""
-        groups = [GroupDescription(*spec) for spec in layout.to_group_specs()]
         return cls(
             layout.num_blocks,
-            groups,
+            layout.core_specs(),
             max_num_seqs,
             max_model_len,
             max_num_batched_tokens,
@@ -64,22 +50,18 @@ class KVCacheManager:
     def __init__(
         self,
         num_blocks: int,
-        groups: Sequence[GroupDescription],
+        groups: Sequence[_core.GroupSpec],
         max_num_seqs: int,
         max_model_len: int,
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
         hash_seed: int = 0,
     ) -> None:
-        specs = [
-            _core.GroupSpec(group.kind, group.block_size, window=group.window, chunk=group.chunk)
-            for group in groups
-        ]
-        self.groups: list[GroupDescription] = list(groups)
+        self.groups: list[_core.GroupSpec] = list(groups)
         self.enable_prefix_caching: bool = enable_prefix_caching
         self.coordinator: _core.Coordinator = _core.Coordinator(
             num_blocks,
-            specs,
+            self.groups,
             max_num_reqs=max_num_seqs,
             max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -122,6 +104,15 @@ class KVCacheManager:
         (block 0 is the null block and never handed out)."""
         return self.coordinator.max_blocks_needed(num_kv_tokens) <= self.num_blocks - 1
 
+    def does_not_fit(self, request: Request, when: str = "") -> InsufficientKVCacheError:
+        """The one error (and wording) for a request the pool can never hold: at admission,
+        when the core refuses it, or (`when`) when it fails alone in an empty pool."""
+        return InsufficientKVCacheError(
+            f"request {request.request_id!r} needs KV for {num_kv_tokens(request)} tokens, "
+            f"which does not fit the whole pool of {self.num_blocks - 1} blocks{when}; raise "
+            "kv_cache_memory, or lower max_tokens, the prompt length or max_num_batched_tokens"
+        )
+
     def add(self, request: Request) -> int:
         """Registers a request (prompt + output so far) and returns its block-table row."""
         assert request.request_id not in self.core_ids, f"{request} is already added"
@@ -131,11 +122,7 @@ class KVCacheManager:
                 core_id, request.all_token_ids, max_total_tokens=num_kv_tokens(request)
             )
         except _core.RequestTooLargeError as error:
-            raise InsufficientKVCacheError(
-                f"request {request.request_id!r} needs KV for {num_kv_tokens(request)} tokens, "
-                f"more than the pool of {self.num_blocks - 1} blocks can ever hold; raise "
-                "kv_cache_memory or lower max_tokens"
-            ) from error
+            raise self.does_not_fit(request) from error
         self.core_ids[request.request_id] = core_id
         self.rows[request.request_id] = row
         return row

@@ -3,9 +3,10 @@
     llm = LLM(model="path/to/hf-folder")            # or a preset name, e.g. "tiny-gemma3"
     outputs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8))
 
-Construction: read the config (+ `hf_overrides`) into the `ModelSpec`, build the model from that
-spec (weights from the folder, or seeded random weights with `load_format="dummy"`), size the KV cache (see `memory.py`), plan the
-layout (`planner.plan_kv_cache`, logged), and start the engine.
+Construction: the arguments become one validated `EngineConfig` (`llm.config`), then read the
+config (+ `hf_overrides`) into the `ModelSpec`, build the model from that spec (weights from the
+folder, or seeded random weights with `load_format="dummy"`), size the KV cache (see
+`memory.py`), plan the layout (`planner.plan_kv_cache`, logged), and start the engine.
 """
 
 from __future__ import annotations
@@ -13,153 +14,91 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
-from hybrid_cache.config import ModelSpec, load_model_spec
-from hybrid_cache.engine.engine_args import (
-    check_choice,
-    check_positive,
-    eos_token_ids,
-    log_plan,
-    resolve_dtype,
-)
-from hybrid_cache.engine.errors import (
-    EngineConfigError,
-    InvalidRequestError,
-    InvalidSamplingParamsError,
-)
-from hybrid_cache.engine.llm_engine import LLMEngine, SchedulerLimits
+from hybrid_cache.config import ModelSpec
+from hybrid_cache.engine.engine_args import eos_token_ids, log_plan, resolve_dtype
+from hybrid_cache.engine.engine_config import EngineConfig
+from hybrid_cache.engine.errors import InvalidRequestError, InvalidSamplingParamsError
+from hybrid_cache.engine.llm_engine import LLMEngine
 from hybrid_cache.engine.memory import kv_cache_budget
 from hybrid_cache.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepStats
 from hybrid_cache.engine.request import FinishReason, Request
 from hybrid_cache.engine.sampling_params import SamplingParams
-from hybrid_cache.engine.scheduler import SCHEDULING_POLICIES
 from hybrid_cache.engine.tokenizer import load_tokenizer
 from hybrid_cache.models import load_model
-from hybrid_cache.planner import GROUP_LAYOUTS, KVCacheLayout, PlanOptions, plan_kv_cache
-from hybrid_cache.sizes import MemorySize
+from hybrid_cache.planner import KVCacheLayout, plan_kv_cache
 
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, Mapping[str, Any]]
-DEFAULT_MAX_NUM_SEQS = 256
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 class LLM:
     """An engine over one model. `generate` runs a batch of prompts to completion."""
 
-    def __init__(
-        self,
-        model: str,
-        load_format: str = "auto",
-        kv_cache_memory: Optional[MemorySize] = None,
-        max_model_len: Optional[int] = None,
-        block_size: int = 16,
-        kv_cache_mode: str = "hybrid",
-        kv_group_layout: str = "auto",
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        hf_overrides: Optional[Mapping[str, Any]] = None,
-        dtype: Union[str, torch.dtype, None] = None,
-        device: Union[str, torch.device, None] = None,
-        seed: int = 0,
-        attention_backend: str = "auto",
-        gpu_memory_utilization: float = 0.9,
-        scheduling_policy: str = "fcfs",
-        enforce_eager: bool = False,
-    ) -> None:
+    def __init__(self, model: Union[str, os.PathLike, EngineConfig], **kwargs: Any) -> None:
         """`model`: a local Hugging Face folder (config.json + safetensors, tokenizer optional)
-        or a built-in preset name (always random weights). `dtype` defaults to the config's on
-        CUDA and float32 on the CPU; `device` to CUDA when available. `max_model_len` defaults to
-        the model's `max_position_embeddings`. Without `kv_cache_memory` the budget is profiled
-        on CUDA (`gpu_memory_utilization` of the device) and 512 MiB on the CPU.
-        `kv_group_layout`: the planner's `group_layout` ("auto", "equal" or "per-type": equal-size
-        KV-cache groups as vLLM makes them, or one group per layer type; see `planner`).
-        `attention_backend`: "auto" (per KV-cache group, the fastest backend that can run it;
-        always the vectorised torch backend on the CPU), or "torch" / "reference" / "triton" /
-        "flash_attn" forced. `scheduling_policy`: "fcfs" (first come first served) or "lpm"
-        (longest cached prefix first among the first waiting requests; see `scheduler`).
-        `enforce_eager`: run every step eagerly. Every step runs eagerly today (CUDA graphs
-        for pure-decode steps are not built yet); the flag is checked and kept
-        (`self.enforce_eager`) so callers can already pass it."""
-        check_choice("scheduling_policy", scheduling_policy, SCHEDULING_POLICIES)
-        if not isinstance(enforce_eager, bool):
-            raise EngineConfigError(f"enforce_eager must be True or False, got {enforce_eager!r}")
-        self.enforce_eager: bool = enforce_eager
-        check_choice("load_format", load_format, ("auto", "dummy"))
-        check_choice("kv_cache_mode", kv_cache_mode, ("hybrid", "uniform"))
-        check_choice("kv_group_layout", kv_group_layout, GROUP_LAYOUTS)
-        for name, value in (
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-        ):
-            check_positive(name, value)
-        if max_model_len is not None:
-            check_positive("max_model_len", max_model_len)
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise EngineConfigError(
-                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
-            )
-
+        or a built-in preset name (always random weights), or an `EngineConfig`; `kwargs`: the
+        `EngineConfig` fields (`kv_cache_memory`, `max_model_len`, `block_size`,
+        `kv_cache_mode`, `kv_group_layout`, `max_num_seqs`, `max_num_batched_tokens`,
+        `enable_prefix_caching`, `scheduling_policy`, `hf_overrides`, `load_format`, `dtype`,
+        `device`, `seed`, `attention_backend`, `gpu_memory_utilization`, `enforce_eager`; see
+        there for their defaults), or with an
+        `EngineConfig`, the fields to replace. Every argument is checked before any work: a bad
+        one raises a typed `EngineConfigError` (or `PlanError`, `MemorySizeError`,
+        `ConfigError`) naming it."""
+        self.config: EngineConfig = EngineConfig.of(model, **kwargs)
+        config = self.config
+        # Every step runs eagerly today (no CUDA graphs yet); kept so callers can pass it.
+        self.enforce_eager: bool = config.enforce_eager
         self.device: torch.device = torch.device(
-            device or ("cuda" if torch.cuda.is_available() else "cpu")
+            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        self.spec: ModelSpec = load_model_spec(model, hf_overrides)
-        self.dtype: torch.dtype = resolve_dtype(dtype, self.spec, self.device)
-        self.max_model_len: int = max_model_len or self.spec.max_position_embeddings
-        is_folder = Path(model).is_dir()
-        if load_format == "auto" and not is_folder:
+        self.spec: ModelSpec = config.model_spec()
+        self.dtype: torch.dtype = resolve_dtype(config.dtype, self.spec, self.device)
+        self.max_model_len: int = config.resolved_max_model_len(self.spec)
+        is_folder = Path(config.model).is_dir()
+        if config.load_format == "auto" and not is_folder:
             logger.info("%s is a preset without weights: using random (dummy) weights", model)
         self.model = load_model(
-            model if is_folder else None,
+            config.model if is_folder else None,
             spec=self.spec,
-            load_format=load_format if is_folder else "dummy",
+            load_format=config.load_format if is_folder else "dummy",
             dtype=self.dtype,
             device=self.device,
-            seed=seed,
+            seed=config.seed,
         )
-        self.tokenizer = load_tokenizer(model) if is_folder else None
+        self.tokenizer = load_tokenizer(config.model) if is_folder else None
 
         budget = kv_cache_budget(
             self.model,
             self.device,
-            kv_cache_memory,
-            gpu_memory_utilization,
-            max_num_batched_tokens,
-            max_num_seqs,
+            config.kv_cache_memory,
+            config.gpu_memory_utilization,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
         )
-        options = PlanOptions(
-            kv_cache_memory=budget,
-            max_model_len=self.max_model_len,
-            block_size=block_size,
-            kv_cache_dtype=str(self.dtype).removeprefix("torch."),
-            max_num_batched_tokens=max_num_batched_tokens,
-            group_layout=kv_group_layout,
+        options = config.plan_options(
+            budget, self.max_model_len, kv_cache_dtype=str(self.dtype).removeprefix("torch.")
         )
-        self.layout: KVCacheLayout = plan_kv_cache(self.spec, options, mode=kv_cache_mode)
+        self.layout: KVCacheLayout = plan_kv_cache(self.spec, options, mode=config.kv_cache_mode)
         log_plan(self.layout, self.spec)
         self.engine: LLMEngine = LLMEngine.from_model(
             self.model,
             self.layout,
-            SchedulerLimits(
-                max_model_len=self.max_model_len,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_prefix_caching=enable_prefix_caching,
-                scheduling_policy=scheduling_policy,
-            ),
+            config.scheduler_limits(self.max_model_len),
             vocab_size=self.spec.vocab_size,
             eos_token_ids=eos_token_ids(self.spec.hf_config, self.tokenizer),
             dtype=self.dtype,
             device=self.device,
-            seed=seed,
-            attention_backend=attention_backend,
+            seed=config.seed,
+            attention_backend=config.attention_backend,
         )
         self.request_counter: itertools.count[int] = itertools.count()
 

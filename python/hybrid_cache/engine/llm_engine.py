@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
+from hybrid_cache.engine.engine_config import SchedulerLimits
 from hybrid_cache.engine.errors import (
-    EngineConfigError,
-    InsufficientKVCacheError,
     InvalidRequestError,
     PromptTooLongError,
 )
@@ -31,7 +29,7 @@ from hybrid_cache.engine.outputs import EngineStats, PrefixMisses, StepStats
 from hybrid_cache.engine.request import Request
 from hybrid_cache.engine.sampler import Sampler
 from hybrid_cache.engine.sampling_params import SamplingParams
-from hybrid_cache.engine.scheduler import SCHEDULING_POLICIES, Scheduler
+from hybrid_cache.engine.scheduler import Scheduler
 from hybrid_cache.engine.step_runner import StepRunner, StepRunnerFactory
 from hybrid_cache.planner import KVCacheLayout
 
@@ -40,23 +38,6 @@ logger = logging.getLogger(__name__)
 # Per-step figures kept for callers (plots, benchmarks). Bounded so a server that loops on
 # `step()` without calling `reset_step_stats()` does not grow forever (about 270 B a step).
 MAX_STEP_STATS = 100_000
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    enable_prefix_caching: bool
-    # Admission order of waiting requests: "fcfs" or "lpm" (see `scheduler.py`).
-    scheduling_policy: str = "fcfs"
-
-    def __post_init__(self) -> None:
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise EngineConfigError(
-                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
-                f"{self.scheduling_policy!r}"
-            )
 
 
 class LLMEngine:
@@ -150,11 +131,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
         if not self.kv_cache.can_ever_fit(num_kv_tokens(request)):
-            raise InsufficientKVCacheError(
-                f"request {request_id!r} needs KV for {num_kv_tokens(request)} tokens, more than "
-                f"the whole pool ({self.kv_cache.num_blocks - 1} blocks) holds; raise "
-                "kv_cache_memory, or lower max_tokens or the prompt length"
-            )
+            raise self.kv_cache.does_not_fit(request)
         self.num_requests_added += 1
         self.unfinished_request_ids.add(request_id)
         self.scheduler.add_request(request)

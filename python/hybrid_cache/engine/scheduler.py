@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Optional
 
+from hybrid_cache.engine.engine_config import SCHEDULING_POLICIES
 from hybrid_cache.engine.errors import InsufficientKVCacheError
 from hybrid_cache.engine.request import FinishReason, Request, RequestStatus
 
@@ -99,7 +100,6 @@ def _budget_shares(
     return requests, computed_counts, new_counts
 
 
-SCHEDULING_POLICIES = ("fcfs", "lpm")
 # "lpm": how many waiting requests (from the front) are weighed by their cached prefix, and how
 # often a request may be overtaken before it goes first.
 LPM_WINDOW = 32
@@ -312,10 +312,7 @@ class Scheduler:
                     break  # blocks come back as running requests finish
                 # Nothing else holds blocks: this request can never start.
                 self._unqueue(request)
-                error = InsufficientKVCacheError(
-                    f"request {request.request_id!r} does not fit in an empty KV-cache pool; "
-                    "raise kv_cache_memory or lower max_num_batched_tokens"
-                )
+                error = self.kv_cache.does_not_fit(request, " (it fails alone, at its first step)")
                 self._fail(request, error, output)
                 continue
             if lpm:

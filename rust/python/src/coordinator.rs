@@ -1,5 +1,6 @@
 //! `Coordinator` and `GroupSpec`: conversion and error mapping around the core coordinator.
 
+use hybrid_cache_core::manager::{worst_case_live_blocks as core_worst_case, AdmissionLimits};
 use hybrid_cache_core::{
     AllocateStep, AttentionKind, Coordinator, CoordinatorConfig, ExtraKeys, GroupSpec, HashAlgo,
     MultimodalItem, NewRequest,
@@ -75,6 +76,26 @@ impl PyGroupSpec {
         }
     }
 
+    /// Most blocks a request of `max_total_tokens` tokens holds at once in this group when a
+    /// step computes at most `max_num_batched_tokens` tokens (the core's admission bound).
+    fn max_live_blocks(
+        &self,
+        max_total_tokens: i64,
+        max_num_batched_tokens: i64,
+    ) -> PyResult<usize> {
+        let reach = match self.spec.kind {
+            AttentionKind::Full => None,
+            AttentionKind::SlidingWindow { window } => Some(window),
+            AttentionKind::ChunkedLocal { chunk } => Some(chunk),
+        };
+        worst_case_live_blocks(
+            self.spec.block_size as i64,
+            reach.map(|reach| reach as i64),
+            max_total_tokens,
+            max_num_batched_tokens,
+        )
+    }
+
     fn __repr__(&self) -> String {
         let extra = match self.spec.kind {
             AttentionKind::Full => String::new(),
@@ -87,6 +108,31 @@ impl PyGroupSpec {
             self.spec.block_size
         )
     }
+}
+
+/// The core's worst case of live blocks for a group of `block_size`-token blocks whose queries
+/// see `reach` tokens back (`None`: full attention), as in `_core.pyi`. Unlike `GroupSpec`, a
+/// chunk need not be a multiple of the block size (the planner sizes groups it may reject).
+#[pyfunction]
+#[pyo3(signature = (block_size, reach, max_total_tokens, max_num_batched_tokens))]
+pub fn worst_case_live_blocks(
+    block_size: i64,
+    reach: Option<i64>,
+    max_total_tokens: i64,
+    max_num_batched_tokens: i64,
+) -> PyResult<usize> {
+    let block_size = size("block_size", block_size)?;
+    let reach = reach.map(|reach| size("reach", reach)).transpose()?;
+    if block_size == 0 || reach == Some(0) {
+        return Err(invalid_argument(format!(
+            "block_size ({block_size}) and reach ({reach:?}) must be at least 1"
+        )));
+    }
+    let limits = AdmissionLimits {
+        max_total_tokens: size("max_total_tokens", max_total_tokens)?,
+        max_num_batched_tokens: size("max_num_batched_tokens", max_num_batched_tokens)?,
+    };
+    Ok(core_worst_case(block_size, reach, limits))
 }
 
 /// The hybrid coordinator, as in `_core.pyi`.

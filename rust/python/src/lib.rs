@@ -14,11 +14,13 @@ mod table_view;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("NULL_BLOCK", hybrid_cache_core::NULL_BLOCK)?;
     errors::register(m)?;
     m.add_class::<coordinator::PyGroupSpec>()?;
     m.add_class::<coordinator::PyCoordinator>()?;
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<table_view::TableView>()?;
+    m.add_function(wrap_pyfunction!(coordinator::worst_case_live_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(attention::paged_attention_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(cache_write::write_cache_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise::rms_norm_cpu, m)?)?;

@@ -11,7 +11,7 @@
 //! is the start of M's chunk plus the run of cached blocks from there. `C` is a multiple of `B`
 //! (checked by the config), so chunk starts fall on block boundaries.
 
-use super::{AdmissionLimits, AttentionManager};
+use super::{worst_case_live_blocks, AdmissionLimits, AttentionManager};
 
 #[derive(Clone, Copy, Debug)]
 pub struct ChunkedLocalManager {
@@ -50,10 +50,6 @@ impl AttentionManager for ChunkedLocalManager {
     }
 
     fn max_live_blocks(&self, limits: AdmissionLimits) -> usize {
-        let live_tokens = (self.chunk - 1)
-            .saturating_add(limits.max_num_batched_tokens)
-            .min(limits.max_total_tokens);
-        let capped = live_tokens.div_ceil(self.block_size) + 1;
-        capped.min(limits.max_total_tokens.div_ceil(self.block_size))
+        worst_case_live_blocks(self.block_size, Some(self.chunk), limits)
     }
 }

@@ -1,7 +1,7 @@
 //! Full attention: every computed token stays visible, so nothing is released and a cache hit
 //! is the longest run of cached blocks from the left.
 
-use super::{AdmissionLimits, AttentionManager};
+use super::{worst_case_live_blocks, AdmissionLimits, AttentionManager};
 
 #[derive(Clone, Copy, Debug)]
 pub struct FullAttentionManager {
@@ -35,6 +35,6 @@ impl AttentionManager for FullAttentionManager {
     }
 
     fn max_live_blocks(&self, limits: AdmissionLimits) -> usize {
-        limits.max_total_tokens.div_ceil(self.block_size)
+        worst_case_live_blocks(self.block_size, None, limits)
     }
 }

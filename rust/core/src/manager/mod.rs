@@ -64,6 +64,29 @@ pub struct AdmissionLimits {
     pub max_num_batched_tokens: usize,
 }
 
+/// Most blocks a request within `limits` holds at once in a group of `block_size`-token blocks
+/// whose queries see at most `reach` tokens back (a sliding window or a chunk; `None` for full
+/// attention, which keeps every block): the reach plus one step of new tokens, plus one block of
+/// misalignment, and never more than all of the request's blocks. Every manager's
+/// `max_live_blocks` is this; the planner reads it through the binding.
+pub fn worst_case_live_blocks(
+    block_size: usize,
+    reach: Option<usize>,
+    limits: AdmissionLimits,
+) -> usize {
+    let all_blocks = limits.max_total_tokens.div_ceil(block_size);
+    match reach {
+        None => all_blocks,
+        Some(reach) => {
+            let live_tokens = reach
+                .saturating_sub(1)
+                .saturating_add(limits.max_num_batched_tokens)
+                .min(limits.max_total_tokens);
+            (live_tokens.div_ceil(block_size) + 1).min(all_blocks)
+        }
+    }
+}
+
 /// Everything `cache_full_blocks` needs besides the request's blocks.
 pub struct CacheContext<'a> {
     pub pool: &'a dyn BlockAllocator,

@@ -13,7 +13,7 @@
 //! everything left of it becomes the null block. A shorter run that reaches block 0 also counts
 //! (the whole prefix is cached).
 
-use super::{AdmissionLimits, AttentionManager};
+use super::{worst_case_live_blocks, AdmissionLimits, AttentionManager};
 
 #[derive(Clone, Copy, Debug)]
 pub struct SlidingWindowManager {
@@ -68,10 +68,6 @@ impl AttentionManager for SlidingWindowManager {
     }
 
     fn max_live_blocks(&self, limits: AdmissionLimits) -> usize {
-        let live_tokens = (self.window - 1)
-            .saturating_add(limits.max_num_batched_tokens)
-            .min(limits.max_total_tokens);
-        let capped = live_tokens.div_ceil(self.block_size) + 1;
-        capped.min(limits.max_total_tokens.div_ceil(self.block_size))
+        worst_case_live_blocks(self.block_size, Some(self.window), limits)
     }
 }

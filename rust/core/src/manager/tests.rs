@@ -217,3 +217,16 @@ fn caches_full_hittable_blocks_once() {
     };
     assert_eq!(pool.cached_block(key), Some(out[1]));
 }
+
+#[test]
+fn worst_case_live_blocks_is_every_managers_bound() {
+    let limits = AdmissionLimits {
+        max_total_tokens: 10_000,
+        max_num_batched_tokens: 512,
+    };
+    assert_eq!(worst_case_live_blocks(16, None, limits), 625);
+    assert_eq!(worst_case_live_blocks(16, Some(4096), limits), 289);
+    assert_eq!(worst_case_live_blocks(16, Some(64), limits), 37);
+    // A reach of one token keeps only the step's own tokens.
+    assert_eq!(worst_case_live_blocks(16, Some(1), limits), 33);
+}
