@@ -498,18 +498,11 @@ impl<P: BlockAllocator> Harness<P> {
             self.copy_sources.remove(&step.request_id);
         }
         for copy in self.coordinator.take_block_copies() {
-            let owner = steps
-                .iter()
-                .map(|step| step.request_id)
-                .find(|&id| {
-                    (0..self.specs.len()).any(|group| {
-                        self.coordinator
-                            .request_blocks(id, group)
-                            .unwrap()
-                            .contains(&copy.dst)
-                    })
-                })
-                .expect("a copy's destination belongs to a request just allocated");
+            let owner = copy.request_id;
+            assert!(
+                steps.iter().any(|step| step.request_id == owner),
+                "a copy is for a request just allocated"
+            );
             let source = self.contents.get(&copy.src).cloned();
             let source = source.expect("a copy source is a full block seen before");
             self.copied.insert(copy.dst, source);

@@ -317,18 +317,13 @@ impl Harness {
             self.copy_sources.remove(&step.request_id);
         }
         for copy in self.coordinator.take_block_copies() {
-            let owner = steps
-                .iter()
-                .map(|step| step.request_id)
-                .find(|&id| {
-                    (0..self.specs.len()).any(|group| {
-                        self.coordinator
-                            .request_blocks(id, group)
-                            .unwrap()
-                            .contains(&copy.dst)
-                    })
-                })
-                .expect("a copy's destination belongs to a request just allocated");
+            let owner = copy.request_id;
+            assert!(steps.iter().any(|step| step.request_id == owner));
+            assert!((0..self.specs.len()).any(|group| self
+                .coordinator
+                .request_blocks(owner, group)
+                .unwrap()
+                .contains(&copy.dst)));
             let filled = self.block_prefix.get(&copy.src).cloned();
             let filled = filled.expect("a copy source was filled before");
             self.block_prefix.insert(copy.dst, filled);

@@ -290,7 +290,12 @@ fn a_hit_may_end_inside_a_long_full_attention_block() {
     assert_eq!(c.find_cache_hit(3).unwrap(), 10);
     assert!(allocate(&mut c, 3, 10, 1));
     let dst = c.request_blocks(3, 0).unwrap()[1];
-    assert_eq!(c.take_block_copies(), [BlockCopy { src: f[1], dst }]);
+    let copy = BlockCopy {
+        request_id: 3,
+        src: f[1],
+        dst,
+    };
+    assert_eq!(c.take_block_copies(), [copy]);
     assert!(c.take_block_copies().is_empty(), "taken once");
     assert_eq!(
         c.pool().ref_count(f[1]),

@@ -295,7 +295,11 @@ impl<P: BlockAllocator> Coordinator<P> {
                         self.block_copies.clear(); // never taken: a caller without KV pages
                     }
                     let dst = state.groups[group].blocks[hit.rows[group].len()];
-                    self.block_copies.push(BlockCopy { src, dst });
+                    self.block_copies.push(BlockCopy {
+                        request_id: step.request_id,
+                        src,
+                        dst,
+                    });
                 }
             }
         }

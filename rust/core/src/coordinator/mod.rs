@@ -138,9 +138,11 @@ struct PrefixEntry {
 }
 
 /// A page the caller copies before the step that allocated `dst` runs: `src`'s KV (every
-/// layer slot) into `dst`. See `Coordinator::take_block_copies`.
+/// layer slot) into `dst`, for the hit of request `request_id`. See
+/// `Coordinator::take_block_copies`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockCopy {
+    pub request_id: u64,
     pub src: BlockId,
     pub dst: BlockId,
 }
