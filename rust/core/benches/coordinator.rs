@@ -2,7 +2,10 @@
 //! - one decode step for 256 running requests in 2 groups (full + window 4096, block 16) through
 //!   `allocate_batch`;
 //! - the prefix-hit lookup for a 2048-token prompt whose blocks are cached;
-//! - one decode step of a single long request while the window releases blocks.
+//! - one decode step of a single long request while the window releases blocks;
+//! - the prefix lookup and the decode step again over Gemma-3's per-type layout (window blocks
+//!   of 16 tokens, full-attention blocks of 80 keyed by 16-token units, so a hit ends inside a
+//!   full-attention block).
 //!
 //! Run: `cargo bench -p hybrid-cache-core --bench coordinator -- --warm-up-time 1
 //! --measurement-time 3`.
@@ -45,6 +48,17 @@ fn gemma2_config(
     }
 }
 
+/// Gemma-3's per-type layout: window 4096 in blocks of 16, full attention in blocks of 80.
+fn per_type_config(
+    num_blocks: usize,
+    max_num_reqs: usize,
+    max_model_len: usize,
+) -> CoordinatorConfig {
+    let mut config = gemma2_config(num_blocks, max_num_reqs, max_model_len);
+    config.groups[0].block_size = 5 * BLOCK_SIZE;
+    config
+}
+
 fn prompt(request_id: u64, len: usize) -> Vec<u32> {
     (0..len as u32)
         .map(|i| i ^ (request_id as u32) << 20)
@@ -73,12 +87,29 @@ fn running_batch(coordinator: &mut Coordinator, prompt_len: usize) -> usize {
 }
 
 fn decode_step_256(criterion: &mut Criterion) {
+    decode_step_256_over(
+        criterion,
+        gemma2_config,
+        "decode_step_256_requests_full_plus_window4096",
+    );
+    decode_step_256_over(
+        criterion,
+        per_type_config,
+        "decode_step_256_requests_per_type_80_16",
+    );
+}
+
+fn decode_step_256_over(
+    criterion: &mut Criterion,
+    config: fn(usize, usize, usize) -> CoordinatorConfig,
+    name: &str,
+) {
     const PROMPT: usize = 2000;
     const MAX_LEN: usize = 8192;
-    let mut coordinator = Coordinator::new(gemma2_config(256 * 800, 256, MAX_LEN)).unwrap();
+    let mut coordinator = Coordinator::new(config(256 * 800, 256, MAX_LEN)).unwrap();
     let mut computed = running_batch(&mut coordinator, PROMPT);
     let mut steps = Vec::with_capacity(256);
-    criterion.bench_function("decode_step_256_requests_full_plus_window4096", |bench| {
+    criterion.bench_function(name, |bench| {
         bench.iter_custom(|iterations| {
             let mut elapsed = Duration::ZERO;
             for _ in 0..iterations {
@@ -109,7 +140,21 @@ fn decode_step_256(criterion: &mut Criterion) {
 }
 
 fn prefix_hit_2048(criterion: &mut Criterion) {
-    let mut coordinator = Coordinator::new(gemma2_config(2048, 4, 4096)).unwrap();
+    prefix_hit_2048_over(criterion, gemma2_config, "prefix_hit_lookup_2048_tokens");
+    // The hit ends 32 tokens into a full-attention block, taken from the freed request's tail.
+    prefix_hit_2048_over(
+        criterion,
+        per_type_config,
+        "prefix_hit_lookup_2048_tokens_per_type",
+    );
+}
+
+fn prefix_hit_2048_over(
+    criterion: &mut Criterion,
+    config: fn(usize, usize, usize) -> CoordinatorConfig,
+    name: &str,
+) {
+    let mut coordinator = Coordinator::new(config(2048, 4, 4096)).unwrap();
     let tokens = prompt(7, 2048);
     let request = |request_id| NewRequest {
         request_id,
@@ -125,7 +170,7 @@ fn prefix_hit_2048(criterion: &mut Criterion) {
     };
     assert!(coordinator.allocate(step).unwrap());
     coordinator.free_request(0).unwrap();
-    criterion.bench_function("prefix_hit_lookup_2048_tokens", |bench| {
+    criterion.bench_function(name, |bench| {
         bench.iter(|| {
             coordinator.add_request(request(1)).unwrap();
             let hit = coordinator.find_cache_hit(1).unwrap();

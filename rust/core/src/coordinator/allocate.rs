@@ -86,24 +86,13 @@ impl<P: BlockAllocator> Coordinator<P> {
     }
 
     fn allocate_validated(&mut self, step: AllocateStep) -> Result<bool, CoreError> {
-        let state = self.requests.get_mut(&step.request_id).expect("validated");
-        // Sources of an earlier allocate's copies (only a first allocate asks for copies).
-        let had_copies = !state.copy_sources.is_empty();
-        let allocated = self.allocate_unchecked(step)?;
-        if allocated && had_copies {
-            // The step the copies were for has run: their sources are not needed any more.
-            let state = self.requests.get_mut(&step.request_id).expect("validated");
-            let released = self.pool.free_blocks(&state.copy_sources);
-            debug_assert!(released.is_ok(), "copy sources are held: {released:?}");
-            state.copy_sources.clear();
-        }
-        Ok(allocated)
-    }
-
-    fn allocate_unchecked(&mut self, step: AllocateStep) -> Result<bool, CoreError> {
         let computed = step.num_computed_tokens;
         let total = computed + step.num_new_tokens;
         let state = self.requests.get_mut(&step.request_id).expect("validated");
+        // Sources of an earlier allocate's copies (only a first allocate asks for copies, so a
+        // request that holds some takes no hit now): released once this allocate succeeds, as
+        // the step they were for has run.
+        let had_copies = !state.copy_sources.is_empty();
         let hit = match state.pending_hit.take() {
             Some(hit) if computed == hit.num_tokens && state.num_allocated == 0 => Some(hit),
             _ => None,
@@ -123,6 +112,9 @@ impl<P: BlockAllocator> Coordinator<P> {
         {
             state.num_computed = computed;
             state.num_allocated = state.num_allocated.max(total);
+            if had_copies {
+                release_copy_sources(&self.pool, state);
+            }
             return Ok(true);
         }
 
@@ -321,7 +313,15 @@ impl<P: BlockAllocator> Coordinator<P> {
                 let blocks = &mut state.groups[group];
                 let from = blocks.num_cached;
                 cache_full_blocks(manager.as_ref(), blocks, &context)?;
-                remember_cached(&self.pool, &mut self.seen_keys, keys, blocks, from);
+                let seen = &mut self.seen_keys;
+                remember_cached(
+                    manager.as_ref(),
+                    self.hit_alignment,
+                    seen,
+                    keys,
+                    blocks,
+                    from,
+                );
                 if keys.units > 1 {
                     let index = &mut self.prefix_index;
                     index_prefixes(&self.pool, index, keys, blocks, from, self.copy_epoch);
@@ -333,8 +333,18 @@ impl<P: BlockAllocator> Coordinator<P> {
                     .retain(|_, entry| pool.cached_block(entry.full) == Some(entry.block));
             }
         }
+        if had_copies {
+            release_copy_sources(&self.pool, state);
+        }
         Ok(true)
     }
+}
+
+/// Gives back the references a request's earlier hit held on its copy sources.
+fn release_copy_sources<P: BlockAllocator>(pool: &P, state: &mut RequestState) {
+    let released = pool.free_blocks(&state.copy_sources);
+    debug_assert!(released.is_ok(), "copy sources are held: {released:?}");
+    state.copy_sources.clear();
 }
 
 /// Whether an `allocate` without a hit to `total` tokens, `computed` of them computed, would
@@ -363,9 +373,10 @@ fn taken_end(hit: &PendingHit, group: usize) -> bool {
 }
 
 /// Records in `seen` the unit keys of the blocks `blocks.num_cached` was advanced over (from
-/// `from`) whose key is now cached (see `hit_stats`).
-fn remember_cached<P: BlockAllocator>(
-    pool: &P,
+/// `from`) that `cache_full_blocks` offered to the cache (see `hit_stats`).
+fn remember_cached(
+    manager: &dyn AttentionManager,
+    hit_alignment: usize,
     seen: &mut SeenKeys,
     keys: GroupKeys<'_>,
     blocks: &GroupBlocks,
@@ -376,7 +387,7 @@ fn remember_cached<P: BlockAllocator>(
         .min(blocks.blocks.len())
         .min(keys.num_full());
     for index in from..end {
-        if blocks.blocks[index] != NULL_BLOCK && pool.cached_block(keys.full(index)).is_some() {
+        if blocks.blocks[index] != NULL_BLOCK && manager.can_be_hit(index, hit_alignment) {
             for &hash in keys.unit_hashes(index, keys.units) {
                 seen.insert(keys.group as GroupId, hash);
             }

@@ -183,15 +183,27 @@ impl<P: BlockAllocator> Coordinator<P> {
                     .min_by_key(|&group| alone[group])
             })
             .expect("at least one group");
+        // A group's answer at its own `alone` is `alone`, and a full-attention group keyed by
+        // its own blocks accepts any shorter length (its cached run starts at block 0): neither
+        // is looked up again.
+        let mut accepted_at = alone.clone();
         loop {
             let mut shortened = false;
             for &group in &self.hit_order {
                 if hit == 0 {
                     break;
                 }
+                let keys = keys_of(group);
+                let plain_full = keys.units == 1
+                    && self.config.groups[group].kind == AttentionKind::Full
+                    && hit <= alone[group];
+                if hit == accepted_at[group] || plain_full {
+                    continue;
+                }
                 let manager = self.managers[group].as_ref();
-                let accepted = longest_group_hit(&lookup, manager, keys_of(group), hit);
+                let accepted = longest_group_hit(&lookup, manager, keys, hit);
                 let accepted = accepted / alignment * alignment;
+                accepted_at[group] = accepted;
                 if accepted < hit {
                     hit = accepted;
                     shortened = true;
