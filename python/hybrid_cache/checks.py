@@ -25,6 +25,11 @@ def check_positive_int(
         raise error(f"{what} must be a positive integer, got {value!r}{hint}")
 
 
+def check_bool(value: Any, what: str, error: type[HybridCacheError], hint: str = "") -> None:
+    if not isinstance(value, bool):
+        raise error(f"{what} must be True or False, got {value!r}{hint}")
+
+
 def check_choice(
     value: Any, choices: Sequence[str], what: str, error: type[HybridCacheError], hint: str = ""
 ) -> None:

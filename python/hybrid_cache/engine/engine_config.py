@@ -23,7 +23,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from hybrid_cache.checks import check_block_size, check_choice, check_positive_int, is_int
+from hybrid_cache.checks import (
+    check_block_size,
+    check_bool,
+    check_choice,
+    check_positive_int,
+    is_int,
+)
 from hybrid_cache.config import ModelSpec, load_model_spec, normalize_dtype
 from hybrid_cache.errors import ConfigError, EngineConfigError, MemorySizeError, PlanError
 from hybrid_cache.planner import (
@@ -143,11 +149,12 @@ class EngineConfig:
             PlanError,
             _hint("max_num_batched_tokens"),
         )
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise EngineConfigError(
-                f"--enable-prefix-caching must be True or False, got "
-                f"{self.enable_prefix_caching!r}{_hint('enable_prefix_caching')}"
-            )
+        check_bool(
+            self.enable_prefix_caching,
+            "--enable-prefix-caching",
+            EngineConfigError,
+            _hint("enable_prefix_caching"),
+        )
         check_choice(
             self.scheduling_policy,
             SCHEDULING_POLICIES,
@@ -155,11 +162,12 @@ class EngineConfig:
             EngineConfigError,
             _hint("scheduling_policy"),
         )
-        if not isinstance(self.enforce_eager, bool):
-            raise EngineConfigError(
-                f"--enforce-eager: enforce_eager must be True or False, got "
-                f"{self.enforce_eager!r}{_hint('enforce_eager')}"
-            )
+        check_bool(
+            self.enforce_eager,
+            "--enforce-eager: enforce_eager",
+            EngineConfigError,
+            _hint("enforce_eager"),
+        )
         if self.dtype is None:
             object.__setattr__(self, "dtype", "auto")
         if isinstance(self.dtype, str) and self.dtype != "auto":

@@ -123,14 +123,9 @@ impl<P: BlockAllocator> Coordinator<P> {
         let mut hit_blocks_now_free = 0;
         let mut released_to_free = 0;
         let (chains, layout) = (&state.hash_chains, &self.keys);
-        let key_of = |group: usize, index: usize| match &hit {
-            Some(hit) if index + 1 == hit.rows[group].len() && taken_end(hit, group) => {
-                match hit.ends[group] {
-                    Some(HitEnd::Take { key, .. }) => key,
-                    _ => unreachable!("checked by taken_end"),
-                }
-            }
-            _ => layout.keys(chains, group).full(index),
+        let key_of = |group: usize, index: usize| {
+            let taken = hit.as_ref().and_then(|hit| hit.taken_key(group, index));
+            taken.unwrap_or_else(|| layout.keys(chains, group).full(index))
         };
         for (group, manager) in self.managers.iter().enumerate() {
             let blocks = &state.groups[group];
@@ -142,7 +137,7 @@ impl<P: BlockAllocator> Coordinator<P> {
                             continue;
                         }
                         let free = self.pool.ref_count(block) == 0;
-                        let taken = index + 1 == row.len() && taken_end(hit, group);
+                        let taken = hit.taken_key(group, index).is_some();
                         if self.pool.cached_block(key_of(group, index)) != Some(block)
                             || (taken && !free)
                         {
@@ -189,7 +184,7 @@ impl<P: BlockAllocator> Coordinator<P> {
                 blocks.blocks.clone_from(&hit.rows[group]);
                 blocks.num_released = self.managers[group].num_released_blocks(computed);
                 // A taken block is not cached: it is cached again once full.
-                blocks.num_cached = hit.rows[group].len() - usize::from(taken_end(hit, group));
+                blocks.num_cached = hit.rows[group].len() - usize::from(hit.takes(group));
                 self.num_references[group] += blocks.num_held();
             }
         }
@@ -367,11 +362,6 @@ fn blocks_unchanged(
     })
 }
 
-/// Whether group `group`'s hit ends in a block the request takes (its row's last entry).
-fn taken_end(hit: &PendingHit, group: usize) -> bool {
-    matches!(hit.ends[group], Some(HitEnd::Take { .. }))
-}
-
 /// Records in `seen` the unit keys of the blocks `blocks.num_cached` was advanced over (from
 /// `from`) that `cache_full_blocks` offered to the cache (see `hit_stats`).
 fn remember_cached(
@@ -454,12 +444,9 @@ fn touch_hit<P: BlockAllocator>(
             if block == NULL_BLOCK {
                 continue;
             }
-            let key = key_of(group, index);
-            let taken = index + 1 == row.len() && taken_end(hit, group);
-            let ok = if taken {
-                pool.take_cached(block, key)
-            } else {
-                pool.touch_cached(block, key)
+            let ok = match hit.taken_key(group, index) {
+                Some(key) => pool.take_cached(block, key),
+                None => pool.touch_cached(block, key_of(group, index)),
             };
             if !ok {
                 touched.reverse();

@@ -34,7 +34,7 @@ use std::collections::HashMap;
 use super::hit_stats::Lookup;
 use super::keys::GroupKeys;
 use super::request::{HitEnd, PendingHit};
-use super::{AttentionKind, Coordinator, PrefixEntry};
+use super::{extend_chains, AttentionKind, Coordinator, PrefixEntry};
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::hashing::ExtraKeys;
@@ -133,17 +133,9 @@ impl<P: BlockAllocator> Coordinator<P> {
         if !self.config.enable_prefix_caching {
             return Ok(0);
         }
-        let chains: Vec<Vec<BlockHash>> = self
-            .keys
-            .chain_block_sizes
-            .iter()
-            .map(|&block_size| {
-                let mut chain = Vec::new();
-                self.hasher
-                    .extend_chain(tokens, block_size, extra, &mut chain);
-                chain
-            })
-            .collect();
+        let sizes = &self.keys.chain_block_sizes;
+        let mut chains = vec![Vec::new(); sizes.len()];
+        extend_chains(&self.hasher, sizes, tokens, extra, &mut chains);
         Ok(self.common_hit(&chains, tokens.len()).hit)
     }
 

@@ -51,7 +51,7 @@ use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::hashing::{BlockHasher, ExtraKeys};
 use crate::manager::{AdmissionLimits, AttentionManager, GroupBlocks};
-use crate::types::{BlockId, CacheKey, PoolStats};
+use crate::types::{BlockHash, BlockId, CacheKey, PoolStats};
 use crate::DefaultPool;
 use hit_stats::SeenKeys;
 use keys::KeyLayout;
@@ -492,9 +492,27 @@ impl<P: BlockAllocator> Coordinator<P> {
 
     /// Extends the request's hash chains to every full block of its known tokens.
     fn extend_hashes(hasher: &BlockHasher, chain_block_sizes: &[usize], state: &mut RequestState) {
-        for (chain, &block_size) in state.hash_chains.iter_mut().zip(chain_block_sizes) {
-            hasher.extend_chain(&state.tokens, block_size, &state.extra, chain);
-        }
+        let chains = &mut state.hash_chains;
+        extend_chains(
+            hasher,
+            chain_block_sizes,
+            &state.tokens,
+            &state.extra,
+            chains,
+        );
+    }
+}
+
+/// Extends `chains[c]` (blocks of `chain_block_sizes[c]` tokens) to every full block of `tokens`.
+fn extend_chains(
+    hasher: &BlockHasher,
+    chain_block_sizes: &[usize],
+    tokens: &[u32],
+    extra: &ExtraKeys,
+    chains: &mut [Vec<BlockHash>],
+) {
+    for (chain, &block_size) in chains.iter_mut().zip(chain_block_sizes) {
+        hasher.extend_chain(tokens, block_size, extra, chain);
     }
 }
 

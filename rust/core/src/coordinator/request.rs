@@ -40,6 +40,22 @@ pub struct PendingHit {
     pub ends: Vec<Option<HitEnd>>,
 }
 
+impl PendingHit {
+    /// Whether group `group`'s hit ends in a block the request takes (its row's last entry).
+    pub fn takes(&self, group: usize) -> bool {
+        matches!(self.ends[group], Some(HitEnd::Take { .. }))
+    }
+
+    /// The key block `index` of group `group`'s row is taken under, when it is the block the
+    /// hit ends inside and the request takes it (`None` for a shared block).
+    pub fn taken_key(&self, group: usize, index: usize) -> Option<CacheKey> {
+        match self.ends[group] {
+            Some(HitEnd::Take { key, .. }) if index + 1 == self.rows[group].len() => Some(key),
+            _ => None,
+        }
+    }
+}
+
 /// The block a hit ends inside: the request writes its remaining slots, so it cannot share it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HitEnd {
