@@ -168,10 +168,10 @@ class ModelRunner:
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copies page `src` into page `dst` in every slot tensor: every layer's keys and
         values of that block, whichever group it belongs to."""
-        src = torch.tensor([pair[0] for pair in copies], dtype=torch.long)
-        dst = torch.tensor([pair[1] for pair in copies], dtype=torch.long)
+        pairs = torch.tensor(copies, dtype=torch.long, device=self.device)
+        src, dst = pairs[:, 0], pairs[:, 1]
         for slot in self.slot_tensors:
-            slot.index_copy_(0, dst.to(slot.device), slot.index_select(0, src.to(slot.device)))
+            slot.index_copy_(0, dst, slot.index_select(0, src))
 
     def _prepare_inputs(
         self,

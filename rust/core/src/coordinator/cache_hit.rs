@@ -70,11 +70,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             alone,
             limiting,
         } = self.common_hit(&chains, num_tokens);
-        let lookup = EndLookup {
-            pool: &self.pool,
-            prefix_index: &self.prefix_index,
-            epoch: self.copy_epoch,
-        };
+        let lookup = self.end_lookup();
         let keys_of = |group: usize| self.keys.keys(&chains, group);
         let mut rows = Vec::with_capacity(self.managers.len());
         let mut ends = Vec::with_capacity(self.managers.len());
@@ -144,11 +140,7 @@ impl<P: BlockAllocator> Coordinator<P> {
     fn common_hit(&self, chains: &[Vec<BlockHash>], num_tokens: usize) -> CommonHit {
         let alignment = self.hit_alignment;
         let max_hit = (num_tokens - 1) / alignment * alignment;
-        let lookup = EndLookup {
-            pool: &self.pool,
-            prefix_index: &self.prefix_index,
-            epoch: self.copy_epoch,
-        };
+        let lookup = self.end_lookup();
         let keys_of = |group: usize| self.keys.keys(chains, group);
         // What each group alone accepts; the common hit is at most their minimum, and the fixed
         // point from there ends where the one from `max_hit` would (each group's answer is the
@@ -210,6 +202,16 @@ impl<P: BlockAllocator> Coordinator<P> {
             hit,
             alone,
             limiting,
+        }
+    }
+}
+
+impl<P: BlockAllocator> Coordinator<P> {
+    fn end_lookup(&self) -> EndLookup<'_, P> {
+        EndLookup {
+            pool: &self.pool,
+            prefix_index: &self.prefix_index,
+            epoch: self.copy_epoch,
         }
     }
 }
