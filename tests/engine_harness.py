@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 from hybrid_cache.attention import (
-    AttentionSpec,
+    Attention,
     assign_layer_groups,
     attention_layers,
     build_attention_metadata,
@@ -32,18 +32,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def group_key(spec: AttentionSpec) -> tuple[str, int | None]:
-    return (spec.kind, spec.window)
+def group_key(layer: Attention) -> tuple[str, int | None]:
+    return (layer.kind, layer.reach)
 
 
-def skipped_tokens(spec: AttentionSpec, num_computed: int) -> int:
+def skipped_tokens(layer: Attention, num_computed: int) -> int:
     """Tokens no query from position `num_computed` on can see.
 
     `skipped(c)` of docs/DESIGN.md "Window release"."""
-    if spec.kind == "sliding_window":
-        return max(0, num_computed - spec.window + 1)
-    if spec.kind == "chunked_local":
-        return (num_computed // spec.window) * spec.window
+    if layer.kind == "sliding_window":
+        return max(0, num_computed - layer.reach + 1)
+    if layer.kind == "chunked_local":
+        return (num_computed // layer.reach) * layer.reach
     return 0
 
 
@@ -61,13 +61,13 @@ class PagedState:
     def __init__(
         self, model: nn.Module, prompts: list[list[int]], max_new_tokens: int, block_size: int
     ) -> None:
-        specs = [layer.spec for layer in attention_layers(model)]
+        specs = attention_layers(model)
         keys: list[tuple[str, int | None]] = []
         for spec in specs:
             if group_key(spec) not in keys:
                 keys.append(group_key(spec))
         self.group_of_layer: list[int] = [keys.index(group_key(spec)) for spec in specs]
-        self.group_specs: list[AttentionSpec] = [
+        self.group_specs: list[Attention] = [
             specs[self.group_of_layer.index(group)] for group in range(len(keys))
         ]
         self.block_size: int = block_size
@@ -119,7 +119,7 @@ def greedy_generate(
 ) -> HarnessResult:
     """Greedy tokens for every prompt, all unfinished prompts batched in each forward."""
     state = PagedState(model, prompts, max_new_tokens, block_size)
-    group_attention = [(spec.kind, spec.window) for spec in state.group_specs]
+    group_attention = [(layer.kind, layer.reach) for layer in state.group_specs]
     assign_layer_groups(model, state.group_of_layer, group_attention)
     set_attention_backend(model, backend)
     device = next(model.parameters()).device

@@ -55,7 +55,7 @@ def spec_attention(spec) -> list[Attention]:
 
 
 def model_attention(model) -> list[Attention]:
-    return [(layer.spec.kind, layer.spec.window) for layer in attention_layers(model)]
+    return [(layer.kind, layer.reach) for layer in attention_layers(model)]
 
 
 def plan_for(spec):

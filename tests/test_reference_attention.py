@@ -247,4 +247,4 @@ def test_the_layer_builds_its_params_once_and_hands_them_to_the_backend() -> Non
     layer.chunk = 6
     assert (layer.sliding_window, layer.chunk, layer.params.sliding_window) == (None, 6, None)
     assert layer.params.chunk == 6 and layer.params.sinks is sinks and layer.softcap == 2.0
-    assert layer.spec.kind == "chunked_local" and layer.spec.window == 6
+    assert layer.kind == "chunked_local" and layer.reach == 6

@@ -52,6 +52,14 @@ def test_core_bound_equals_the_planner_formula(kind):
         assert spec.max_live_blocks(num_tokens, batched) == expected
 
 
+def test_live_tokens_are_the_reach_plus_one_step():
+    for _, reach, num_tokens, batched in SWEEP:
+        expected = num_tokens if reach is None else min(reach - 1 + batched, num_tokens)
+        assert _core.worst_case_live_tokens(reach, num_tokens, batched) == expected
+    with pytest.raises(InvalidArgumentError):
+        _core.worst_case_live_tokens(0, 10, 10)
+
+
 def test_admission_uses_the_same_bound():
     specs = [_core.GroupSpec("full", 16), _core.GroupSpec("sliding_window", 16, window=64)]
     coordinator = _core.Coordinator(1000, specs, 2, 8192, 128)

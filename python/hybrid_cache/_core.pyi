@@ -57,6 +57,13 @@ def worst_case_live_blocks(
     max_num_batched_tokens, max_total_tokens), block_size) + 1`, at most all of the request's
     blocks. Unlike `GroupSpec`, a chunk need not be a multiple of the block size."""
 
+def worst_case_live_tokens(
+    reach: Optional[int], max_total_tokens: int, max_num_batched_tokens: int
+) -> int:
+    """Most tokens of KV a request of `max_total_tokens` tokens keeps at once when its queries
+    see `reach` tokens back (None: all of them): `min(reach - 1 + max_num_batched_tokens,
+    max_total_tokens)`. The bound above is this in blocks, plus one of misalignment."""
+
 class BlockPool:
     """The lock-free block pool on its own (tests, benchmarks). Block 0 is the null block."""
 

@@ -67,6 +67,11 @@ class LayerSpec:
     chunk: Optional[int] = None
     hf_layer_type: Optional[str] = field(default=None, compare=False)
 
+    @property
+    def reach(self) -> Optional[int]:
+        """The window or chunk (None for full attention)."""
+        return self.window if self.kind == "sliding_window" else self.chunk
+
     def bytes_per_token(self, kv_cache_dtype: Optional[str] = None) -> int:
         """KV bytes one token takes in this layer (K and V), in the cache dtype if given."""
         element_bytes = dtype_num_bytes(kv_cache_dtype or self.dtype)

@@ -195,8 +195,7 @@ def _memory_specs(model: ModelSpec, options: PlanOptions, notes: list[str]) -> l
     specs = []
     demoted = []
     for index, layer in enumerate(model.layers):
-        reach = layer.window if layer.kind == "sliding_window" else layer.chunk
-        kind, window, chunk = layer.kind, layer.window, layer.chunk
+        kind, window, chunk, reach = layer.kind, layer.window, layer.chunk, layer.reach
         if reach is not None and reach >= options.max_model_len:
             if options.strict_windows:
                 raise WindowTooLargeError(
@@ -409,11 +408,9 @@ class PlanReport:
 
 
 def layer_tokens_kept(layer: LayerSpec, context_len: int, max_num_batched_tokens: int) -> int:
-    """Tokens of KV a layer must hold at once for a request of `context_len` tokens."""
-    reach = layer.window if layer.kind == "sliding_window" else layer.chunk
-    if reach is None:
-        return context_len
-    return min(context_len, reach - 1 + max_num_batched_tokens)
+    """Tokens of KV a layer must hold at once for a request of `context_len` tokens (the core's
+    `worst_case_live_tokens`)."""
+    return _core.worst_case_live_tokens(layer.reach, context_len, max_num_batched_tokens)
 
 
 def report_plan(

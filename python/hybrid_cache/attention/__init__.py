@@ -8,10 +8,8 @@ from hybrid_cache.attention.forward_context import (
 )
 from hybrid_cache.attention.layer import (
     Attention,
-    AttentionSpec,
     assign_layer_groups,
     attention_layers,
-    attention_specs,
     set_attention_backend,
 )
 from hybrid_cache.attention.metadata import (
@@ -25,12 +23,10 @@ from hybrid_cache.attention.metadata import (
 __all__ = [
     "Attention",
     "AttentionMetadata",
-    "AttentionSpec",
     "ForwardContext",
     "GroupMetadata",
     "assign_layer_groups",
     "attention_layers",
-    "attention_specs",
     "build_attention_metadata",
     "compute_positions",
     "compute_slot_mapping",

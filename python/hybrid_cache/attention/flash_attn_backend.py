@@ -16,7 +16,7 @@ How one step maps onto the call (per layer; the int32 tensors are built once per
     max_seqlen_q / _k    metadata.max_query_len / max_seq_len (host ints: no sync)
     causal=True          FA aligns the causal mask bottom-right: a sequence's queries are its
                          last positions, as in our metadata
-    window_size          (W - 1, 0) for a sliding window W (keys p-W+1 .. p), else (-1, -1)
+    window_size          (visibility.keys_left_of_query(W), 0) for a window W, else (-1, -1)
     softcap              the layer's cap, 0.0 for none
 
 What it cannot do, so it refuses (typed `AttentionBackendUnavailableError`, never a wrong answer):
@@ -53,6 +53,7 @@ from hybrid_cache.attention.triton_backend import (
     group_block_table,
     step_tensors,
 )
+from hybrid_cache.attention.visibility import keys_left_of_query
 from hybrid_cache.step_cache import cached_on
 
 INSTEAD = "use attention_backend='triton' (or 'auto', which picks what the layer needs)"
@@ -151,7 +152,7 @@ def paged_attention(
         max_seqlen_k=metadata.max_seq_len,
         softmax_scale=params.scale,
         causal=True,
-        window_size=(sliding_window - 1, 0) if sliding_window is not None else (-1, -1),
+        window_size=(-1, -1) if sliding_window is None else (keys_left_of_query(sliding_window), 0),
         softcap=params.softcap if params.softcap is not None else 0.0,
         block_table=group_block_table(group, device),
     )

@@ -12,7 +12,6 @@ context (`set_forward_context`), bound by the model runner:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -22,17 +21,6 @@ from hybrid_cache.attention.backends import get_attention_backend
 from hybrid_cache.attention.forward_context import get_forward_context
 from hybrid_cache.attention.params import AttentionParams
 from hybrid_cache.errors import LayerGroupMismatchError
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """What the planner and the runner need to know about one attention layer's KV cache."""
-
-    layer_index: int
-    kind: str  # "full", "sliding_window" or "chunked_local"
-    window: int | None  # the sliding window W, or the chunk size C; None for full attention
-    num_kv_heads: int
-    head_dim: int
 
 
 def _score_option(name: str) -> Any:
@@ -86,14 +74,16 @@ class Attention(nn.Module):
         self.group_id = 0
 
     @property
-    def spec(self) -> AttentionSpec:
+    def kind(self) -> str:
+        """ "sliding_window", "chunked_local" or "full" (the planner's names)."""
         if self.sliding_window is not None:
-            kind, window = "sliding_window", self.sliding_window
-        elif self.chunk is not None:
-            kind, window = "chunked_local", self.chunk
-        else:
-            kind, window = "full", None
-        return AttentionSpec(self.layer_index, kind, window, self.num_kv_heads, self.head_dim)
+            return "sliding_window"
+        return "full" if self.chunk is None else "chunked_local"
+
+    @property
+    def reach(self) -> int | None:
+        """The sliding window W or the chunk size C; None for full attention."""
+        return self.sliding_window if self.sliding_window is not None else self.chunk
 
     def forward(
         self,
@@ -121,11 +111,6 @@ def attention_layers(model: nn.Module) -> list[Attention]:
     return sorted(layers, key=lambda layer: layer.layer_index)
 
 
-def attention_specs(model: nn.Module) -> list[AttentionSpec]:
-    """One `AttentionSpec` per attention layer, ordered by layer index (the planner's input)."""
-    return [layer.spec for layer in attention_layers(model)]
-
-
 GroupAttention = tuple[str, Optional[int]]  # (kind, window or chunk; None for full attention)
 
 
@@ -139,7 +124,7 @@ def assign_layer_groups(
     that the group keeps exactly what the layer attends to.
 
     `group_of_layer[i]`: the group of the i-th attention layer (by layer index);
-    `group_attention[g]`: group g's (kind, window or chunk), as in `AttentionSpec`. A layer's own
+    `group_attention[g]`: group g's (kind, window or chunk), as a layer's `kind`/`reach`. A layer's own
     (kind, window or chunk) must equal its group's, except that a full-attention group also
     holds windowed or chunked layers whose window/chunk is at least `full_accepts_reach` (the
     planner plans those as full attention since they never slide; 1 for its uniform mode,
@@ -156,14 +141,13 @@ def assign_layer_groups(
                 f"layer {layer.layer_index} is assigned group {group_id}, but there are "
                 f"{len(group_attention)} groups"
             )
-        spec = layer.spec
         kind, reach = group_attention[group_id]
-        if (spec.kind, spec.window) == (kind, reach):
+        if (layer.kind, layer.reach) == (kind, reach):
             continue
-        demoted = spec.window is not None and full_accepts_reach is not None
-        if kind == "full" and demoted and spec.window >= full_accepts_reach:
+        demoted = layer.reach is not None and full_accepts_reach is not None
+        if kind == "full" and demoted and layer.reach >= full_accepts_reach:
             continue
-        own = spec.kind if spec.window is None else f"{spec.kind} {spec.window}"
+        own = layer.kind if layer.reach is None else f"{layer.kind} {layer.reach}"
         theirs = kind if reach is None else f"{kind} {reach}"
         raise LayerGroupMismatchError(
             f"layer {layer.layer_index} attends as {own}, but its KV-cache group {group_id} "

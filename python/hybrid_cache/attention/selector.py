@@ -384,10 +384,9 @@ def describe_attention_backends(
     """
     kinds: dict[int, str] = {}
     for layer in attention_layers(model):
-        spec = layer.spec
-        letter = "C" if spec.kind == "chunked_local" else "W"
-        window = "" if spec.window is None else f" {letter}={spec.window}"
-        kinds.setdefault(layer.group_id, f"{spec.kind}{window}")
+        letter = "C" if layer.kind == "chunked_local" else "W"
+        window = "" if layer.reach is None else f" {letter}={layer.reach}"
+        kinds.setdefault(layer.group_id, f"{layer.kind}{window}")
     parts = []
     for group, name in attention_backends_by_group(model).items():
         size = "" if block_sizes is None else f", B={block_sizes[group]}"

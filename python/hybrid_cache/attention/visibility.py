@@ -34,13 +34,19 @@ def _maximum(a: Any, b: Any) -> Any:
     return np.maximum(a, b)
 
 
+def keys_left_of_query(sliding_window: int) -> int:
+    """How many keys left of itself a query sees under a window of `sliding_window` keys
+    (flash-attn's `window_size[0]`)."""
+    return sliding_window - 1
+
+
 def first_visible_position(
     first_query: Any, sliding_window: Optional[int], chunk: Optional[int]
 ) -> Any:
     """The lowest key position a query at `first_query` (or any later one) can see."""
     low = first_query * 0
     if sliding_window is not None:
-        low = _maximum(low, first_query - sliding_window + 1)
+        low = _maximum(low, first_query - keys_left_of_query(sliding_window))
     if chunk is not None:
         low = _maximum(low, (first_query // chunk) * chunk)
     return low
@@ -50,7 +56,7 @@ def is_visible(query: Any, key: Any, sliding_window: Optional[int], chunk: Optio
     """Whether `key` is visible to `query` (positions; arrays broadcast against each other)."""
     mask = key <= query
     if sliding_window is not None:
-        mask &= key > query - sliding_window
+        mask &= key >= query - keys_left_of_query(sliding_window)
     if chunk is not None:
         mask &= (key // chunk) == (query // chunk)
     return mask

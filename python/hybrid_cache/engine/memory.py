@@ -17,10 +17,11 @@ from torch import nn
 from hybrid_cache.attention import attention_layers, build_attention_metadata, set_forward_context
 from hybrid_cache.engine.errors import EngineConfigError
 from hybrid_cache.engine.model_runner import metadata_to
+from hybrid_cache.planner import DEFAULT_BLOCK_SIZE
 from hybrid_cache.sizes import MemorySize, parse_memory_size
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 1024**2
-PROFILE_BLOCK_SIZE = 16
+PROFILE_BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # the scratch run only measures activations
 
 
 def kv_cache_budget(

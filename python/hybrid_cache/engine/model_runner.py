@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from hybrid_cache.attention import (
+    Attention,
     AttentionMetadata,
-    AttentionSpec,
     assign_layer_groups,
-    attention_specs,
+    attention_layers,
     build_attention_metadata,
     set_forward_context,
 )
@@ -56,7 +56,7 @@ def allocate_kv_caches(
     model: nn.Module, layout: KVCacheLayout, dtype: torch.dtype, device: torch.device
 ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Returns the layout's slot tensors and, per layer index, its (k_cache, v_cache) views."""
-    specs = {spec.layer_index: spec for spec in attention_specs(model)}
+    layers_by_index = {layer.layer_index: layer for layer in attention_layers(model)}
     element_size = torch.empty((), dtype=dtype).element_size()
     assert layout.page_bytes % element_size == 0, "a page must hold whole elements"
     page_elements = layout.page_bytes // element_size
@@ -72,26 +72,28 @@ def allocate_kv_caches(
         for group, members in zip(layout.groups, layers):
             for part, layer_index in enumerate(members):  # none: a padded slot of a short group
                 kv_caches[layer_index] = _layer_view(
-                    slots[slot], specs[layer_index], group.block_size, part, len(members)
+                    slots[slot], layers_by_index[layer_index], group.block_size, part, len(members)
                 )
-    assert sorted(kv_caches) == sorted(specs), "every attention layer needs a place in the layout"
+    assert sorted(kv_caches) == sorted(layers_by_index), (
+        "every attention layer needs a place in the layout"
+    )
     return slots, [kv_caches[index] for index in sorted(kv_caches)]
 
 
 def _layer_view(
-    slot: torch.Tensor, spec: AttentionSpec, block_size: int, part: int, parts: int
+    slot: torch.Tensor, layer: Attention, block_size: int, part: int, parts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(k_cache, v_cache) [num_blocks, block_size, kv_heads, head_dim] of the `part`-th of the
     `parts` layers sharing each page of `slot` [num_blocks, page elements]: keys of all parts,
     then values (see the module docstring)."""
     num_blocks, page_elements = slot.shape
-    token = spec.num_kv_heads * spec.head_dim
-    layer = block_size * token
-    assert 2 * parts * layer <= page_elements, f"layer {spec.layer_index} does not fit its page"
+    token = layer.num_kv_heads * layer.head_dim
+    block = block_size * token
+    assert 2 * parts * block <= page_elements, f"layer {layer.layer_index} does not fit its page"
     view = slot.as_strided(
-        (num_blocks, 2, block_size, spec.num_kv_heads, spec.head_dim),
-        (page_elements, parts * layer, token, spec.head_dim, 1),
-        slot.storage_offset() + part * layer,
+        (num_blocks, 2, block_size, layer.num_kv_heads, layer.head_dim),
+        (page_elements, parts * block, token, layer.head_dim, 1),
+        slot.storage_offset() + part * block,
     )
     return view[:, 0], view[:, 1]
 
@@ -114,7 +116,7 @@ class ModelRunner:
         self.device: torch.device = device
         self.sampler: Sampler = sampler
         self.block_sizes: list[int] = [group.block_size for group in kv_cache.groups]
-        layer_indices = [spec.layer_index for spec in attention_specs(model)]
+        layer_indices = [layer.layer_index for layer in attention_layers(model)]
         assign_layer_groups(
             model,
             [layout.layer_slot(index)[0] for index in layer_indices],

@@ -1,6 +1,9 @@
 //! `Coordinator` and `GroupSpec`: conversion and error mapping around the core coordinator.
 
-use hybrid_cache_core::manager::{worst_case_live_blocks as core_worst_case, AdmissionLimits};
+use hybrid_cache_core::manager::{
+    worst_case_live_blocks as core_worst_case, worst_case_live_tokens as core_live_tokens,
+    AdmissionLimits,
+};
 use hybrid_cache_core::{
     AllocateStep, AttentionKind, Coordinator, CoordinatorConfig, ExtraKeys, GroupSpec, HashAlgo,
     MultimodalItem, NewRequest,
@@ -133,6 +136,26 @@ pub fn worst_case_live_blocks(
         max_num_batched_tokens: size("max_num_batched_tokens", max_num_batched_tokens)?,
     };
     Ok(core_worst_case(block_size, reach, limits))
+}
+
+/// The core's worst case of live tokens for queries that see `reach` tokens back (`None`: full
+/// attention), as in `_core.pyi`.
+#[pyfunction]
+#[pyo3(signature = (reach, max_total_tokens, max_num_batched_tokens))]
+pub fn worst_case_live_tokens(
+    reach: Option<i64>,
+    max_total_tokens: i64,
+    max_num_batched_tokens: i64,
+) -> PyResult<usize> {
+    let reach = reach.map(|reach| size("reach", reach)).transpose()?;
+    if reach == Some(0) {
+        return Err(invalid_argument("reach must be at least 1".to_string()));
+    }
+    let limits = AdmissionLimits {
+        max_total_tokens: size("max_total_tokens", max_total_tokens)?,
+        max_num_batched_tokens: size("max_num_batched_tokens", max_num_batched_tokens)?,
+    };
+    Ok(core_live_tokens(reach, limits))
 }
 
 /// The hybrid coordinator, as in `_core.pyi`.

@@ -21,6 +21,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<table_view::TableView>()?;
     m.add_function(wrap_pyfunction!(coordinator::worst_case_live_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(coordinator::worst_case_live_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(attention::paged_attention_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(cache_write::write_cache_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise::rms_norm_cpu, m)?)?;

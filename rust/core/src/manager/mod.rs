@@ -64,11 +64,24 @@ pub struct AdmissionLimits {
     pub max_num_batched_tokens: usize,
 }
 
+/// Most tokens of KV a request within `limits` keeps at once when its queries see at most
+/// `reach` tokens back (a sliding window or a chunk; `None` for full attention, which keeps
+/// them all): the reach minus the query itself plus one step of new tokens, never more than the
+/// request's tokens. The planner's exact per-layer bytes read it through the binding.
+pub fn worst_case_live_tokens(reach: Option<usize>, limits: AdmissionLimits) -> usize {
+    match reach {
+        None => limits.max_total_tokens,
+        Some(reach) => reach
+            .saturating_sub(1)
+            .saturating_add(limits.max_num_batched_tokens)
+            .min(limits.max_total_tokens),
+    }
+}
+
 /// Most blocks a request within `limits` holds at once in a group of `block_size`-token blocks
-/// whose queries see at most `reach` tokens back (a sliding window or a chunk; `None` for full
-/// attention, which keeps every block): the reach plus one step of new tokens, plus one block of
-/// misalignment, and never more than all of the request's blocks. Every manager's
-/// `max_live_blocks` is this; the planner reads it through the binding.
+/// whose queries see at most `reach` tokens back: `worst_case_live_tokens` plus one block of
+/// misalignment for a windowed group, and never more than all of the request's blocks. Every
+/// manager's `max_live_blocks` is this; the planner reads it through the binding.
 pub fn worst_case_live_blocks(
     block_size: usize,
     reach: Option<usize>,
@@ -77,11 +90,8 @@ pub fn worst_case_live_blocks(
     let all_blocks = limits.max_total_tokens.div_ceil(block_size);
     match reach {
         None => all_blocks,
-        Some(reach) => {
-            let live_tokens = reach
-                .saturating_sub(1)
-                .saturating_add(limits.max_num_batched_tokens)
-                .min(limits.max_total_tokens);
+        Some(_) => {
+            let live_tokens = worst_case_live_tokens(reach, limits);
             (live_tokens.div_ceil(block_size) + 1).min(all_blocks)
         }
     }

@@ -230,3 +230,16 @@ fn worst_case_live_blocks_is_every_managers_bound() {
     // A reach of one token keeps only the step's own tokens.
     assert_eq!(worst_case_live_blocks(16, Some(1), limits), 33);
 }
+
+#[test]
+fn worst_case_live_tokens_is_the_reach_plus_one_step() {
+    let limits = AdmissionLimits {
+        max_total_tokens: 10_000,
+        max_num_batched_tokens: 512,
+    };
+    assert_eq!(worst_case_live_tokens(None, limits), 10_000);
+    assert_eq!(worst_case_live_tokens(Some(4096), limits), 4095 + 512);
+    assert_eq!(worst_case_live_tokens(Some(1), limits), 512);
+    // Never more than the request's tokens.
+    assert_eq!(worst_case_live_tokens(Some(20_000), limits), 10_000);
+}
