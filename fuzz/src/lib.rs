@@ -379,11 +379,17 @@ impl<P: BlockAllocator> Harness<P> {
     }
 
     fn find_hit(&mut self, id: u64) {
+        let probed = self.requests.get(&id).map(|request| {
+            self.coordinator
+                .probe_cache_hit(&request.tokens, &request.extra)
+                .expect("a probe of an added request's tokens works")
+        });
         let result = self.coordinator.find_cache_hit(id);
         let caching = self.config().enable_prefix_caching;
         match self.requests.get_mut(&id) {
             Some(request) if request.num_allocated == 0 => {
                 let hit = result.expect("a hit lookup before the first allocate works");
+                assert_eq!(probed, Some(hit), "a probe finds the hit the lookup finds");
                 assert!(
                     hit < request.tokens.len(),
                     "a hit leaves one token to compute"

@@ -2,6 +2,8 @@
 //! - one decode step for 256 running requests in 2 groups (full + window 4096, block 16) through
 //!   `allocate_batch`;
 //! - the prefix-hit lookup for a 2048-token prompt whose blocks are cached;
+//! - `probe_cache_hit` (what the "lpm" scheduler weighs per waiting request) of the same
+//!   cached prompt, and of a 2048-token prompt with nothing cached;
 //! - one decode step of a single long request while the window releases blocks;
 //! - the prefix lookup and the decode step again over Gemma-3's per-type layout (window blocks
 //!   of 16 tokens, full-attention blocks of 80 keyed by 16-token units, so a hit ends inside a
@@ -181,6 +183,46 @@ fn prefix_hit_2048_over(
     });
 }
 
+fn probe_2048(criterion: &mut Criterion) {
+    let mut coordinator = Coordinator::new(gemma2_config(2048, 4, 4096)).unwrap();
+    let cached = prompt(7, 2048);
+    coordinator
+        .add_request(NewRequest {
+            request_id: 0,
+            prompt_token_ids: &cached,
+            max_total_tokens: None,
+            extra: ExtraKeys::default(),
+        })
+        .unwrap();
+    let step = AllocateStep {
+        request_id: 0,
+        num_computed_tokens: 0,
+        num_new_tokens: 2048,
+    };
+    assert!(coordinator.allocate(step).unwrap());
+    coordinator.free_request(0).unwrap();
+    let extra = ExtraKeys::default();
+    criterion.bench_function("probe_cache_hit_2048_tokens_cached", |bench| {
+        bench.iter(|| {
+            let hit = coordinator
+                .probe_cache_hit(black_box(&cached), &extra)
+                .unwrap();
+            assert_eq!(hit, 2032);
+            hit
+        })
+    });
+    let uncached = prompt(8, 2048);
+    criterion.bench_function("probe_cache_hit_2048_tokens_uncached", |bench| {
+        bench.iter(|| {
+            let hit = coordinator
+                .probe_cache_hit(black_box(&uncached), &extra)
+                .unwrap();
+            assert_eq!(hit, 0);
+            hit
+        })
+    });
+}
+
 fn window_release_long_decode(criterion: &mut Criterion) {
     const MAX_LEN: usize = 65536;
     let mut coordinator = Coordinator::new(gemma2_config(8192, 1, MAX_LEN)).unwrap();
@@ -232,6 +274,6 @@ fn window_release_long_decode(criterion: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20);
-    targets = decode_step_256, prefix_hit_2048, window_release_long_decode
+    targets = decode_step_256, prefix_hit_2048, probe_2048, window_release_long_decode
 }
 criterion_main!(benches);

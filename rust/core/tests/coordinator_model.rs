@@ -243,10 +243,16 @@ impl Harness {
                 }
             }
             Op::Hit { slot } => {
+                let probed = self.model.get(&slot).map(|request| {
+                    self.coordinator
+                        .probe_cache_hit(&request.tokens, &ExtraKeys::default())
+                        .unwrap()
+                });
                 let result = self.coordinator.find_cache_hit(slot);
                 match self.model.get_mut(&slot) {
                     Some(request) if request.num_allocated == 0 => {
                         let hit = result.unwrap();
+                        assert_eq!(probed, Some(hit), "a probe finds the hit the lookup finds");
                         assert!(
                             hit < request.num_tokens,
                             "a hit leaves one token to compute"

@@ -41,6 +41,11 @@ use crate::hashing::ExtraKeys;
 use crate::manager::{hit_row, AttentionManager};
 use crate::types::{BlockHash, BlockId, CacheKey, GroupId};
 
+/// Blocks of the longest hash chain a probe hashes in its first round.
+const PROBE_FIRST_BLOCKS: usize = 4;
+/// How much longer each later round of a probe hashes.
+const PROBE_GROWTH: usize = 8;
+
 impl<P: BlockAllocator> Coordinator<P> {
     /// Longest prefix (tokens) every group can hit, stored on the request as its pending hit
     /// (applied by the next `allocate`); nothing in the pool is touched. 0 when prefix caching
@@ -119,6 +124,13 @@ impl<P: BlockAllocator> Coordinator<P> {
     /// The hit `find_cache_hit` would find for a prompt of `tokens` with `extra` keys, without
     /// adding a request or touching anything (not counted in the statistics): what a scheduler
     /// weighs before it admits. 0 when prefix caching is off.
+    ///
+    /// Hashes growing prefixes of the prompt (`PROBE_FIRST_BLOCKS` of the longest chain's
+    /// blocks, `PROBE_GROWTH` times longer each round) until a full-attention group's cached
+    /// run ends inside the prefix hashed so far: that run starts at token 0, so no hit reaches
+    /// past it, and every group accepts or refuses a hit point by the blocks before it, which
+    /// are all hashed. So a prompt with nothing cached costs one short round. A model with no
+    /// full-attention group hashes the whole prompt.
     pub fn probe_cache_hit(&self, tokens: &[u32], extra: &ExtraKeys) -> Result<usize, CoreError> {
         if tokens.is_empty() {
             return Err(CoreError::InvalidArgument(
@@ -131,8 +143,40 @@ impl<P: BlockAllocator> Coordinator<P> {
         }
         let sizes = &self.keys.chain_block_sizes;
         let mut chains = vec![Vec::new(); sizes.len()];
-        extend_chains(&self.hasher, sizes, tokens, extra, &mut chains);
-        Ok(self.common_hit(&chains, tokens.len()).hit)
+        let full_groups: Vec<usize> = (0..self.managers.len())
+            .filter(|&group| self.config.groups[group].kind == AttentionKind::Full)
+            .collect();
+        let first = PROBE_FIRST_BLOCKS * sizes.iter().copied().max().unwrap_or(1);
+        let mut prefix = if full_groups.is_empty() {
+            tokens.len()
+        } else {
+            first.max(self.hit_alignment + 1).min(tokens.len())
+        };
+        loop {
+            extend_chains(&self.hasher, sizes, &tokens[..prefix], extra, &mut chains);
+            if prefix == tokens.len() || self.full_run_ends_before(&full_groups, &chains, prefix) {
+                return Ok(self.common_hit(&chains, prefix).hit);
+            }
+            prefix = (PROBE_GROWTH * prefix).min(tokens.len());
+        }
+    }
+
+    /// Whether one of `full_groups` accepts less than the longest hit a prompt of `num_tokens`
+    /// tokens allows (hashed in `chains`).
+    fn full_run_ends_before(
+        &self,
+        full_groups: &[usize],
+        chains: &[Vec<BlockHash>],
+        num_tokens: usize,
+    ) -> bool {
+        let alignment = self.hit_alignment;
+        let max_hit = (num_tokens - 1) / alignment * alignment;
+        let lookup = self.end_lookup();
+        full_groups.iter().any(|&group| {
+            let keys = self.keys.keys(chains, group);
+            let manager = self.managers[group].as_ref();
+            longest_group_hit(&lookup, manager, keys, max_hit) / alignment * alignment < max_hit
+        })
     }
 
     /// The fixed point over a prompt's hash chains (see the module docs), with what each group
@@ -145,11 +189,15 @@ impl<P: BlockAllocator> Coordinator<P> {
         // What each group alone accepts; the common hit is at most their minimum, and the fixed
         // point from there ends where the one from `max_hit` would (each group's answer is the
         // longest it accepts up to the length asked).
-        let alone: Vec<usize> = (0..self.managers.len())
+        let longest: Vec<usize> = (0..self.managers.len())
             .map(|group| {
                 let manager = self.managers[group].as_ref();
-                longest_group_hit(&lookup, manager, keys_of(group), max_hit) / alignment * alignment
+                longest_group_hit(&lookup, manager, keys_of(group), max_hit)
             })
+            .collect();
+        let alone: Vec<usize> = longest
+            .iter()
+            .map(|&tokens| tokens / alignment * alignment)
             .collect();
         let mut hit = alone.iter().copied().min().expect("at least one group");
         // The group whose cached prefix ends first: among full-attention groups if any.
@@ -167,10 +215,11 @@ impl<P: BlockAllocator> Coordinator<P> {
                     .min_by_key(|&group| alone[group])
             })
             .expect("at least one group");
-        // A group's answer at its own `alone` is `alone`, and a full-attention group keyed by
-        // its own blocks accepts any shorter length (its cached run starts at block 0): neither
-        // is looked up again.
-        let mut accepted_at = alone.clone();
+        // A group accepts the length it answered (before the rounding to `alignment`: a
+        // windowed or chunked group's rounded answer needs blocks further left, looked up
+        // again), and a full-attention group keyed by its own blocks accepts any shorter length
+        // (its cached run starts at block 0): neither is looked up again.
+        let mut accepted_at = longest;
         loop {
             let mut shortened = false;
             for &group in &self.hit_order {
@@ -185,9 +234,9 @@ impl<P: BlockAllocator> Coordinator<P> {
                     continue;
                 }
                 let manager = self.managers[group].as_ref();
-                let accepted = longest_group_hit(&lookup, manager, keys, hit);
-                let accepted = accepted / alignment * alignment;
-                accepted_at[group] = accepted;
+                let answer = longest_group_hit(&lookup, manager, keys, hit);
+                accepted_at[group] = answer;
+                let accepted = answer / alignment * alignment;
                 if accepted < hit {
                     hit = accepted;
                     shortened = true;
