@@ -3,7 +3,7 @@
 # (default 60) in one process, after replaying the corpus. Exits non-zero, with the crashing input and the
 # command to reproduce it, when libFuzzer finds a crash, a panic (a broken invariant) or a leak.
 #
-#   scripts/fuzz.sh            # 60 s: the CI run
+#   scripts/fuzz.sh            # 60 s (CI runs 30 s: FUZZ_SECONDS in scripts/test.sh)
 #   scripts/fuzz.sh 900        # a long run
 #
 # Needs cargo-fuzz (`cargo install cargo-fuzz`). Uses the nightly toolchain when rustup has one;

@@ -5,9 +5,9 @@ blocks leaked (must be 0).
     python scripts/soak.py                       # 10,000 requests on tiny-gemma3
     python scripts/soak.py --requests 2000 --preset tiny-llama
 
-`LLMEngine.step_stats` keeps one `StepStats` per step until `reset_step_stats()` (`generate`
-resets it per call): about 270 B a step. The soak drops them after each step unless
-`--keep-step-stats`, so that what it measures is the engine's own state.
+`LLMEngine.step_stats` keeps one `StepStats` per step, the last `MAX_STEP_STATS` of them, until
+`reset_step_stats()` (`generate` resets it per call): about 270 B a step. The soak drops them
+after each step unless `--keep-step-stats`, so that what it measures is the engine's own state.
 
 Requests share a few prompt prefixes (so prefix-cache hits happen), the pool is small (so
 requests are preempted and recomputed), and at every step a live request is aborted with
@@ -51,8 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--keep-step-stats",
         action="store_true",
-        help="keep every step's StepStats (as one endless generate would); by default they are "
-        "dropped after each step, as a server that consumes them would",
+        help="keep the StepStats (up to MAX_STEP_STATS, as one endless generate would); by default "
+        "they are dropped after each step, as a server that consumes them would",
     )
     return parser.parse_args(argv)
 
