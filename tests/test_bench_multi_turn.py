@@ -151,26 +151,29 @@ def test_a_budget_that_holds_everything_hits_every_history(layout) -> None:
         assert counters["prefix_hits"] + misses == counters["prefix_queries"]
 
 
-def test_lpm_admission_keeps_the_histories_first_come_first_served_evicts() -> None:
+def test_lpm_admission_and_holds_keep_the_histories_first_come_first_served_evicts() -> None:
     """8 sessions served in waves over a pool that holds a few histories: first come first
     served admits each wave's misses first, and their blocks evict the histories the later
-    sessions would hit; longest-prefix-first admits the hits first."""
+    sessions would hit; longest-prefix-first admits the hits first, and holds keep each
+    waiting session's history from being evicted whatever the order."""
     shape = MultiTurnShape(
         num_sessions=8, num_turns=4, system_len=16, turn_input_len=48, output_len=16
     )
     rates = {}
-    for policy in ("fcfs", "lpm"):
+    for policy, hold in (("fcfs", False), ("lpm", False), ("fcfs", True)):
         settings = BenchSettings.for_multi_turn(
             "tiny-gemma3",
             shape,
-            kv_cache_memory="512KiB",
+            kv_cache_memory="768KiB",
             hf_overrides={"sliding_window": 32},
             scheduling_policy=policy,
+            hold_waiting_prefixes=hold,
         )
         result = simulate_mode(settings, "hybrid")
         assert result.num_requests == 32
-        rates[policy] = result.reuse.hit_rate
-    assert rates["lpm"] > rates["fcfs"] + 0.1, rates
+        rates[policy, hold] = result.reuse.hit_rate
+    assert rates["lpm", False] > rates["fcfs", False] + 0.1, rates
+    assert rates["fcfs", True] > rates["fcfs", False] + 0.2, rates
 
 
 def test_multi_turn_bench_on_the_engine_reports_reuse(tmp_path, capsys) -> None:

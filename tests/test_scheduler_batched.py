@@ -57,6 +57,8 @@ class OneAtATimeScheduler(Scheduler):
         self, request: Request, num_new_tokens: int, output: SchedulerOutput
     ) -> bool:
         while not self.kv_cache.allocate(request, request.num_computed_tokens, num_new_tokens):
+            if self._release_held():  # waiting requests' holds go before any preemption
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             output.num_preemptions += 1

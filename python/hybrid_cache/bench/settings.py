@@ -51,6 +51,7 @@ class BenchSettings:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    hold_waiting_prefixes: bool = True
     load_format: str = "dummy"
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     seed: int = 0

@@ -63,6 +63,7 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     enable_prefix_caching: bool
     scheduling_policy: str = "fcfs"
+    hold_waiting_prefixes: bool = True
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ class EngineConfig:
     on the CPU, the config's elsewhere; `device` None = CUDA when available;
     `kv_group_layout`: the planner's `group_layout`; `attention_backend`: "auto" or a backend
     name (checked by the selector, which knows the registered backends); `scheduling_policy`:
-    "fcfs" or "lpm" (`scheduler.py`); `enforce_eager`: run every step eagerly (every step does
+    "fcfs" or "lpm" (`scheduler.py`); `hold_waiting_prefixes`: a request takes its prefix-cache
+    hit when it arrives, so admissions before it cannot evict it (`scheduler.py`); `enforce_eager`: run every step eagerly (every step does
     today: CUDA graphs for pure-decode steps are not built yet, so the flag is checked and
     kept)."""
 
@@ -93,6 +95,7 @@ class EngineConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    hold_waiting_prefixes: bool = True
     # The runtime.
     dtype: Union[str, torch.dtype] = "auto"
     device: Union[str, torch.device, None] = None
@@ -161,6 +164,12 @@ class EngineConfig:
             "--scheduling-policy",
             EngineConfigError,
             _hint("scheduling_policy"),
+        )
+        check_bool(
+            self.hold_waiting_prefixes,
+            "--hold-waiting-prefixes",
+            EngineConfigError,
+            _hint("hold_waiting_prefixes"),
         )
         check_bool(
             self.enforce_eager,
@@ -235,6 +244,7 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
             scheduling_policy=self.scheduling_policy,
+            hold_waiting_prefixes=self.hold_waiting_prefixes,
         )
 
 
@@ -337,6 +347,14 @@ def add_engine_arguments(
         "scheduling_policy",
         help="admission order of waiting requests: fcfs (first come first served) or lpm "
         "(longest cached prefix first; scheduler.py)",
+    )
+    add(
+        "hold_waiting_prefixes",
+        "--hold-waiting-prefixes",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.get("hold_waiting_prefixes", True),
+        help="a request takes its prefix-cache hit on arrival, so admissions before it cannot "
+        "evict it (released, newest first, when running requests need the blocks)",
     )
     if not plan_only:
         parser.add_argument(

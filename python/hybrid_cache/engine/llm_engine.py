@@ -70,6 +70,7 @@ class LLMEngine:
             limits.max_num_seqs,
             limits.max_num_batched_tokens,
             policy=limits.scheduling_policy,
+            hold_waiting_prefixes=limits.hold_waiting_prefixes,
         )
         self.sampler: Sampler = Sampler(seed)
         self.model_runner: StepRunner = make_runner(self.kv_cache, self.sampler)
