@@ -15,6 +15,7 @@ from hybrid_cache.config import (
 from hybrid_cache.errors import (
     ConfigError,
     HybridCacheError,
+    ModelNotLocalError,
     UnknownArchitectureError,
     UnknownModelError,
 )
@@ -272,3 +273,53 @@ def test_bad_fields_raise_config_error(fields, match):
 def test_overrides_must_be_a_mapping():
     with pytest.raises(ConfigError):
         load_model_spec("tiny-llama", ["num_hidden_layers", 2])
+
+
+BUILT_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "GptOssForCausalLM": "gpt_oss",
+}
+
+
+@pytest.mark.parametrize("architecture", list(BUILT_MODEL_TYPES))
+def test_fields_a_config_leaves_out_take_transformers_class_defaults(architecture):
+    """Published configs omit fields at their class default (gemma-3-4b-it states 6 text
+    fields): the spec's text_config holds transformers' default for each field a model reads,
+    the rotary parameters of every layer type and the embedding tie included."""
+    transformers = pytest.importorskip("transformers")
+    rotary = pytest.importorskip("hybrid_cache.models.rotary")
+    spec = model_spec_from_hf_config({"architectures": [architecture]})
+    hf = transformers.AutoConfig.for_model(BUILT_MODEL_TYPES[architecture])
+    assert "rms_norm_eps" in spec.defaulted_fields and "intermediate_size" in spec.defaulted_fields
+    for key in spec.defaulted_fields:
+        if key in ("rope_theta", "rope_local_base_freq", "rope_scaling"):
+            continue  # checked as the rotary parameters below
+        if key == "sliding_window" and not spec.text_config.get("use_sliding_window", True):
+            continue  # Qwen's config object nulls it; the planner reads use_sliding_window
+        assert spec.text_config[key] == getattr(hf, key), key
+    assert spec.tie_word_embeddings == hf.tie_word_embeddings
+    for layer_type in set(getattr(hf, "layer_types", None) or ["full_attention"]):
+        theirs = hf.rope_parameters.get(layer_type, hf.rope_parameters)
+        ours = rotary.rope_parameters(spec.text_config, layer_type)
+        assert {key: ours.get(key) for key in theirs} == theirs, layer_type
+
+
+def test_a_wrapper_ties_by_its_own_field():
+    text = {"hidden_size": 64, "num_hidden_layers": 2, "tie_word_embeddings": False}
+    wrapper = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": text}
+    assert model_spec_from_hf_config(wrapper).tie_word_embeddings  # Gemma3Config's default
+    assert not model_spec_from_hf_config(
+        {**wrapper, "tie_word_embeddings": False}
+    ).tie_word_embeddings
+
+
+def test_a_hub_id_is_no_local_folder():
+    with pytest.raises(ModelNotLocalError, match="huggingface-cli download google/gemma-3-4b-it"):
+        load_model_spec("google/gemma-3-4b-it")
+    with pytest.raises(UnknownModelError, match="preset"):
+        load_model_spec("gemma-9-1t")  # no slash: a mistyped preset name

@@ -13,7 +13,14 @@ from hybrid_cache.attention import attention_layers, build_attention_metadata, s
 from hybrid_cache.config import apply_hf_overrides, load_hf_config, model_spec_from_hf_config
 from hybrid_cache.engine.llm import LLM
 from hybrid_cache.engine.sampling_params import SamplingParams
-from hybrid_cache.errors import HybridCacheError
+from hybrid_cache.errors import (
+    ConfigError,
+    HybridCacheError,
+    MissingWeightsError,
+    ModelNotLocalError,
+    UnsupportedQuantizationError,
+    UnsupportedWeightFormatError,
+)
 from hybrid_cache.models import (
     ModelLoadError,
     UnsupportedArchitectureError,
@@ -107,12 +114,14 @@ def test_malformed_config(llama_folder, tmp_path) -> None:
         load_model(folder)
 
 
-def test_config_missing_a_required_field(llama_folder, tmp_path) -> None:
+def test_config_missing_a_shape_field(llama_folder, tmp_path) -> None:
+    """A field config.json leaves out takes the class default, as in transformers; when the
+    weights disagree, the error names the defaulted field."""
     folder = copy_folder(llama_folder[0], tmp_path)
     config = load_hf_config(folder)
     del config["hidden_size"]
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="hidden_size"):
+    with pytest.raises(WeightMismatchError, match="does not state hidden_size=4096"):
         load_model(folder)
 
 
@@ -126,10 +135,55 @@ def test_truncated_safetensors(llama_folder, tmp_path) -> None:
 
 
 def test_no_weight_files(llama_folder, tmp_path) -> None:
+    """A folder with a config and no weights: download them, or run with random weights."""
     folder = copy_folder(llama_folder[0], tmp_path)
     (folder / "model.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+    with pytest.raises(MissingWeightsError, match="no weights") as error:
         load_model(folder)
+    assert "huggingface-cli download" in str(error.value)
+    assert "--load-format dummy" in str(error.value)
+    with pytest.raises(MissingWeightsError):
+        LLM(str(folder), kv_cache_memory="1MiB", max_model_len=64)
+    llm = LLM(str(folder), load_format="dummy", kv_cache_memory="1MiB", max_model_len=64)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    (output,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 3
+
+
+def test_pickle_only_folder(llama_folder, tmp_path) -> None:
+    """pytorch_model.bin without safetensors: the error says to convert."""
+    folder = copy_folder(llama_folder[0], tmp_path)
+    (folder / "model.safetensors").unlink()
+    torch.save(llama_folder[1].state_dict(), folder / "pytorch_model.bin")
+    with pytest.raises(UnsupportedWeightFormatError, match="pytorch_model.bin") as error:
+        load_model(folder)
+    assert "save_pretrained" in str(error.value) and "--load-format dummy" in str(error.value)
+    (folder / "pytorch_model.bin").rename(folder / "model.gguf")
+    with pytest.raises(UnsupportedWeightFormatError, match="GGUF"):
+        load_model(folder)
+
+
+def test_hub_id_is_not_a_folder(llama_folder) -> None:
+    """The engine downloads nothing: a Hub id gets the command that downloads it."""
+    hint = "huggingface-cli download google/gemma-3-4b-it --local-dir gemma-3-4b-it"
+    with pytest.raises(ModelNotLocalError, match=hint) as error:
+        load_model("google/gemma-3-4b-it")
+    assert isinstance(error.value, ModelLoadError) and isinstance(error.value, ConfigError)
+    spec = model_spec_from_hf_config(load_hf_config(llama_folder[0]))
+    with pytest.raises(ModelNotLocalError, match="not a local folder"):
+        load_model("google/gemma-3-4b-it", spec=spec)
+    with pytest.raises(ModelNotLocalError, match=hint):
+        LLM("google/gemma-3-4b-it")
+
+
+def test_unsupported_quantization(llama_folder, tmp_path) -> None:
+    folder = copy_folder(llama_folder[0], tmp_path)
+    config = load_hf_config(folder)
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedQuantizationError, match="'fp8'.*mxfp4"):
+        load_model(folder)
+    assert torch.isfinite(prefill_logits(load_model(folder, load_format="dummy"), [1, 2])).all()
 
 
 def test_shape_mismatch_with_config(llama_folder, tmp_path) -> None:

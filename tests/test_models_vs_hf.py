@@ -100,18 +100,22 @@ def make_hf_model(name: str, tmp_path) -> tuple[torch.nn.Module, str]:
     config = getattr(transformers, config_class)(**{**BASE, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    # Larger-than-default weights make the logits peaked, so greedy picks are far from ties.
+    peak_weights(model, matrix_std, embedding_std)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    folder = str(tmp_path / name)
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def peak_weights(model: torch.nn.Module, matrix_std: float, embedding_std: float) -> None:
+    """Larger-than-default weights make the logits peaked, so greedy picks are far from ties."""
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
             if "norm" in parameter_name:
                 parameter.normal_(0, 0.1)
             else:
                 parameter.normal_(0, embedding_std if "embed" in parameter_name else matrix_std)
-    model.eval()
-    model.generation_config.eos_token_id = None
-    folder = str(tmp_path / name)
-    model.save_pretrained(folder)
-    return model, folder
 
 
 def make_prompts() -> list[list[int]]:

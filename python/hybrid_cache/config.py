@@ -12,13 +12,19 @@ transformers itself is not imported: planning must work on a machine without it.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional, Union
 
-from hybrid_cache.errors import ConfigError, UnknownArchitectureError, UnknownModelError
+from hybrid_cache.errors import (
+    ConfigError,
+    ModelNotLocalError,
+    UnknownArchitectureError,
+    UnknownModelError,
+)
 from hybrid_cache.presets import preset_names, read_preset
 
 AttentionKind = Literal["full", "sliding_window", "chunked_local"]
@@ -82,7 +88,11 @@ class LayerSpec:
 class ModelSpec:
     """Per-layer KV specs plus the model facts the engine needs. `hf_config` is the full config
     after overrides (to build the transformers config/model); `text_config` the part describing
-    the language model (the same dict for text-only models)."""
+    the language model (the whole config for text-only models) with transformers' class default
+    filled in for every field of the architecture's table that config.json leaves out (published
+    configs omit them: gemma-3-4b-it states 6 text fields); `defaulted_fields` names those.
+    `tie_word_embeddings`: `lm_head` is the input embedding (the wrapper's own field for a
+    multimodal wrapper, as transformers ties)."""
 
     name: str
     architecture: str
@@ -97,12 +107,21 @@ class ModelSpec:
     attention_sinks: bool
     hf_config: dict[str, Any] = field(compare=False, hash=False, repr=False)
     text_config: dict[str, Any] = field(compare=False, hash=False, repr=False)
+    tie_word_embeddings: bool = False
+    defaulted_fields: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def text_architecture(self) -> str:
         """The architecture the language model is built as: `architecture` itself, or for a
-        multimodal wrapper (Gemma-3 12B/27B) the text-only architecture it wraps."""
+        multimodal wrapper (Gemma-3 4B/12B/27B) the text-only architecture it wraps."""
         return TEXT_CONFIG_WRAPPERS.get(self.architecture, self.architecture)
+
+    @property
+    def quant_method(self) -> Optional[str]:
+        """`quantization_config.quant_method` of config.json ("mxfp4" for gpt-oss), or None."""
+        quantization = self.hf_config.get("quantization_config") or {}
+        method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
+        return None if method is None else str(method)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,19 +192,32 @@ class _Architecture:
     attention_sinks: bool = False
 
 
+# Besides the planner's fields, each table holds the class defaults of the fields the model files
+# read (norm eps, MLP size and activation, biases, softcaps, rotary base, experts): a config that
+# leaves one out gets it in `ModelSpec.text_config`, as `AutoConfig` would give it.
 _COMMON = {"num_key_value_heads": None, "head_dim": None, "layer_types": None}
-_LLAMA = {
+_BUILT = {
     **_COMMON,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10_000.0,
+    "tie_word_embeddings": False,
+}
+_LLAMA = {
+    **_BUILT,
+    "hidden_act": "silu",
     "vocab_size": 32000,
     "hidden_size": 4096,
+    "intermediate_size": 11008,
     "num_hidden_layers": 32,
     "num_attention_heads": 32,
     "max_position_embeddings": 2048,
 }
 _QWEN = {
-    **_COMMON,
+    **_BUILT,
+    "hidden_act": "silu",
     "vocab_size": 151936,
     "hidden_size": 4096,
+    "intermediate_size": 22016,
     "num_hidden_layers": 32,
     "num_attention_heads": 32,
     "num_key_value_heads": 32,
@@ -195,13 +227,18 @@ _QWEN = {
     "max_window_layers": 28,
 }
 _GEMMA = {
-    **_COMMON,
+    **_BUILT,
     "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "hidden_activation": "gelu_pytorch_tanh",
     "num_hidden_layers": 26,
     "num_attention_heads": 8,
     "num_key_value_heads": 4,
     "head_dim": 256,
     "sliding_window": 4096,
+    "query_pre_attn_scalar": 256,
+    "attention_bias": False,
+    "tie_word_embeddings": True,
 }
 _LLAMA4 = {
     **_COMMON,
@@ -217,11 +254,14 @@ _LLAMA4 = {
     "attention_chunk_size": 8192,
 }
 _ARCHITECTURES: dict[str, _Architecture] = {
-    "LlamaForCausalLM": _Architecture("llama", _LLAMA, _all_full),
+    "LlamaForCausalLM": _Architecture(
+        "llama", {**_LLAMA, "attention_bias": False, "mlp_bias": False}, _all_full
+    ),
     "MistralForCausalLM": _Architecture(
         "mistral",
         {
             **_LLAMA,
+            "intermediate_size": 14336,
             "num_key_value_heads": 8,
             "max_position_embeddings": 4096 * 32,
             "sliding_window": 4096,
@@ -229,29 +269,60 @@ _ARCHITECTURES: dict[str, _Architecture] = {
         _mistral_layers,
     ),
     "Qwen2ForCausalLM": _Architecture("qwen2", _QWEN, _qwen_layers),
-    "Qwen3ForCausalLM": _Architecture("qwen3", {**_QWEN, "head_dim": 128}, _qwen_layers),
+    "Qwen3ForCausalLM": _Architecture(
+        "qwen3", {**_QWEN, "head_dim": 128, "attention_bias": False}, _qwen_layers
+    ),
     "Gemma2ForCausalLM": _Architecture(
         "gemma2",
-        {**_GEMMA, "vocab_size": 256000, "max_position_embeddings": 8192},
+        {
+            **_GEMMA,
+            "vocab_size": 256000,
+            "max_position_embeddings": 8192,
+            "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0,
+        },
         _every_nth_full(2),
     ),
     "Gemma3ForCausalLM": _Architecture(
         "gemma3_text",
-        {**_GEMMA, "vocab_size": 262_208, "max_position_embeddings": 131_072},
+        {
+            **_GEMMA,
+            "vocab_size": 262_208,
+            "max_position_embeddings": 131_072,
+            # Older configs' rotary fields: global layers' base, local (sliding) layers' base.
+            "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0,
+        },
         _every_nth_full(None),
     ),
     "GptOssForCausalLM": _Architecture(
         "gpt_oss",
         {
-            **_COMMON,
+            **_BUILT,
             "vocab_size": 201088,
             "hidden_size": 2880,
+            "intermediate_size": 2880,
             "num_hidden_layers": 36,
             "num_attention_heads": 64,
             "num_key_value_heads": 8,
             "head_dim": 64,
             "max_position_embeddings": 131072,
             "sliding_window": 128,
+            "rms_norm_eps": 1e-5,
+            "attention_bias": True,
+            "rope_theta": 150_000.0,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+            "num_local_experts": 128,
+            "num_experts_per_tok": 4,
+            "swiglu_alpha": 1.702,
+            "swiglu_limit": 7.0,
         },
         _every_nth_full(2),
         attention_sinks=True,
@@ -302,12 +373,24 @@ def load_hf_config(model: Union[str, os.PathLike]) -> dict[str, Any]:
             raise ConfigError(f"{str(path)!r} must hold a JSON object, not {type(config).__name__}")
         return config
     preset = read_preset(str(model))
+    if preset is None and ("/" in str(model) or os.sep in str(model)):
+        raise not_local_error(model)
     if preset is None:
         raise UnknownModelError(
             f"{str(model)!r} is neither a folder with a config.json nor a built-in preset; "
             f"presets: {', '.join(preset_names())}"
         )
     return preset
+
+
+def not_local_error(model: Union[str, os.PathLike]) -> ModelNotLocalError:
+    """The error for a model name that is no local folder (a Hub id, a mistyped path)."""
+    return ModelNotLocalError(
+        f"{str(model)!r} is not a local folder: the engine reads local folders only and "
+        "downloads nothing. If it is a Hugging Face Hub id, download it first, e.g. "
+        f"`huggingface-cli download {model} --local-dir {Path(str(model)).name}`, "
+        "and pass that folder's path"
+    )
 
 
 def apply_hf_overrides(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -408,6 +491,14 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str = "<config>")
             LayerSpec(kind, num_kv_heads, head_dim, head_dim, dtype, window, chunk, hf_type)
         )
 
+    # A wrapper ties by its own field (not text_config's); its class default equals its text
+    # model's (Gemma-3: True, Llama-4: False).
+    tie = config.get("tie_word_embeddings", rules.defaults.get("tie_word_embeddings", False))
+    # The fields the config leaves out take the class default (None defaults stay absent).
+    defaulted = tuple(
+        key for key, value in rules.defaults.items() if key not in text_config and value is not None
+    )
+    filled = {**{key: copy.deepcopy(rules.defaults[key]) for key in defaulted}, **text_config}
     return ModelSpec(
         name=name,
         architecture=architecture,
@@ -423,7 +514,9 @@ def model_spec_from_hf_config(config: Mapping[str, Any], name: str = "<config>")
         layers=tuple(layers),
         attention_sinks=rules.attention_sinks,
         hf_config=dict(config),
-        text_config=dict(text_config),
+        text_config=filled,
+        tie_word_embeddings=bool(tie),
+        defaulted_fields=defaulted,
     )
 
 

@@ -112,6 +112,26 @@ class WeightMismatchError(ModelLoadError):
     """A checkpoint tensor is missing, unexpected, or shaped differently from config.json."""
 
 
+class ModelNotLocalError(UnknownModelError, ModelLoadError):
+    """`--model` names no local folder (a Hugging Face Hub id, or a path that does not exist):
+    the engine reads local folders only and downloads nothing. Both a `ConfigError` (the config
+    reader raises it) and a `ModelLoadError` (so does `load_model`)."""
+
+
+class MissingWeightsError(ModelLoadError):
+    """A model folder with a config.json but no weight files."""
+
+
+class UnsupportedWeightFormatError(ModelLoadError):
+    """The folder's weights are in a format the loader does not read (PyTorch pickles, GGUF):
+    the message says how to convert them to safetensors."""
+
+
+class UnsupportedQuantizationError(ModelLoadError):
+    """config.json's `quantization_config` names a method the loader cannot dequantise (it reads
+    MXFP4 experts only)."""
+
+
 class LayerGroupMismatchError(HybridCacheError, ValueError):
     """An attention layer was put in a KV-cache group whose attention (kind, window or chunk)
     differs from the layer's own: the cache would keep or drop tokens the layer does not."""
@@ -178,7 +198,9 @@ __all__ = [
     "KernelArgumentError",
     "LayerGroupMismatchError",
     "MemorySizeError",
+    "MissingWeightsError",
     "ModelLoadError",
+    "ModelNotLocalError",
     "NoFreeBlocksError",
     "PlanError",
     "PromptTooLongError",
@@ -189,6 +211,8 @@ __all__ = [
     "UnknownModelError",
     "UnknownRequestError",
     "UnsupportedArchitectureError",
+    "UnsupportedQuantizationError",
+    "UnsupportedWeightFormatError",
     "WeightMismatchError",
     "WindowTooLargeError",
 ]

@@ -23,7 +23,7 @@ from hybrid_cache.models.rotary import RotaryEmbedding, rope_parameters
 class GemmaAttention(ProjectedSelfAttention):
     def __init__(self, spec: ModelSpec, layer_index: int, qk_norm: bool) -> None:
         config = spec.text_config
-        bias = bool(config.get("attention_bias", False))
+        bias = bool(config["attention_bias"])
         super().__init__(
             spec,
             layer_index,
@@ -51,7 +51,7 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(
             hidden,
             config["intermediate_size"],
-            config.get("hidden_activation", "gelu_pytorch_tanh"),
+            config["hidden_activation"],
         )
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset=1.0)
 

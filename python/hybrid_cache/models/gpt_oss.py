@@ -26,7 +26,7 @@ class GptOssAttention(ProjectedSelfAttention):
     """Biased projections and, from `ModelSpec.attention_sinks`, one sink logit per head."""
 
     def __init__(self, spec: ModelSpec, layer_index: int) -> None:
-        bias = bool(spec.text_config.get("attention_bias", True))
+        bias = bool(spec.text_config["attention_bias"])
         super().__init__(spec, layer_index, qkv_bias=bias, o_bias=bias)
         self.rotary = RotaryEmbedding(self.head_dim, rope_parameters(spec.text_config))
 
@@ -46,6 +46,9 @@ class GptOssRouter(nn.Module):
 
 
 class GptOssExperts(nn.Module):
+    # Stored [E, in, out]; checkpoints' MXFP4 experts are [E, out, in] (the loader transposes).
+    INPUT_MAJOR_PARAMETERS = ("gate_up_proj", "down_proj")
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         config = spec.text_config
@@ -55,8 +58,8 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * intermediate))
         self.down_proj = nn.Parameter(torch.empty(experts, intermediate, hidden))
         self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
-        self.alpha = config.get("swiglu_alpha", 1.702)
-        self.limit = config.get("swiglu_limit", 7.0)
+        self.alpha = config["swiglu_alpha"]
+        self.limit = config["swiglu_limit"]
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = x @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]

@@ -40,7 +40,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(
             spec.hidden_size,
             config["intermediate_size"],
-            config.get("hidden_act", "silu"),
+            config["hidden_act"],
             bias=bool(config.get("mlp_bias", False)),
         )
 
@@ -78,7 +78,7 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def attention_options(cls, config: dict[str, Any]) -> dict[str, bool]:
-        bias = bool(config.get("attention_bias", False))
+        bias = bool(config.get("attention_bias", False))  # Mistral has no such field
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

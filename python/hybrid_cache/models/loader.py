@@ -4,14 +4,20 @@ The model is built from a `ModelSpec` (`hybrid_cache.config`, the one config rea
 attention kinds, windows, chunks and sinks are the spec's, the same the KV-cache planner reads.
 
 Weight names in the checkpoints equal our parameter names (the model files mirror transformers'
-module tree), so loading is: read every tensor, check its shape against the parameter, copy (cast
-to the requested dtype). Tied embeddings share one parameter. Every way a folder can be wrong ends
-in a `ModelLoadError` subclass naming the file and what to fix.
+module tree), up to a multimodal wrapper's prefixes (`checkpoint_names.py`: Gemma-3 4B/12B/27B
+load their language model, the vision tower is skipped). Loading is: read every tensor of every
+file (one folder, or the shards `model.safetensors.index.json` names), check its shape against
+the parameter, copy (cast to the requested dtype). MXFP4 experts (gpt-oss: `*_blocks` +
+`*_scales`) are dequantised to that dtype (`mxfp4.py` documents the format). Tied embeddings
+share one parameter. Every way a folder can be wrong ends in a `ModelLoadError` subclass naming
+the file and what to do: no weights, pickles only, a Hub id instead of a folder, an unsupported
+quantisation, a tensor that does not fit.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -24,22 +30,49 @@ from hybrid_cache.config import (
     apply_hf_overrides,
     load_model_spec,
     model_spec_from_hf_config,
+    not_local_error,
 )
 from hybrid_cache.errors import (
     ConfigError,
+    MissingWeightsError,
     ModelLoadError,
+    ModelNotLocalError,
     UnknownArchitectureError,
     UnsupportedArchitectureError,
+    UnsupportedQuantizationError,
+    UnsupportedWeightFormatError,
     WeightMismatchError,
 )
+from hybrid_cache.models.checkpoint_names import CheckpointNames
 from hybrid_cache.models.layers import RMSNorm
+from hybrid_cache.models.mxfp4 import (
+    BLOCK_SIZE,
+    BLOCKS_SUFFIX,
+    SCALES_SUFFIX,
+    dequantize_mxfp4,
+    mxfp4_shape_error,
+)
 from hybrid_cache.models.registry import MODEL_REGISTRY, supported_architectures
 
+logger = logging.getLogger(__name__)
+
 INDEX_FILE = "model.safetensors.index.json"
-# Checkpoint entries that are not parameters (older exports saved rotary buffers).
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# Fields a config must state for a model to be built (the planner alone takes class defaults).
-STATED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_HINT = "or pass --load-format dummy (load_format='dummy') for random weights"
+# Weight files the loader does not read (PyTorch pickles), named in the error.
+PICKLES = (".bin", ".pt", ".pth")
+SUPPORTED_QUANT_METHODS = ("mxfp4",)
+MXFP4_SUFFIXES = (BLOCKS_SUFFIX, SCALES_SUFFIX)
+# The config fields weight shapes follow, named when a shape mismatch meets their class default.
+SHAPE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "num_local_experts",
+)
 
 
 def model_spec_of(
@@ -58,6 +91,8 @@ def model_spec_of(
             return load_model_spec(model, hf_overrides)
         merged = apply_hf_overrides(config, hf_overrides) if hf_overrides else dict(config)
         return model_spec_from_hf_config(merged, name=str(model or "<config>"))
+    except ModelNotLocalError:
+        raise  # a ModelLoadError already (and a ConfigError)
     except UnknownArchitectureError as error:
         raise UnsupportedArchitectureError(str(error)) from error
     except ConfigError as error:
@@ -68,19 +103,14 @@ def build_model(
     spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> nn.Module:
     """The model of `spec`, parameters of `dtype` allocated on `device`, not initialised. A
-    multimodal wrapper (Gemma-3 12B/27B) builds its language model only; a wrapper checkpoint's
-    vision tower and weight prefixes are not supported."""
+    multimodal wrapper (Gemma-3 4B/12B/27B) builds its language model only. Fields config.json
+    leaves out take transformers' class defaults (`ModelSpec.text_config`)."""
     model_class = MODEL_REGISTRY.get(spec.text_architecture)
     if model_class is None:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {spec.architecture!r}: no model file builds it; "
             f"supported: {supported_architectures()}"
         )
-    # The shape fields must be stated, not taken from a class default: the weights' shapes
-    # follow them, and a wrong default would only show up as a cryptic shape mismatch.
-    missing = [name for name in STATED_FIELDS if name not in spec.text_config]
-    if missing:
-        raise ModelLoadError(f"config.json is missing or has a bad value: {missing}")
     try:
         with torch.device("meta"):
             model = model_class(spec)
@@ -90,7 +120,9 @@ def build_model(
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
-    """The weight files of a folder: those named by the sharded index, else every *.safetensors."""
+    """The weight files of a folder: those named by the sharded index, else every *.safetensors.
+    A folder without them raises `UnsupportedWeightFormatError` (pickles, GGUF) or
+    `MissingWeightsError` (nothing), each saying what to do."""
     index_path = model_dir / INDEX_FILE
     if index_path.is_file():
         try:
@@ -100,12 +132,35 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         missing = [str(path) for path in files if not path.is_file()]
         if missing:
-            raise ModelLoadError(f"{index_path} names shard files that do not exist: {missing}")
+            raise ModelLoadError(
+                f"{index_path} names shard files that do not exist: {missing}; "
+                "download the missing shards (or the whole repository) again"
+            )
         return files
     files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors files in {model_dir}")
-    return files
+    if files:
+        return files
+    pickles = sorted(path.name for path in model_dir.iterdir() if path.name.endswith(PICKLES))
+    if pickles:
+        raise UnsupportedWeightFormatError(
+            f"{model_dir} holds PyTorch pickle weights ({', '.join(pickles[:3])}) and no "
+            "*.safetensors: the loader reads safetensors only. Convert them once with "
+            "transformers (`from_pretrained(folder)` then `save_pretrained(folder)` writes "
+            "model.safetensors), or download the repository's *.safetensors files; "
+            f"{DUMMY_HINT}"
+        )
+    gguf = sorted(path.name for path in model_dir.glob("*.gguf"))
+    if gguf:
+        raise UnsupportedWeightFormatError(
+            f"{model_dir} holds GGUF weights ({', '.join(gguf[:3])}), which the loader does not "
+            "read: use the original Hugging Face repository's *.safetensors files; "
+            f"{DUMMY_HINT}"
+        )
+    raise MissingWeightsError(
+        f"{model_dir} has a config.json but no weights (*.safetensors): download them too "
+        f"(`huggingface-cli download <repo-id> --local-dir {model_dir}` fetches the whole "
+        f"repository); {DUMMY_HINT}"
+    )
 
 
 def iterate_weights(model_dir: Path):
@@ -128,33 +183,128 @@ def tie_embeddings(model: nn.Module) -> None:
     model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def load_weights(model: nn.Module, model_dir: Path, config: Mapping[str, Any]) -> None:
-    """Copies every checkpoint tensor into its parameter; strict about names and shapes."""
-    tied = bool(config.get("tie_word_embeddings", False))
+def check_quantization(spec: ModelSpec) -> None:
+    """Raises `UnsupportedQuantizationError` for a quantisation the loader cannot undo."""
+    method = spec.quant_method
+    if method is not None and method not in SUPPORTED_QUANT_METHODS:
+        raise UnsupportedQuantizationError(
+            f"config.json's quantization_config has quant_method {method!r}; the loader "
+            f"dequantises only {', '.join(SUPPORTED_QUANT_METHODS)} (gpt-oss experts): use an "
+            f"unquantised (bf16) checkpoint of the model; {DUMMY_HINT}"
+        )
+
+
+def shape_hint(spec: ModelSpec) -> str:
+    """The shape fields config.json leaves to class defaults, for a shape mismatch message."""
+    defaulted = [name for name in SHAPE_FIELDS if name in spec.defaulted_fields]
+    if not defaulted:
+        return ""
+    values = ", ".join(f"{name}={spec.text_config[name]!r}" for name in defaulted)
+    return f" (config.json does not state {values}: transformers' defaults, used here)"
+
+
+def copy_tensor(parameter: nn.Parameter, name: str, tensor: torch.Tensor, spec: ModelSpec) -> None:
+    if tuple(tensor.shape) != tuple(parameter.shape):
+        raise WeightMismatchError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies "
+            f"{tuple(parameter.shape)}{shape_hint(spec)}"
+        )
+    with torch.no_grad():
+        parameter.copy_(tensor.to(parameter.dtype))
+
+
+def copy_mxfp4(
+    parameter: nn.Parameter,
+    name: str,
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    input_major: bool,
+    spec: ModelSpec,
+) -> None:
+    """Dequantises an MXFP4 pair (`models/mxfp4.py`) into `parameter`, one matrix at a time on
+    the parameter's device; an `input_major` parameter takes the transpose."""
+    error = mxfp4_shape_error(blocks, scales)
+    if error is not None:
+        raise WeightMismatchError(f"MXFP4 tensors {name}_blocks / _scales: {error}")
+    stored = (*blocks.shape[:-2], blocks.shape[-2] * BLOCK_SIZE)
+    shape = tuple(parameter.shape)
+    expected = (*shape[:-2], shape[-1], shape[-2]) if input_major else shape
+    if stored != expected:
+        raise WeightMismatchError(
+            f"checkpoint tensors {name}_blocks / _scales dequantise to shape {stored}, config.json "
+            f"implies {expected}{shape_hint(spec)}"
+        )
+    matrices = parameter.data.view(-1, *shape[-2:])
+    blocks = blocks.reshape(-1, *blocks.shape[-3:])
+    scales = scales.reshape(-1, *scales.shape[-2:])
+    with torch.no_grad():
+        for index in range(matrices.shape[0]):
+            device = matrices.device
+            weight = dequantize_mxfp4(blocks[index].to(device), scales[index].to(device))
+            matrices[index].copy_(weight.transpose(0, 1) if input_major else weight)
+
+
+def is_input_major(model: nn.Module, name: str) -> bool:
+    """Whether parameter `name` is stored [in, out] (its module lists it as such)."""
+    owner, _, leaf = name.rpartition(".")
+    return leaf in getattr(model.get_submodule(owner), "INPUT_MAJOR_PARAMETERS", ())
+
+
+def load_weights(model: nn.Module, model_dir: Path, spec: ModelSpec) -> None:
+    """Copies every checkpoint tensor into its parameter; strict about names and shapes.
+    Checkpoint names map through `CheckpointNames` (a wrapper's prefixes, its skipped vision
+    tower); MXFP4 pairs (`*_blocks` + `*_scales`) dequantise into the parameter they name."""
+    names = CheckpointNames(spec)
+    tied = spec.tie_word_embeddings
     if tied:
         tie_embeddings(model)
     parameters = dict(model.named_parameters())
-    loaded: set[str] = set()
+    loaded: dict[str, str] = {}
+    packed: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in iterate_weights(model_dir):
-        if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+        target = names.parameter_name(name)
+        if target is None or (tied and target == "lm_head.weight"):
             continue
-        if name not in parameters:
+        suffix = next((end for end in MXFP4_SUFFIXES if target.endswith(end)), None)
+        base = target.removesuffix(suffix) if suffix else target
+        if suffix and base in parameters:
+            pair = packed.setdefault(base, {})
+            pair[suffix] = tensor
+            if len(pair) < len(MXFP4_SUFFIXES):
+                continue
+            del packed[base]
+            input_major = is_input_major(model, base)
+            blocks, scales = pair[BLOCKS_SUFFIX], pair[SCALES_SUFFIX]
+            copy_mxfp4(parameters[base], base, blocks, scales, input_major, spec)
+        elif target in parameters:
+            base = target
+            copy_tensor(parameters[target], name, tensor, spec)
+        else:
             raise WeightMismatchError(
-                f"checkpoint tensor {name!r} has no place in {type(model).__name__}; "
-                "is config.json from the same model?"
+                f"checkpoint tensor {name!r} has no place in {type(model).__name__} "
+                f"({names.layout_hint()}); is config.json from the same model?"
             )
-        parameter = parameters[name]
-        if tuple(tensor.shape) != tuple(parameter.shape):
+        if base in loaded:
             raise WeightMismatchError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies "
-                f"{tuple(parameter.shape)}"
+                f"checkpoint tensors {loaded[base]!r} and {name!r} both load {base!r}"
             )
-        with torch.no_grad():
-            parameter.copy_(tensor.to(parameter.dtype))
-        loaded.add(name)
-    missing = sorted(set(parameters) - loaded)
+        loaded[base] = name
+    if packed:
+        unpaired = [f"{base}{next(iter(pair))}" for base, pair in packed.items()]
+        raise WeightMismatchError(
+            f"MXFP4 tensors without their other half (*_blocks needs *_scales): {unpaired[:5]}"
+        )
+    missing = sorted(set(parameters) - set(loaded))
     if missing:
         raise WeightMismatchError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    summary = names.skipped_summary()
+    if summary:
+        logger.info(
+            "%s: loaded the language model of %s, %s (text prompts only)",
+            model_dir,
+            spec.architecture,
+            summary,
+        )
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
@@ -193,19 +343,23 @@ def load_model(
     (`load_format="dummy"`). It is built from `spec` when given (the engine passes the one it
     plans from), else from the spec of `config` or of the folder's config.json, with
     `hf_overrides` deep-merged (`model_spec_of`)."""
-    if load_format not in ("auto", "dummy"):
+    if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     if spec is None:
         spec = model_spec_of(model, config, hf_overrides)
     elif config is not None or hf_overrides:
         raise ModelLoadError("give either a spec or a config (with hf_overrides), not both")
+    if load_format == "auto":
+        if model is None:
+            raise ModelLoadError("load_format='auto' needs a model folder")
+        if not Path(model).is_dir():
+            raise not_local_error(model)
+        check_quantization(spec)
     built = build_model(spec, dtype, device)
     if load_format == "dummy":
-        if spec.hf_config.get("tie_word_embeddings", False):
+        if spec.tie_word_embeddings:
             tie_embeddings(built)
         init_dummy_weights(built, seed)
     else:
-        if model is None:
-            raise ModelLoadError("load_format='auto' needs a model folder")
-        load_weights(built, Path(model), spec.hf_config)
+        load_weights(built, Path(model), spec)
     return built.eval()

@@ -10,5 +10,5 @@ from hybrid_cache.models.llama import LlamaForCausalLM
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def attention_options(cls, config: dict[str, Any]) -> dict[str, bool]:
-        bias = bool(config.get("attention_bias", False))
+        bias = bool(config["attention_bias"])
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}
