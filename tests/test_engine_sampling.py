@@ -309,6 +309,14 @@ def test_the_engine_returns_a_sample_group_with_each_sample(tiny, llm):
     assert [child.num_cached_tokens for child in group.children] == [0, 20]
     assert llm.engine.abort_request("g") is None
     assert_all_blocks_free(llm)
+    # Aborting a group mid-run (here by one sample's id) stops every sample.
+    other = llm.engine.add_request("h", PROMPT, SamplingParams(n=3, temperature=1.0))
+    llm.engine.step()
+    llm.engine.step()
+    assert llm.engine.abort_request(other.children[1].request_id) is other
+    assert [child.finish_reason.value for child in other.children] == ["abort"] * 3
+    assert "h" not in llm.engine.unfinished_request_ids
+    assert_all_blocks_free(llm)
 
 
 def test_best_of_returns_the_n_most_likely_samples(tiny, llm):

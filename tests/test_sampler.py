@@ -11,7 +11,7 @@ from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.errors import InvalidSamplingParamsError
 from hybrid_cache.engine.logprobs import token_logprobs
 from hybrid_cache.engine.penalties import apply_min_p, apply_penalties
-from hybrid_cache.engine.request import Request
+from hybrid_cache.engine.request import FinishReason, Request
 from hybrid_cache.engine.sampler import Sampler, apply_top_k_top_p
 from hybrid_cache.engine.sampling_params import SamplingParams
 from tiny_tokenizers import byte_level_bpe, metaspace_bpe
@@ -345,3 +345,49 @@ def test_stop_strings_are_found_across_tokens_and_cut_the_text():
     # The first stop string in the list that the new text completes wins.
     assert run(stop=["mat", "the"])[0] == "the"
     assert run(stop=["zebra"]) == (None, len(output), " cat sat on the mat and the dog")
+
+
+def test_special_tokens_are_in_the_text_only_when_not_skipped():
+    tokenizer = byte_level_bpe()
+    prompt = tokenizer.encode("the")
+    output = tokenizer.encode(" cat") + [tokenizer.eos_token_id] + tokenizer.encode(" sat")
+    for skip, expected in ((True, " cat sat"), (False, " cat</s> sat")):
+        params = SamplingParams(skip_special_tokens=skip)
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt, params)
+        for token in output:
+            detokenizer.add_tokens([token])
+        assert detokenizer.text == expected
+
+
+@pytest.mark.parametrize("stop", [(), ("never",)])  # decoded once at the end, or per token
+def test_a_stop_token_is_left_out_of_the_text_unless_asked(stop):
+    tokenizer = byte_level_bpe()
+    eos, prompt = tokenizer.eos_token_id, tokenizer.encode("the")
+    stop_token = tokenizer.encode(" on")[0]
+    for tokens, include, expected, reason in (
+        (" cat sat", False, " cat sat", None),
+        (" cat sat", True, " cat sat</s>", None),
+        (" cat sat on", False, " cat sat", stop_token),
+        (" cat sat on", True, " cat sat on", stop_token),
+    ):
+        params = SamplingParams(
+            stop=stop,
+            stop_token_ids=[stop_token],
+            skip_special_tokens=False,
+            include_stop_str_in_output=include,
+        )
+        request = Request(
+            "r",
+            prompt,
+            params,
+            0,
+            max_total_tokens=100,
+            eos_token_ids=(eos,),
+            detokenizer=IncrementalDetokenizer(tokenizer, prompt, params),
+        )
+        output = tokenizer.encode(tokens) + ([] if reason else [eos])
+        reasons = [request.append_output_token(token) for token in output]
+        assert reasons == [None] * (len(output) - 1) + [FinishReason.STOP]
+        assert request.stop_reason == reason and request.output_token_ids == output
+        request.finish_text()
+        assert request.output_text == expected

@@ -224,21 +224,24 @@ class LLMEngine:
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> Optional[Finished]:
-        """Stops a request (every sample of it) and returns its blocks; None when it is
-        unknown or finished."""
-        group = self.groups.pop(request_id, None)
+        """Stops a request (every sample of it: a sample's id stops its whole group) and
+        returns its blocks; None when it is unknown or finished."""
+        group = self.groups.get(request_id) or self.group_of_child.get(request_id)
         if group is not None:
+            del self.groups[group.request_id]
             for child in group.children:
                 if self.scheduler.abort_request(child.request_id) is not None:
                     self.sampler.free(child.request_id)
+                    child.finish_text()
                 self.group_of_child.pop(child.request_id, None)
             group.num_unfinished = 0
-            self.unfinished_request_ids.discard(request_id)
+            self.unfinished_request_ids.discard(group.request_id)
             return group
         request = self.scheduler.abort_request(request_id)
         if request is not None:
             self.sampler.free(request_id)
             self.unfinished_request_ids.discard(request_id)
+            request.finish_text()  # the text so far
         return request
 
     def reset_step_stats(self) -> None:
