@@ -1,12 +1,20 @@
-"""Sampler: greedy, temperature, top-k / top-p filters, seeded determinism."""
+"""Sampler: greedy, temperature, top-k / top-p / min-p filters, penalties, min_tokens, seeded
+determinism, logprobs; SamplingParams validation; incremental detokenization and stop strings."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.errors import InvalidSamplingParamsError
+from hybrid_cache.engine.logprobs import token_logprobs
+from hybrid_cache.engine.penalties import apply_min_p, apply_penalties
+from hybrid_cache.engine.request import FinishReason, Request
 from hybrid_cache.engine.sampler import Sampler, apply_top_k_top_p
 from hybrid_cache.engine.sampling_params import SamplingParams
+from tiny_tokenizers import byte_level_bpe, metaspace_bpe
 
 
 def test_greedy_takes_argmax():
@@ -75,7 +83,7 @@ def test_free_forgets_generator():
         {"temperature": -0.1},
         {"temperature": float("nan")},
         {"temperature": float("inf")},
-        {"top_k": -1},
+        {"top_k": -2},
         {"top_p": 0.0},
         {"top_p": 1.5},
         {"seed": "x"},
@@ -101,3 +109,285 @@ def test_sampling_params_normalise_stop_token_ids():
         SamplingParams(stop_token_ids=(4, 5))
     )
     assert SamplingParams(temperature=0).is_greedy and not SamplingParams(temperature=0.5).is_greedy
+
+
+# --- vLLM's sampling params: penalties, min_p, min_tokens, top_k=-1, validation -------------
+
+
+def make_request(prompt, output, params, request_id="r", eos=(2,)):
+    """A `Request` whose output so far is `output`."""
+    request = Request(request_id, list(prompt), params, 0, max_total_tokens=1000, eos_token_ids=eos)
+    for token in output:
+        request.output_token_ids.append(token)
+        request.all_token_ids.append(token)
+    return request
+
+
+def reference_penalties(logits, prompt, output, presence, frequency, repetition):
+    """vLLM's / HF's formulas written token by token."""
+    logits = logits.clone()
+    for token in set(prompt) | set(output):
+        value = logits[token]
+        logits[token] = value / repetition if value > 0 else value * repetition
+    for token in set(output):
+        logits[token] -= frequency * output.count(token) + presence
+    return logits
+
+
+def test_penalties_match_the_formula_on_logits():
+    torch.manual_seed(0)
+    vocab = 50
+    logits = torch.randn(3, vocab) * 3
+    prompts = [[1, 4, 4, 9], [7, 8], [3]]
+    outputs = [[4, 5, 5, 5, 11], [], [3, 3, 20]]
+    settings = [(0.5, 0.3, 1.5), (-0.4, 1.0, 0.7), (0.0, 0.0, 1.3)]
+    penalised = apply_penalties(
+        logits,
+        [torch.tensor(sorted(set(p))) for p in prompts],
+        outputs,
+        *[list(column) for column in zip(*settings)],
+    )
+    for row in range(3):
+        expected = reference_penalties(logits[row], prompts[row], outputs[row], *settings[row])
+        assert torch.allclose(penalised[row], expected, atol=1e-6), row
+    assert not torch.equal(penalised, logits)
+
+
+def test_penalised_greedy_rows_take_the_argmax_of_the_penalised_logits():
+    torch.manual_seed(1)
+    vocab = 40
+    logits = torch.randn(4, vocab)
+    top = logits.argmax(dim=-1).tolist()
+    # Rows 0 and 2 repeat their favourite token: a strong penalty must move them off it.
+    plain = SamplingParams(temperature=0.0)
+    penalised = SamplingParams(temperature=0.0, frequency_penalty=2.0, repetition_penalty=2.0)
+    params = [penalised, plain, penalised, plain]
+    requests = [
+        make_request([5, 6], [top[0]] * 3, penalised, "a"),
+        make_request([5, 6], [top[1]] * 3, plain, "b"),
+        make_request([top[2]], [top[2]], penalised, "c"),
+        make_request([5], [], plain, "d"),
+    ]
+    before = logits.clone()
+    tokens = Sampler().sample(logits, list("abcd"), params, requests).tolist()
+    assert torch.equal(logits, before), "the caller's logits are not changed"
+    for row in (0, 2):
+        request = requests[row]
+        expected = reference_penalties(
+            logits[row], request.prompt_token_ids, request.output_token_ids, 0.0, 2.0, 2.0
+        )
+        assert tokens[row] == expected.argmax().item() != top[row]
+    assert [tokens[1], tokens[3]] == [top[1], top[3]]
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top_probability():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]])
+    masked = apply_min_p(probs.log(), torch.tensor([0.5, 0.0]))
+    assert torch.isfinite(masked).tolist() == [[True, True, False, False], [True] * 4]
+    # min_p = 1 keeps only the most likely token: sampling becomes the argmax.
+    torch.manual_seed(2)
+    logits = torch.randn(6, 30)
+    params = [SamplingParams(temperature=1.0, min_p=1.0)] * 6
+    tokens = Sampler(seed=4).sample(logits, list("abcdef"), params)
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    logits = torch.zeros(1, 10)
+    logits[0, 2] = 5.0  # EOS
+    logits[0, 7] = 4.0  # a stop token
+    logits[0, 3] = 3.0
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7])
+    sampler = Sampler()
+    short = make_request([1], [3], params)
+    assert sampler.sample(logits, ["r"], [params], [short]).item() == 3
+    reached = make_request([1], [3, 3], params)
+    assert sampler.sample(logits, ["r"], [params], [reached]).item() == 2
+    # ignore_eos: EOS is no stop token, so only the stop token is masked.
+    ignoring = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7], ignore_eos=True)
+    assert sampler.sample(logits, ["r"], [ignoring], [make_request([1], [], ignoring)]).item() == 2
+
+
+def test_top_k_minus_one_and_zero_are_off():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 20)
+    masked = apply_top_k_top_p(logits, torch.tensor([-1, 0]), torch.tensor([1.0, 1.0]))
+    assert torch.equal(masked, logits)
+    assert SamplingParams(top_k=-1).top_k == -1
+
+
+def test_seeded_penalised_sampling_does_not_depend_on_the_batch():
+    torch.manual_seed(4)
+    logits = torch.randn(3, 60)
+    seeded = SamplingParams(
+        temperature=0.9, seed=11, presence_penalty=0.7, repetition_penalty=1.2, min_p=0.05
+    )
+    other = SamplingParams(temperature=1.0, frequency_penalty=0.5)
+    mine = make_request([1, 2, 3], [4, 4, 9], seeded, "x")
+    alone = Sampler().sample(logits[1:2], ["x"], [seeded], [mine]).item()
+    batch = [make_request([5], [6], other, "p"), mine, make_request([7], [], other, "q")]
+    batched = Sampler(seed=9).sample(logits, ["p", "x", "q"], [other, seeded, other], batch)
+    assert batched[1].item() == alone
+
+
+def test_token_logprobs_are_the_log_softmax_with_ranks():
+    torch.manual_seed(5)
+    logits = torch.randn(2, 12)
+    chosen = torch.tensor([3, logits[1].argmax().item()])
+    rows = token_logprobs(logits, chosen, [2, 0])
+    reference = logits.log_softmax(dim=-1)
+    ids, values, ranks = rows[0]
+    top = reference[0].topk(2)
+    assert ids == [3, *top.indices.tolist()] and ranks[1:] == [1, 2]
+    assert values == pytest.approx([reference[0, 3].item(), *top.values.tolist()], abs=1e-6)
+    assert ranks[0] == int((reference[0] >= reference[0, 3]).sum())
+    assert rows[1] == ([chosen[1].item()], [pytest.approx(reference[1].max().item())], [1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"n": 0}, "n must be at least 1"),
+        ({"n": 3, "best_of": 2}, "best_of must be >= n"),
+        ({"n": 2, "temperature": 0.0}, "greedy"),
+        ({"best_of": 2, "temperature": 0.0}, "greedy"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
+        ({"min_p": 1.5}, "min_p must be in [0, 1]"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be <= max_tokens"),
+        ({"min_tokens": -1}, "min_tokens must be at least 0"),
+        ({"logprobs": -1}, "logprobs must be at least 0"),
+        ({"prompt_logprobs": 1.5}, "prompt_logprobs must be an int"),
+        ({"stop": ""}, "non-empty strings"),
+        ({"stop": [3]}, "non-empty strings"),
+        ({"stop": "x", "detokenize": False}, "set detokenize=True"),
+        ({"include_stop_str_in_output": 1}, "must be True or False"),
+        ({"skip_special_tokens": None}, "must be True or False"),
+    ],
+)
+def test_new_sampling_params_say_what_to_change(kwargs, message):
+    with pytest.raises(InvalidSamplingParamsError, match=re.escape(message)):
+        SamplingParams(**kwargs)
+
+
+def test_stop_accepts_a_string_or_a_list():
+    assert SamplingParams(stop="ab").stop == ("ab",)
+    assert (
+        SamplingParams(stop=["a", "b"]).stop == ("a", "b") and SamplingParams(stop=None).stop == ()
+    )
+    params = SamplingParams(n=2, best_of=3, temperature=0.5)
+    assert params.num_samples == 3 and not params.needs_history
+    assert (
+        SamplingParams(min_tokens=1).needs_history
+        and SamplingParams(presence_penalty=1).has_penalties
+    )
+
+
+# --- incremental detokenization and stop strings ---------------------------------------------
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and records how many ids each decode call was given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.lengths = []
+
+    def decode(self, ids, **kwargs):
+        self.lengths.append(len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("make", [byte_level_bpe, metaspace_bpe])
+def test_incremental_text_equals_the_full_decode_and_reads_a_small_window(make):
+    tokenizer = make()
+    prompt = tokenizer.encode("the old barn")
+    text = " héllo wörld, naïve café — the quick brown fox jumps over the lazy dog"
+    output = tokenizer.encode(text)
+    counting = CountingTokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(counting, prompt, SamplingParams())
+    for token in output:
+        detokenizer.add_tokens([token])
+    detokenizer.add_tokens([], final=True)
+    full = tokenizer.decode(prompt + output)
+    assert detokenizer.text == full[len(tokenizer.decode(prompt)) :]
+    assert detokenizer.text.strip() == tokenizer.decode(output).strip()
+    if make is byte_level_bpe:
+        assert detokenizer.text == text
+        # Some tokens are parts of a character: they waited for the rest.
+        assert any(chr(0xFFFD) in tokenizer.decode([token]) for token in output)
+    # Each call decodes a few tokens, never the whole output.
+    assert len(output) > 20 and max(counting.lengths) <= 8
+
+
+def test_stop_strings_are_found_across_tokens_and_cut_the_text():
+    tokenizer = byte_level_bpe()
+    prompt = tokenizer.encode("the")
+    output = tokenizer.encode(" cat sat on the mat and the dog")
+    assert len(output) > 8
+
+    def run(**kwargs):
+        params = SamplingParams(**kwargs)
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt, params)
+        for count, token in enumerate(output, 1):
+            stop = detokenizer.add_token_and_match(token, check_stop=True)
+            if stop is not None:
+                return stop, count, detokenizer.text
+        return None, len(output), detokenizer.text
+
+    # "t on" ends inside a token that continues past it; it spans several tokens.
+    stop, count, text = run(stop=["t on"])
+    assert stop == "t on" and text == " cat sa"
+    assert tokenizer.decode(output[:count]).endswith(" on")
+    assert "t on" not in tokenizer.decode(output[: count - 1])
+    assert run(stop=["t on"], include_stop_str_in_output=True)[2] == " cat sat on"
+    # The first stop string in the list that the new text completes wins.
+    assert run(stop=["mat", "the"])[0] == "the"
+    assert run(stop=["zebra"]) == (None, len(output), " cat sat on the mat and the dog")
+
+
+def test_special_tokens_are_in_the_text_only_when_not_skipped():
+    tokenizer = byte_level_bpe()
+    prompt = tokenizer.encode("the")
+    output = tokenizer.encode(" cat") + [tokenizer.eos_token_id] + tokenizer.encode(" sat")
+    for skip, expected in ((True, " cat sat"), (False, " cat</s> sat")):
+        params = SamplingParams(skip_special_tokens=skip)
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt, params)
+        for token in output:
+            detokenizer.add_tokens([token])
+        assert detokenizer.text == expected
+
+
+@pytest.mark.parametrize("stop", [(), ("never",)])  # decoded once at the end, or per token
+def test_a_stop_token_is_left_out_of_the_text_unless_asked(stop):
+    tokenizer = byte_level_bpe()
+    eos, prompt = tokenizer.eos_token_id, tokenizer.encode("the")
+    stop_token = tokenizer.encode(" on")[0]
+    for tokens, include, expected, reason in (
+        (" cat sat", False, " cat sat", None),
+        (" cat sat", True, " cat sat</s>", None),
+        (" cat sat on", False, " cat sat", stop_token),
+        (" cat sat on", True, " cat sat on", stop_token),
+    ):
+        params = SamplingParams(
+            stop=stop,
+            stop_token_ids=[stop_token],
+            skip_special_tokens=False,
+            include_stop_str_in_output=include,
+        )
+        request = Request(
+            "r",
+            prompt,
+            params,
+            0,
+            max_total_tokens=100,
+            eos_token_ids=(eos,),
+            detokenizer=IncrementalDetokenizer(tokenizer, prompt, params),
+        )
+        output = tokenizer.encode(tokens) + ([] if reason else [eos])
+        reasons = [request.append_output_token(token) for token in output]
+        assert reasons == [None] * (len(output) - 1) + [FinishReason.STOP]
+        assert request.stop_reason == reason and request.output_token_ids == output
+        request.finish_text()
+        assert request.output_text == expected

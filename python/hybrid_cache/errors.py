@@ -167,6 +167,11 @@ class InvalidRequestError(HybridCacheError, ValueError):
     """A prompt cannot be run: empty, wrong shape, or token ids outside the vocabulary."""
 
 
+class UnsupportedSamplingParamsError(InvalidSamplingParamsError, InvalidRequestError):
+    """Valid sampling params this engine cannot honour for a request (stop strings without a
+    tokenizer, more logprobs than the vocabulary holds)."""
+
+
 class PromptTooLongError(InvalidRequestError):
     """The prompt has more tokens than `max_model_len`."""
 
@@ -212,6 +217,7 @@ __all__ = [
     "UnknownRequestError",
     "UnsupportedArchitectureError",
     "UnsupportedQuantizationError",
+    "UnsupportedSamplingParamsError",
     "UnsupportedWeightFormatError",
     "WeightMismatchError",
     "WindowTooLargeError",

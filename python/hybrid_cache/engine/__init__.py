@@ -10,8 +10,13 @@ One job per file:
     scheduler.py      continuous batching, chunked prefill, preemption by recompute
     kv_cache.py       the engine's only user of the Rust Coordinator (zero-copy block table)
     model_runner.py   KV tensors per layout slot, batch + metadata, forward, sampling
-    sampler.py        greedy / temperature / top-k / top-p, per-request seeded generators
+    sampler.py        penalties, greedy / temperature / min-p / top-k / top-p, seeded generators
+    penalties.py      repetition / frequency / presence penalties, min_tokens mask, min-p
+    logprobs.py       top-k logprobs of raw logits and their output form
+    detokenizer.py    incremental detokenization and stop strings
+    parallel_sampling.py  SampleGroup: the n / best_of samples of one prompt
     request.py        per-request state;  sampling_params.py, outputs.py, errors.py, memory.py
+    output_builder.py a finished request -> RequestOutput
     host_memory.py    the CPU KV pool on transparent huge pages;  tokenizer.py
 
 A request's life (every transition that drops blocks goes through `KVCacheManager.free`):
@@ -35,6 +40,8 @@ _LAZY_NAMES = {
     "SamplingParams": "hybrid_cache.engine.sampling_params",
     "RequestOutput": "hybrid_cache.engine.outputs",
     "CompletionOutput": "hybrid_cache.engine.outputs",
+    "Logprob": "hybrid_cache.engine.outputs",
+    "RequestMetrics": "hybrid_cache.engine.outputs",
     "StepStats": "hybrid_cache.engine.outputs",
     "EngineStats": "hybrid_cache.engine.outputs",
 }

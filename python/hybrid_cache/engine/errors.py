@@ -14,6 +14,7 @@ from hybrid_cache.errors import (
     InvalidRequestError,
     InvalidSamplingParamsError,
     PromptTooLongError,
+    UnsupportedSamplingParamsError,
 )
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "InvalidRequestError",
     "InvalidSamplingParamsError",
     "PromptTooLongError",
+    "UnsupportedSamplingParamsError",
 ]

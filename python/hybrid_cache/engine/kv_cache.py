@@ -128,15 +128,17 @@ class KVCacheManager:
         return row
 
     def find_cache_hit(self, request: Request) -> int:
-        """Tokens of the request the prefix cache can serve (0 when caching is off)."""
-        if not self.enable_prefix_caching:
+        """Tokens of the request the prefix cache can serve (0 when caching is off, or while
+        the request still needs its prompt's logprobs: every prompt token is computed)."""
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return 0
         return self.coordinator.find_cache_hit(self.core_ids[request.request_id])
 
     def probe_cache_hit(self, request: Request) -> int:
         """The prefix-cache hit the request would get if it were admitted now (0 when caching
-        is off), without adding it or changing anything."""
-        if not self.enable_prefix_caching:
+        is off, or while it needs its prompt's logprobs), without adding it or changing
+        anything."""
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return 0
         return self.coordinator.probe_cache_hit(request.all_token_ids)
 

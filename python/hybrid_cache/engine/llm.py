@@ -25,10 +25,11 @@ from hybrid_cache.config import ModelSpec
 from hybrid_cache.engine.engine_args import eos_token_ids, log_plan, resolve_dtype
 from hybrid_cache.engine.engine_config import EngineConfig
 from hybrid_cache.engine.errors import InvalidRequestError, InvalidSamplingParamsError
-from hybrid_cache.engine.llm_engine import LLMEngine
+from hybrid_cache.engine.llm_engine import Finished, LLMEngine
 from hybrid_cache.engine.memory import kv_cache_budget
+from hybrid_cache.engine.output_builder import request_output
 from hybrid_cache.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepStats
-from hybrid_cache.engine.request import FinishReason, Request
+from hybrid_cache.engine.request import FinishReason
 from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.engine.tokenizer import load_tokenizer
 from hybrid_cache.models import load_model
@@ -99,6 +100,7 @@ class LLM:
             device=self.device,
             seed=config.seed,
             attention_backend=config.attention_backend,
+            tokenizer=self.tokenizer,
         )
         self.request_counter: itertools.count[int] = itertools.count()
 
@@ -138,7 +140,7 @@ class LLM:
         self.engine.reset_step_stats()
         outputs: list[Optional[RequestOutput]] = [None] * len(prompt_list)
         index_of: dict[str, int] = {}
-        requests: dict[str, Request] = {}
+        requests: dict[str, Finished] = {}
         for index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             request_id = str(next(self.request_counter))
             text = prompt if isinstance(prompt, str) else None
@@ -191,21 +193,9 @@ class LLM:
             f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
         )
 
-    def make_output(self, request: Request, prompt: Prompt) -> RequestOutput:
-        reason = request.finish_reason
-        assert reason is not None, f"{request} has not finished"
-        text = None
-        if self.tokenizer is not None and reason is not FinishReason.ERROR:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[CompletionOutput(0, list(request.output_token_ids), text, reason.value)],
-            num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions,
-            error=request.error,
-        )
+    def make_output(self, request: Finished, prompt: Prompt) -> RequestOutput:
+        """The output of a finished request (or of all the samples of one prompt)."""
+        return request_output(request, prompt if isinstance(prompt, str) else None, self.tokenizer)
 
 
 def failed_output(

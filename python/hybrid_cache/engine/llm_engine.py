@@ -3,7 +3,8 @@
 One step = `Scheduler.schedule()` (which requests, how many tokens, preemptions), then the
 runner's `execute()` (forward + sampling), then `Scheduler.update_from_output()` (tokens,
 finishes, blocks returned). Finished requests (including failed and aborted ones) come back from
-`step()`.
+`step()`: a `Request`, or for a prompt with several samples (`n > 1`, `best_of`) its
+`SampleGroup` once every sample has finished. A finished request's text is decoded then.
 
 The runner is any `StepRunner` (step_runner.py). `LLMEngine.from_model` builds the real
 `ModelRunner` (what `LLM` uses); `bench/simulate.py` passes one that runs no model.
@@ -13,20 +14,27 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
+from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.engine_config import SchedulerLimits
 from hybrid_cache.engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
+    UnsupportedSamplingParamsError,
 )
 from hybrid_cache.engine.kv_cache import KVCacheManager, num_kv_tokens
 from hybrid_cache.engine.model_runner import ModelRunner
 from hybrid_cache.engine.outputs import EngineStats, PrefixMisses, StepStats
-from hybrid_cache.engine.request import Request
+from hybrid_cache.engine.parallel_sampling import (
+    SampleGroup,
+    child_params,
+    child_request_id,
+)
+from hybrid_cache.engine.request import FinishReason, Request
 from hybrid_cache.engine.sampler import Sampler
 from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.engine.scheduler import Scheduler
@@ -38,6 +46,9 @@ logger = logging.getLogger(__name__)
 # Per-step figures kept for callers (plots, benchmarks). Bounded so a server that loops on
 # `step()` without calling `reset_step_stats()` does not grow forever (about 270 B a step).
 MAX_STEP_STATS = 100_000
+
+# What `step()` returns for each finished prompt.
+Finished = Union[Request, SampleGroup]
 
 
 class LLMEngine:
@@ -51,9 +62,11 @@ class LLMEngine:
         eos_token_ids: tuple[int, ...],
         make_runner: StepRunnerFactory,
         seed: int = 0,
+        tokenizer: Optional[Any] = None,
     ) -> None:
         """`make_runner(kv_cache, sampler)` builds the runner of every step; `from_model` is
-        the usual way in."""
+        the usual way in. `tokenizer` (optional) decodes outputs and matches stop strings."""
+        self.tokenizer: Optional[Any] = tokenizer
         self.limits: SchedulerLimits = limits
         self.vocab_size: int = vocab_size
         self.eos_token_ids: tuple[int, ...] = eos_token_ids
@@ -76,6 +89,9 @@ class LLMEngine:
         self.model_runner: StepRunner = make_runner(self.kv_cache, self.sampler)
         self.num_requests_added: int = 0
         self.unfinished_request_ids: set[str] = set()
+        # Prompts with several samples, by their id and by each sample's engine id.
+        self.groups: dict[str, SampleGroup] = {}
+        self.group_of_child: dict[str, SampleGroup] = {}
         self.stats: EngineStats = EngineStats(
             max_used_blocks_per_group=[0] * self.kv_cache.num_groups
         )
@@ -93,21 +109,40 @@ class LLMEngine:
         device: torch.device,
         seed: int = 0,
         attention_backend: str = "auto",
+        tokenizer: Optional[Any] = None,
     ) -> LLMEngine:
         """An engine whose steps run `model` (a `ModelRunner`, with its KV tensors)."""
 
         def make_runner(kv_cache: KVCacheManager, sampler: Sampler) -> ModelRunner:
             return ModelRunner(model, kv_cache, layout, dtype, device, sampler, attention_backend)
 
-        return cls(layout, limits, vocab_size, eos_token_ids, make_runner, seed)
+        return cls(layout, limits, vocab_size, eos_token_ids, make_runner, seed, tokenizer)
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """Raises `UnsupportedSamplingParamsError` for valid params this engine cannot honour:
+        stop strings without a tokenizer, more logprobs than the vocabulary holds."""
+        if params.stop and self.tokenizer is None:
+            raise UnsupportedSamplingParamsError(
+                f"stop strings {list(params.stop)} need a tokenizer and this model has none: "
+                "use stop_token_ids, or a model folder with tokenizer files"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.vocab_size:
+                raise UnsupportedSamplingParamsError(
+                    f"{name}={value} is more than the vocabulary's {self.vocab_size} tokens: "
+                    "lower it"
+                )
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> Request:
-        """Validates and queues a request; raises a typed `InvalidRequestError` (nothing queued)
-        for an empty prompt, ids outside the vocabulary, a prompt over `max_model_len`, or a
-        request the pool can never hold."""
-        if request_id in self.unfinished_request_ids:
+    ) -> Finished:
+        """Validates and queues a request (one per sample); raises a typed
+        `InvalidRequestError` (nothing queued) for an empty prompt, ids outside the
+        vocabulary, a prompt over `max_model_len`, a request the pool can never hold, or
+        sampling params the engine cannot honour. Returns the `Request`, or the `SampleGroup`
+        of a prompt with several samples."""
+        if request_id in self.unfinished_request_ids or request_id in self.group_of_child:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if len(prompt_token_ids) == 0:
             raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
@@ -123,27 +158,91 @@ class LLMEngine:
                 f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens, more "
                 f"than max_model_len={max_model_len}; shorten it or raise max_model_len"
             )
-        request = Request(
+        self.check_sampling_params(params)
+        num_samples = params.num_samples
+        if num_samples == 1 and params.n == 1:
+            request = self._make_request(request_id, prompt_token_ids, params)
+            if not self.kv_cache.can_ever_fit(num_kv_tokens(request)):
+                raise self.kv_cache.does_not_fit(request)
+            self._queue(request)
+            self.unfinished_request_ids.add(request_id)
+            return request
+        child_ids = [child_request_id(request_id, index) for index in range(num_samples)]
+        in_use = [
+            child_id
+            for child_id in child_ids
+            if child_id in self.unfinished_request_ids or child_id in self.group_of_child
+        ]
+        if in_use:
+            raise InvalidRequestError(
+                f"request {request_id!r}: its samples' ids {in_use} are already in use"
+            )
+        children = [
+            self._make_request(
+                child_id,
+                prompt_token_ids,
+                child_params(params, index),
+                track_logprobs=num_samples > params.n,
+            )
+            for index, child_id in enumerate(child_ids)
+        ]
+        if not self.kv_cache.can_ever_fit(num_kv_tokens(children[0])):
+            raise self.kv_cache.does_not_fit(children[0])
+        group = SampleGroup(request_id, params, children)
+        for child in children:
+            self._queue(child)  # one after another: the first's prompt blocks come first
+            self.group_of_child[child.request_id] = group
+        self.groups[request_id] = group
+        self.unfinished_request_ids.add(request_id)
+        return group
+
+    def _make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        track_logprobs: bool = False,
+    ) -> Request:
+        detokenizer = None
+        if self.tokenizer is not None and params.detokenize:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        return Request(
             request_id,
             prompt_token_ids,
             params,
-            arrival_index=self.num_requests_added,
-            max_total_tokens=min(len(prompt_token_ids) + params.max_tokens, max_model_len),
+            arrival_index=0,  # set when queued
+            max_total_tokens=min(
+                len(prompt_token_ids) + params.max_tokens, self.limits.max_model_len
+            ),
             eos_token_ids=self.eos_token_ids,
+            detokenizer=detokenizer,
+            track_logprobs=track_logprobs,
         )
-        if not self.kv_cache.can_ever_fit(num_kv_tokens(request)):
-            raise self.kv_cache.does_not_fit(request)
-        self.num_requests_added += 1
-        self.unfinished_request_ids.add(request_id)
-        self.scheduler.add_request(request)
-        return request
 
-    def abort_request(self, request_id: str) -> Optional[Request]:
-        """Stops a request and returns its blocks; None when it is unknown or finished."""
+    def _queue(self, request: Request) -> None:
+        request.arrival_index = self.num_requests_added
+        self.num_requests_added += 1
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> Optional[Finished]:
+        """Stops a request (every sample of it: a sample's id stops its whole group) and
+        returns its blocks; None when it is unknown or finished."""
+        group = self.groups.get(request_id) or self.group_of_child.get(request_id)
+        if group is not None:
+            del self.groups[group.request_id]
+            for child in group.children:
+                if self.scheduler.abort_request(child.request_id) is not None:
+                    self.sampler.free(child.request_id)
+                    child.finish_text()
+                self.group_of_child.pop(child.request_id, None)
+            group.num_unfinished = 0
+            self.unfinished_request_ids.discard(group.request_id)
+            return group
         request = self.scheduler.abort_request(request_id)
         if request is not None:
             self.sampler.free(request_id)
             self.unfinished_request_ids.discard(request_id)
+            request.finish_text()  # the text so far
         return request
 
     def reset_step_stats(self) -> None:
@@ -153,18 +252,32 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[Request]:
-        """Runs one step; returns the requests that finished (or failed) in it."""
+    def step(self) -> list[Finished]:
+        """Runs one step; returns the requests that finished (or failed) in it: a `Request`,
+        or a `SampleGroup` when its last sample finished."""
         output = self.scheduler.schedule()
         sampled = self.model_runner.execute(output)
         finished = output.failed + self.scheduler.update_from_output(output, sampled)
+        results: list[Finished] = []
+        group_of_child = self.group_of_child
         for request in finished:
             self.sampler.free(request.request_id)
-            self.unfinished_request_ids.discard(request.request_id)
+            if request.finish_reason is not FinishReason.ERROR:
+                request.finish_text()
+            group = group_of_child.pop(request.request_id, None) if group_of_child else None
+            if group is None:
+                self.unfinished_request_ids.discard(request.request_id)
+                results.append(request)
+                continue
+            group.num_unfinished -= 1
+            if group.is_finished:
+                del self.groups[group.request_id]
+                self.unfinished_request_ids.discard(group.request_id)
+                results.append(group)
         self._record_step(
             output.num_preemptions, len(output.scheduled), output.num_scheduled_tokens
         )
-        return finished
+        return results
 
     def _record_step(
         self, num_preemptions: int, num_scheduled_requests: int, num_scheduled_tokens: int

@@ -44,12 +44,16 @@ from hybrid_cache.attention.selector import (
 )
 from hybrid_cache.engine import host_memory
 from hybrid_cache.engine.kv_cache import KVCacheManager
+from hybrid_cache.engine.logprobs import token_logprobs
 from hybrid_cache.engine.request import Request
 from hybrid_cache.engine.sampler import Sampler
 from hybrid_cache.engine.scheduler import SchedulerOutput
 from hybrid_cache.planner import KVCacheLayout
 
 logger = logging.getLogger(__name__)
+
+# Prompt positions whose logits one `compute_logits` call computes for prompt logprobs.
+PROMPT_LOGPROBS_CHUNK = 512
 
 
 def allocate_kv_caches(
@@ -137,7 +141,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Runs the scheduled tokens; returns the sampled token of each request that samples."""
+        """Runs the scheduled tokens; returns the sampled token of each request that samples.
+        Logprobs (sampled tokens', prompt tokens') are recorded on the requests that ask."""
         scheduled = output.scheduled
         if output.block_copies:
             self.copy_blocks(output.block_copies)
@@ -161,11 +166,65 @@ class ModelRunner:
         with set_forward_context(metadata, self.kv_caches):
             hidden = self.model(input_ids.to(self.device), positions.to(self.device))
 
+        if any(map(_WANTS_PROMPT_LOGPROBS, requests)):
+            self._record_prompt_logprobs(hidden, requests, num_computed, query_lens)
         if not sample_indices:
             return {}
         logits = self.model.compute_logits(self._sampled_rows(hidden, query_lens, sample_indices))
-        tokens = self.sampler.sample_token_ids(logits, request_ids, params)
-        return dict(zip(request_ids, tokens))
+        if not any(map(_NEEDS_SAMPLING_EXTRAS, sampling)):
+            tokens = self.sampler.sample_token_ids(logits, request_ids, params)
+            return dict(zip(request_ids, tokens))
+        sampled = self.sampler.sample(logits, request_ids, params, sampling)
+        rows = [
+            row for row, request in enumerate(sampling) if request.num_sample_logprobs is not None
+        ]
+        if rows:
+            entries = token_logprobs(
+                logits[rows], sampled[rows], [sampling[row].num_sample_logprobs for row in rows]
+            )
+            for row, entry in zip(rows, entries):
+                sampling[row].append_sample_logprobs(entry)
+        return dict(zip(request_ids, sampled.tolist()))
+
+    def _record_prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        requests: list[Request],
+        num_computed: list[int],
+        query_lens: list[int],
+    ) -> None:
+        """Records, for the requests that want them, the logprobs of each prompt token whose
+        previous position this step computes (positions recorded before a preemption are
+        skipped)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        counts: list[int] = []
+        owners: list[Request] = []
+        start = 0
+        for request, computed, length in zip(requests, num_computed, query_lens):
+            if request.wants_prompt_logprobs:
+                # Position j's logits give prompt token j + 1's logprobs.
+                first = max(computed, len(request.prompt_logprobs))
+                last = min(computed + length, request.num_prompt_tokens - 1)
+                k = request.sampling_params.prompt_logprobs
+                for position in range(first, last):
+                    rows.append(start + position - computed)
+                    targets.append(request.prompt_token_ids[position + 1])
+                    counts.append(k)
+                    owners.append(request)
+            start += length
+        for begin in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
+            end = begin + PROMPT_LOGPROBS_CHUNK
+            index = torch.tensor(rows[begin:end], device=hidden.device)
+            logits = self.model.compute_logits(hidden[index])
+            entries = token_logprobs(logits, torch.tensor(targets[begin:end]), counts[begin:end])
+            for request, entry in zip(owners[begin:end], entries):
+                request.prompt_logprobs.append(entry)
+        for request in requests:
+            if request.wants_prompt_logprobs:
+                request.wants_prompt_logprobs = (
+                    len(request.prompt_logprobs) < request.num_prompt_tokens - 1
+                )
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copies page `src` into page `dst` in every slot tensor: every layer's keys and
@@ -246,6 +305,8 @@ _SAMPLES = operator.attrgetter("samples")
 _ALL_TOKEN_IDS = operator.attrgetter("all_token_ids")
 _REQUEST_ID = operator.attrgetter("request_id")
 _SAMPLING_PARAMS = operator.attrgetter("sampling_params")
+_WANTS_PROMPT_LOGPROBS = operator.attrgetter("wants_prompt_logprobs")
+_NEEDS_SAMPLING_EXTRAS = operator.attrgetter("needs_sampling_extras")
 
 
 def metadata_to(metadata: AttentionMetadata, device: torch.device) -> AttentionMetadata:

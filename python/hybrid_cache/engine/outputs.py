@@ -3,31 +3,70 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
+
+
+@dataclass
+class Logprob:
+    """One token's logprob at one position (of the raw model distribution), its rank (1 = most
+    likely) and its text (None without a tokenizer or with `detokenize=False`)."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# Per position, token id -> Logprob: the sampled (or prompt) token and the top-k.
+SampleLogprobs = list[dict[int, Logprob]]
+# The same for each prompt token; the first is None (nothing comes before it).
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
 
 
 @dataclass
 class CompletionOutput:
-    """The generated continuation of one request."""
+    """One generated continuation of a request.
+
+    `cumulative_logprob` (the sum of the sampled tokens' logprobs) and `logprobs` are set when
+    the request asked for `logprobs` (the cumulative one also with `best_of > n`), else None.
+    `stop_reason`: the stop string or stop token id that ended it; None for EOS, length, abort.
+    """
 
     index: int
     token_ids: list[int]
-    text: Optional[str]  # None when the model folder has no tokenizer
+    text: Optional[str]  # None when the model folder has no tokenizer, or detokenize=False
     finish_reason: str  # "stop" | "length" | "abort" | "error"
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[SampleLogprobs] = None
+    stop_reason: Union[int, str, None] = None
+
+
+@dataclass
+class RequestMetrics:
+    """When a request arrived, was first scheduled, got its first and last token and finished
+    (`time.time()` seconds); `time_in_queue` = first scheduled - arrival."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    time_in_queue: Optional[float] = None
 
 
 @dataclass
 class RequestOutput:
-    """One request's result, in prompt order. A failed request has `finish_reason == "error"`,
-    no tokens and its typed exception in `error`."""
+    """One request's result, in prompt order: `outputs` holds its `n` completions. A failed
+    request has `finish_reason == "error"`, no tokens and its typed exception in `error`."""
 
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (the first sample's)
     num_preemptions: int = 0
     error: Optional[Exception] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
+    metrics: Optional[RequestMetrics] = None
 
     @property
     def finished(self) -> bool:

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import enum
-from typing import Optional
+import time
+from typing import TYPE_CHECKING, Optional, Union
 
+from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hybrid_cache.engine.logprobs import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -16,7 +21,7 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # end-of-sequence or a stop token
+    STOP = "stop"  # end-of-sequence, a stop token or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
     ERROR = "error"
@@ -28,6 +33,11 @@ class Request:
     `num_computed_tokens` counts tokens whose KV is in the cache. On preemption it drops to 0 and
     the request is re-added later with prompt + output tokens so far (recompute), which gives the
     same results because sampled tokens are kept and a seeded generator is not rewound.
+
+    `detokenizer` (given when the engine has a tokenizer and the params ask for text) decodes
+    the output after each token when the params have stop strings, else once at the end
+    (`finish_text`). Sampled-token logprobs are recorded by the runner when the params ask for
+    them or `track_logprobs` (best_of ranks samples by their cumulative logprob).
     """
 
     def __init__(
@@ -38,6 +48,9 @@ class Request:
         arrival_index: int,
         max_total_tokens: int,
         eos_token_ids: tuple[int, ...] = (),
+        detokenizer: Optional[IncrementalDetokenizer] = None,
+        track_logprobs: bool = False,
+        arrival_time: Optional[float] = None,
     ) -> None:
         assert prompt_token_ids, "an empty prompt is rejected before a Request is built"
         self.request_id: str = request_id
@@ -53,9 +66,14 @@ class Request:
         # What `append_output_token` checks, worked out once (the params are frozen): the tokens
         # that stop the request, and the token count at which it reaches a length limit
         # (prompt + max_tokens output tokens, or max_total_tokens).
-        self._stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids).union(
+        self.eos_stop_ids: frozenset[int] = frozenset(
             () if sampling_params.ignore_eos else eos_token_ids
         )
+        # Also what min_tokens masks until that many tokens are generated.
+        self.stop_token_id_set: frozenset[int] = self.eos_stop_ids.union(
+            sampling_params.stop_token_ids
+        )
+        self.min_tokens: int = sampling_params.min_tokens
         self._length_limit: int = min(
             len(self.prompt_token_ids) + sampling_params.max_tokens, max_total_tokens
         )
@@ -67,6 +85,35 @@ class Request:
         self.num_cached_tokens: int = 0
         self.num_preemptions: int = 0
         self.has_been_scheduled: bool = False
+        # Metrics (time.time() seconds), set by the scheduler.
+        self.arrival_time: float = time.time() if arrival_time is None else arrival_time
+        self.first_scheduled_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.finished_time: Optional[float] = None
+
+        # Text and stop strings.
+        self.detokenizer: Optional[IncrementalDetokenizer] = detokenizer
+        self.checks_stop_strings: bool = detokenizer is not None and bool(sampling_params.stop)
+        self.stop_reason: Union[int, str, None] = None
+        self.stopped_by_token: bool = False
+        self.output_text: Optional[str] = None  # set by `finish_text`
+
+        # Logprobs: per output token (None = not computed), per prompt token after the first.
+        self.num_sample_logprobs: Optional[int] = (
+            0 if track_logprobs and sampling_params.logprobs is None else sampling_params.logprobs
+        )
+        self.sample_logprobs: list[TokenLogprobs] = []
+        self.cumulative_logprob: float = 0.0
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        # True until every prompt token's logprobs are recorded (no prefix-cache hit till then).
+        self.wants_prompt_logprobs: bool = (
+            sampling_params.prompt_logprobs is not None and len(self.prompt_token_ids) > 1
+        )
+        # Whether sampling needs this request's tokens or logprobs (the sampler's slow path).
+        self.needs_sampling_extras: bool = (
+            sampling_params.needs_history or self.num_sample_logprobs is not None
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -90,15 +137,46 @@ class Request:
 
     def append_output_token(self, token_id: int) -> Optional[FinishReason]:
         """Records a sampled token; returns why the request stops now, if it does."""
-        self.output_token_ids.append(token_id)
+        output_token_ids = self.output_token_ids
+        output_token_ids.append(token_id)
         all_token_ids = self.all_token_ids
         all_token_ids.append(token_id)
-        # EOS (unless ignored) or a stop token; then max_tokens outputs or max_total_tokens.
-        if token_id in self._stop_token_ids:
+        # EOS (unless ignored) or a stop token once min_tokens are out; then a stop string;
+        # then max_tokens outputs or max_total_tokens.
+        if token_id in self.stop_token_id_set and len(output_token_ids) >= self.min_tokens:
+            self.stopped_by_token = True
+            self.stop_reason = None if token_id in self.eos_stop_ids else token_id
             return FinishReason.STOP
+        if self.checks_stop_strings:
+            assert self.detokenizer is not None
+            stop = self.detokenizer.add_token_and_match(
+                token_id, len(output_token_ids) > self.min_tokens
+            )
+            if stop is not None:
+                self.stop_reason = stop
+                return FinishReason.STOP
         if len(all_token_ids) >= self._length_limit:
             return FinishReason.LENGTH
         return None
+
+    def append_sample_logprobs(self, entry: TokenLogprobs) -> None:
+        """Records the logprobs of the token sampled this step (before it is appended)."""
+        self.sample_logprobs.append(entry)
+        self.cumulative_logprob += entry[1][0]
+
+    def finish_text(self) -> None:
+        """Decodes what the detokenizer has not seen yet (the stop token only with
+        `include_stop_str_in_output`) and sets `output_text`."""
+        detokenizer = self.detokenizer
+        if detokenizer is None:
+            return
+        end = len(self.output_token_ids)
+        if self.stopped_by_token and not self.sampling_params.include_stop_str_in_output:
+            end -= 1
+        if detokenizer.truncate_at is None:
+            remaining = self.output_token_ids[detokenizer.num_output_tokens : end]
+            detokenizer.add_tokens(remaining, final=True)
+        self.output_text = detokenizer.text
 
     def __repr__(self) -> str:
         return (

@@ -1,6 +1,9 @@
-"""Batched token sampling: greedy, temperature, top-k and top-p, with per-request seeds.
+"""Batched token sampling: penalties and min_tokens, greedy, temperature, min-p, top-k and
+top-p, with per-request seeds.
 
-Random rows draw with the exponential race (`argmax(p / q)`, q ~ Exp(1)), which samples from `p`
+Penalties and the min_tokens mask (`penalties.py`) need the rows' token histories: only rows
+whose params ask for them are processed, and a batch where none does skips that work. Random
+rows draw with the exponential race (`argmax(p / q)`, q ~ Exp(1)), which samples from `p`
 exactly. A request with a seed draws q from its own generator, so its tokens do not depend on
 which other requests share the batch, nor on preemption (the generator is never rewound and
 already sampled tokens are kept). Unseeded requests share the sampler's generator.
@@ -15,6 +18,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from hybrid_cache.engine.penalties import apply_min_p, apply_penalties, mask_tokens
+from hybrid_cache.engine.request import Request
 from hybrid_cache.engine.sampling_params import SamplingParams
 
 
@@ -23,7 +28,7 @@ def apply_top_k_top_p(
 ) -> torch.Tensor:
     """Masks (to -inf) the logits outside each row's top-k and top-p sets.
 
-    `top_k` (int64, 0 = off) and `top_p` (float, 1.0 = off) hold one value per row. The most
+    `top_k` (int64, 0 or -1 = off) and `top_p` (float, 1.0 = off) hold one value per row. The most
     likely token always survives.
     """
     vocab_size = logits.shape[-1]
@@ -57,6 +62,8 @@ def _cpu_argmax(logits: torch.Tensor) -> np.ndarray:
 
 
 _TEMPERATURE = operator.attrgetter("temperature")
+_NEEDS_HISTORY = operator.attrgetter("needs_history")
+_NO_TOKENS = torch.empty(0, dtype=torch.long)
 
 
 class Sampler:
@@ -66,18 +73,28 @@ class Sampler:
         self.seed: int = seed
         self.generators: dict[str, torch.Generator] = {}
         self.shared_generators: dict[torch.device, torch.Generator] = {}
+        # Per request with a repetition penalty: its distinct prompt token ids.
+        self.prompt_tokens: dict[str, torch.Tensor] = {}
 
     def sample(
         self,
         logits: torch.Tensor,
         request_ids: Sequence[str],
         params: Sequence[SamplingParams],
+        requests: Optional[Sequence[Request]] = None,
     ) -> torch.Tensor:
-        """Returns one token id per row of `logits` (num_rows, vocab_size) as an int64 tensor."""
+        """Returns one token id per row of `logits` (num_rows, vocab_size) as an int64 tensor.
+        `requests` (the rows' requests) is needed when a row has penalties or min_tokens;
+        `logits` is never changed."""
         assert logits.dim() == 2 and logits.shape[0] == len(request_ids) == len(params), (
             "one row of logits per request"
         )
         logits = logits.float()
+        if any(map(_NEEDS_HISTORY, params)):
+            assert requests is not None and len(requests) == len(params), (
+                "penalties and min_tokens need the rows' requests"
+            )
+            logits = self._process(logits, request_ids, params, requests)
         tokens = greedy_tokens(logits)
         # Greedy rows have temperature 0 (falsy): one C-level pass decides an all-greedy batch.
         if not any(map(_TEMPERATURE, params)):
@@ -90,6 +107,9 @@ class Sampler:
         top_k = torch.tensor([params[r].top_k for r in random_rows], device=device)
         top_p = torch.tensor([params[r].top_p for r in random_rows], device=device)
         scaled = logits[rows] / temperature.unsqueeze(1)
+        min_p = [params[r].min_p for r in random_rows]
+        if any(min_p):
+            scaled = apply_min_p(scaled, torch.tensor(min_p, device=device))
         probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
 
         noise = torch.empty_like(probs)
@@ -115,8 +135,46 @@ class Sampler:
         return self.sample(logits, request_ids, params).tolist()
 
     def free(self, request_id: str) -> None:
-        """Forgets a finished request's generator."""
+        """Forgets a finished request's generator and prompt tokens."""
         self.generators.pop(request_id, None)
+        self.prompt_tokens.pop(request_id, None)
+
+    def _process(
+        self,
+        logits: torch.Tensor,
+        request_ids: Sequence[str],
+        params: Sequence[SamplingParams],
+        requests: Sequence[Request],
+    ) -> torch.Tensor:
+        """A copy of `logits` with the penalties applied and, for requests short of their
+        min_tokens, their stop tokens masked (only the rows that ask)."""
+        rows = [row for row, p in enumerate(params) if p.needs_history]
+        logits = logits.clone()
+        penalised = [row for row in rows if params[row].has_penalties]
+        if penalised:
+            logits[penalised] = apply_penalties(
+                logits[penalised],
+                [self._prompt_tokens(request_ids[row], requests[row]) for row in penalised],
+                [requests[row].output_token_ids for row in penalised],
+                [params[row].presence_penalty for row in penalised],
+                [params[row].frequency_penalty for row in penalised],
+                [params[row].repetition_penalty for row in penalised],
+            )
+        short = [row for row in rows if requests[row].num_output_tokens < params[row].min_tokens]
+        if short:
+            mask_tokens(logits, short, [sorted(requests[row].stop_token_id_set) for row in short])
+        return logits
+
+    def _prompt_tokens(self, request_id: str, request: Request) -> torch.Tensor:
+        """The request's distinct prompt token ids (cached), or none without a repetition
+        penalty."""
+        if request.sampling_params.repetition_penalty == 1.0:
+            return _NO_TOKENS
+        tokens = self.prompt_tokens.get(request_id)
+        if tokens is None:
+            tokens = torch.tensor(sorted(set(request.prompt_token_ids)), dtype=torch.long)
+            self.prompt_tokens[request_id] = tokens
+        return tokens
 
     def _generator_for(
         self, request_id: str, params: SamplingParams, device: torch.device

@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -262,12 +263,16 @@ class Scheduler:
         finished: list[Request] = []
         continuing: list[Request] = []
         continuing_token_ids: list[int] = []
+        now = time.time()
         for item in output.scheduled:
             request = item.request
             request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
             if not item.samples:
                 continue
             token_id = sampled_token_ids[request.request_id]
+            if not request.output_token_ids:
+                request.first_token_time = now
+            request.last_token_time = now
             finish_reason = request.append_output_token(token_id)
             if finish_reason is None:
                 continuing.append(request)
@@ -391,6 +396,7 @@ class Scheduler:
             if not request.has_been_scheduled:
                 request.num_cached_tokens = num_hit_tokens
                 request.has_been_scheduled = True
+                request.first_scheduled_time = time.time()
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -421,3 +427,4 @@ class Scheduler:
     def _finish(request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        request.finished_time = time.time()

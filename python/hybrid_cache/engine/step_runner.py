@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 class StepRunner(Protocol):
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         """Runs the scheduled tokens; returns, keyed by request id, the sampled token of every
-        scheduled request whose `samples` is set (and of no other)."""
+        scheduled request whose `samples` is set (and of no other). A runner that computes
+        logprobs records them on the requests that ask (`Request.append_sample_logprobs`,
+        `Request.prompt_logprobs`) before returning."""
         ...
 
 

@@ -1,0 +1,104 @@
+"""Incremental detokenization and stop strings, per request.
+
+Each call decodes only a small window: the tokens since the last emitted text (`read_offset`)
+after the few before them (`prefix_offset`), and keeps the difference, so a token's text is
+read in context (a leading space, a character split over byte tokens) without decoding the
+whole output again. The window starts on the last prompt tokens, so the first output token is
+read as the prompt's continuation. A window whose text ends in an incomplete character
+(U+FFFD) waits for the next token.
+
+Stop strings are looked for in the text each new token adds plus the `len(stop) - 1`
+characters before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from hybrid_cache.engine.sampling_params import SamplingParams
+
+# Prompt tokens the first window starts on (as vLLM's detokenizer).
+PROMPT_CONTEXT_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """The text of one request's output tokens, decoded a few tokens at a time."""
+
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        self.tokenizer: Any = tokenizer
+        self.skip_special_tokens: bool = params.skip_special_tokens
+        self.spaces_between_special_tokens: bool = params.spaces_between_special_tokens
+        self.stop: tuple[str, ...] = params.stop
+        self.include_stop_str_in_output: bool = params.include_stop_str_in_output
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self.num_context_tokens: int = len(context)
+        self.token_ids: list[int] = context
+        self.prefix_offset: int = 0
+        self.read_offset: int = len(context)
+        self.pieces: list[str] = []
+        self.num_chars: int = 0
+        # The last `max(len(stop)) - 1` characters: where a stop string may start.
+        self.tail_chars: int = max(map(len, self.stop), default=1) - 1
+        self.tail: str = ""
+        self.truncate_at: Optional[int] = None  # where a matched stop string cuts the text
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens handed to the detokenizer so far."""
+        return len(self.token_ids) - self.num_context_tokens
+
+    @property
+    def text(self) -> str:
+        text = "".join(self.pieces)
+        return text if self.truncate_at is None else text[: self.truncate_at]
+
+    def add_tokens(self, token_ids: Sequence[int], final: bool = False) -> str:
+        """Decodes `token_ids` after the tokens so far; returns the text they complete ("" when
+        it waits for more). `final`: the output ends here, an incomplete character is kept
+        (as U+FFFD, as a full decode shows it)."""
+        self.token_ids.extend(token_ids)
+        if self.read_offset == len(self.token_ids):
+            return ""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or (not final and new_text.endswith(REPLACEMENT_CHAR)):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.pieces.append(delta)
+        self.num_chars += len(delta)
+        return delta
+
+    def add_token_and_match(self, token_id: int, check_stop: bool) -> Optional[str]:
+        """Adds one token; returns the stop string its text completes, if any (only looked
+        for when `check_stop`). A match cuts the text before the stop string, or after it
+        with `include_stop_str_in_output`."""
+        delta = self.add_tokens((token_id,))
+        if not delta:
+            return None
+        window = self.tail + delta
+        start = self.num_chars - len(window)  # the window's first character in the text
+        self.tail = window[-self.tail_chars :] if self.tail_chars else ""
+        if not check_stop:
+            return None
+        for stop in self.stop:
+            # A match must end in the new text: earlier ones were looked for before.
+            index = window.find(stop, max(0, len(window) - len(delta) - len(stop) + 1))
+            if index >= 0:
+                end = start + index + (len(stop) if self.include_stop_str_in_output else 0)
+                self.truncate_at = end
+                return stop
+        return None
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            token_ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
