@@ -53,6 +53,7 @@ class BenchSettings:
     scheduling_policy: str = "fcfs"
     load_format: str = "dummy"
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    generation_config: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
     dtype: Any = "auto"

@@ -1,6 +1,7 @@
 """`LLMEngine`: the step loop behind `LLM` — validate and add requests, schedule, run, collect.
 
-One step = `Scheduler.schedule()` (which requests, how many tokens, preemptions), then the
+`add_request` = `check_request` (validate, build the `Request`) + `enqueue`; a bad request
+raises alone. One step = `Scheduler.schedule()` (which requests, how many tokens, preemptions), then the
 runner's `execute()` (forward + sampling), then `Scheduler.update_from_output()` (tokens,
 finishes, blocks returned). Finished requests (including failed and aborted ones) come back from
 `step()`.
@@ -103,9 +104,16 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Request:
-        """Validates and queues a request; raises a typed `InvalidRequestError` (nothing queued)
-        for an empty prompt, ids outside the vocabulary, a prompt over `max_model_len`, or a
-        request the pool can never hold."""
+        """Validates and queues a request; raises a typed `InvalidRequestError` (nothing queued,
+        other requests untouched) for a request id in use, an empty prompt, ids outside the
+        vocabulary, a prompt over `max_model_len`, or a request the pool can never hold."""
+        return self.enqueue(self.check_request(request_id, prompt_token_ids, params))
+
+    def check_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """The request `add_request` would queue, validated (the same errors) but not queued:
+        `LLM.generate` checks a whole batch this way before queuing any of it."""
         if request_id in self.unfinished_request_ids:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if len(prompt_token_ids) == 0:
@@ -132,8 +140,15 @@ class LLMEngine:
         )
         if not self.kv_cache.can_ever_fit(num_kv_tokens(request)):
             raise self.kv_cache.does_not_fit(request)
+        return request
+
+    def enqueue(self, request: Request) -> Request:
+        """Queues a request from `check_request` (its arrival order is now)."""
+        if request.request_id in self.unfinished_request_ids:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        request.arrival_index = self.num_requests_added
         self.num_requests_added += 1
-        self.unfinished_request_ids.add(request_id)
+        self.unfinished_request_ids.add(request.request_id)
         self.scheduler.add_request(request)
         return request
 
