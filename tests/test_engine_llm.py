@@ -410,6 +410,8 @@ def test_generate_command_runs_a_preset(capsys):
         (["--chat", "--prompt-token-ids=1,2"], "--chat sends --prompt texts"),
         (["--chat-template=x.jinja", "--prompt=hi"], "--chat-template applies with --chat"),
         (["--device=gpu"], "DeviceUnavailableError"),
+        (["--prompt=the cat"], "NoTokenizerError: --prompt is text"),
+        (["--chat", "--prompt=the cat"], "NoTokenizerError: --prompt with --chat is text"),
         (["--generation-config=/no/such/folder"], "EngineConfigError: --generation-config"),
     ],
 )

@@ -26,7 +26,8 @@ from hybrid_cache.engine.engine_config import (
 )
 from hybrid_cache.engine.generation_config import read_generation_defaults
 from hybrid_cache.engine.sampling_params import SamplingParams
-from hybrid_cache.errors import InvalidRequestError
+from hybrid_cache.engine.tokenizer import has_tokenizer_files
+from hybrid_cache.errors import InvalidRequestError, NoTokenizerError
 
 # What a sampling flag means when neither it nor the generation config sets it.
 DEFAULT_MAX_TOKENS = 32
@@ -164,6 +165,11 @@ def build_prompts(args: argparse.Namespace, config: EngineConfig) -> list[Any]:
         )
     if args.chat_template is not None and not args.chat:
         raise InvalidRequestError("--chat-template applies with --chat only")
+    if args.prompt and not has_tokenizer_files(config.model):
+        raise NoTokenizerError(
+            f"--prompt{' with --chat' if args.chat else ''} is text, and {config.model} has no "
+            "tokenizer (a preset, or a folder without tokenizer files): use --prompt-token-ids"
+        )
     prompts: list[Any] = list(args.prompt)
     for text in args.prompt_token_ids:
         prompts.append({"prompt_token_ids": parse_token_ids(text)})
