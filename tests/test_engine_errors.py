@@ -1,5 +1,6 @@
-"""Bad input: each bad request fails alone with a typed error; the others complete; every block
-comes back. Bad call arguments raise before any work."""
+"""Bad input: `LLM.generate` checks its whole batch and raises one typed error listing every bad
+prompt before anything runs; the step API (`LLMEngine.add_request`) fails one request alone;
+every block comes back. Bad call arguments raise before any work."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ import sys
 import pytest
 import torch
 from hybrid_cache import _core
+from hybrid_cache.engine.engine_config import SchedulerLimits
 from hybrid_cache.engine.errors import (
     EngineConfigError,
     InsufficientKVCacheError,
     InvalidRequestError,
+    InvalidRequestsError,
     InvalidSamplingParamsError,
+    NoTokenizerError,
     PromptTooLongError,
 )
 from hybrid_cache.engine.llm import LLM
+from hybrid_cache.engine.llm_engine import LLMEngine
 from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.errors import HybridCacheError
+from hybrid_cache.planner import PlanOptions, plan_kv_cache
 
 needs_coordinator = pytest.mark.skipif(
     not hasattr(_core, "Coordinator"), reason="the Rust Coordinator binding is not built"
@@ -39,12 +45,12 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def llm():
-    # tiny-llama: 4 layers of 2 KV heads x 16 dims, float32 -> 256 B per token per layer.
-    # 64 KiB of KV is 16 blocks of 4 tokens (block 0 is null): 60 tokens, less than
-    # max_model_len, so a long prompt with many output tokens cannot fit the pool.
+    # tiny-llama: 4 layers of 2 KV heads x 16 dims, float32 -> 256 B per token per layer, so a
+    # block of 4 tokens is 4 KiB. 68 KiB of KV is 17 blocks (block 0 is null): 64 tokens, one
+    # request of max_model_len.
     return LLM(
         "tiny-llama",
-        kv_cache_memory="64KiB",
+        kv_cache_memory="68KiB",
         max_model_len=MAX_MODEL_LEN,
         block_size=4,
         max_num_seqs=4,
@@ -69,20 +75,34 @@ GOOD = {"prompt_token_ids": [5, 6, 7, 8, 9]}
         ({"prompt_token_ids": [3, -1]}, InvalidRequestError),
         ({"prompt_token_ids": [3, "x"]}, InvalidRequestError),
         ({"tokens": [1, 2]}, InvalidRequestError),
-        ("text without a tokenizer", InvalidRequestError),
+        ("text without a tokenizer", NoTokenizerError),
     ],
 )
-def test_bad_prompt_fails_alone(llm, bad_prompt, error_type):
-    outputs = llm.generate([GOOD, bad_prompt, GOOD], PARAMS, use_tqdm=False)
-    good_first, bad, good_last = outputs
-    assert bad.finish_reason == "error" and bad.token_ids == []
-    assert isinstance(bad.error, error_type)
-    assert isinstance(bad.error, HybridCacheError) and isinstance(bad.error, ValueError)
-    with pytest.raises(error_type):
-        bad.raise_for_error()
+def test_a_bad_prompt_fails_the_batch_before_anything_runs(llm, bad_prompt, error_type):
+    steps = llm.stats.num_steps
+    with pytest.raises(InvalidRequestsError) as caught:
+        llm.generate([GOOD, bad_prompt, GOOD], PARAMS, use_tqdm=False)
+    error = caught.value
+    assert isinstance(error, HybridCacheError) and isinstance(error, ValueError)
+    assert [index for index, _ in error.errors] == [1]
+    assert type(error.errors[0][1]) is error_type
+    assert "1 of 3 prompts" in str(error) and f"[1] {error_type.__name__}" in str(error)
+    assert llm.stats.num_steps == steps, "nothing ran"
+    assert not llm.engine.has_unfinished_requests()
+    assert_all_blocks_free(llm)
+    good_first, good_last = llm.generate([GOOD, GOOD], PARAMS, use_tqdm=False)
     assert good_first.finish_reason == good_last.finish_reason == "length"
-    assert good_first.error is None
     assert len(good_first.token_ids) == 4 and good_first.token_ids == good_last.token_ids
+
+
+@needs_coordinator
+def test_every_bad_prompt_is_listed_with_its_index(llm):
+    prompts = [{"prompt_token_ids": []}, GOOD, "no tokenizer", GOOD, [1] * (MAX_MODEL_LEN + 1)]
+    with pytest.raises(InvalidRequestsError) as caught:
+        llm.generate(prompts, PARAMS, use_tqdm=False)
+    listed = [(index, type(error)) for index, error in caught.value.errors]
+    assert listed == [(0, InvalidRequestError), (2, NoTokenizerError), (4, PromptTooLongError)]
+    assert "3 of 5 prompts" in str(caught.value)
     assert_all_blocks_free(llm)
 
 
@@ -104,15 +124,37 @@ def test_token_ids_as_tensor_or_array_are_accepted(llm):
 
 
 @needs_coordinator
-def test_request_larger_than_the_pool_fails_alone(llm):
-    too_big = SamplingParams(max_tokens=MAX_MODEL_LEN, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(
-        [{"prompt_token_ids": [3] * 60}, GOOD], [too_big, PARAMS], use_tqdm=False
+def test_step_api_fails_a_request_larger_than_the_pool_alone(llm):
+    """An engine built on a pool smaller than one `max_model_len` request (`LLM` refuses such a
+    budget; the step API takes it): the request that can never fit fails alone and typed."""
+    options = PlanOptions(
+        kv_cache_memory=64 * 1024,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=4,
+        max_num_batched_tokens=32,
     )
-    assert isinstance(outputs[0].error, InsufficientKVCacheError)
-    assert isinstance(outputs[0].error, _core.RequestTooLargeError)
-    assert outputs[1].finish_reason == "length" and len(outputs[1].token_ids) == 4
-    assert_all_blocks_free(llm)
+    layout = plan_kv_cache(llm.spec, options)
+    engine = LLMEngine.from_model(
+        llm.model,
+        layout,
+        SchedulerLimits(MAX_MODEL_LEN, 4, 32, True),
+        vocab_size=llm.spec.vocab_size,
+        eos_token_ids=(),
+        dtype=llm.dtype,
+        device=llm.device,
+    )
+    too_big = SamplingParams(max_tokens=MAX_MODEL_LEN, temperature=0.0, ignore_eos=True)
+    engine.add_request("fits", [5, 6, 7, 8, 9], PARAMS)
+    with pytest.raises(InsufficientKVCacheError) as caught:
+        engine.add_request("too-big", [3] * 60, too_big)
+    assert isinstance(caught.value, _core.RequestTooLargeError)
+    assert "raise kv_cache_memory" in str(caught.value)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += engine.step()
+    assert [request.request_id for request in finished] == ["fits"]
+    assert len(finished[0].output_token_ids) == 4
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks - 1
 
 
 @needs_coordinator
@@ -206,7 +248,13 @@ def test_kv_cache_budget_defaults():
 @pytest.mark.parametrize("backend", ["no-such-backend", "flash_attn"])
 def test_attention_backend_that_cannot_run_raises_typed_error(backend):
     with pytest.raises(HybridCacheError, match=backend):
-        LLM("tiny-llama", kv_cache_memory="64KiB", device="cpu", attention_backend=backend)
+        LLM(
+            "tiny-llama",
+            kv_cache_memory="128KiB",
+            max_model_len=MAX_MODEL_LEN,
+            device="cpu",
+            attention_backend=backend,
+        )
 
 
 @needs_coordinator

@@ -28,7 +28,7 @@ def run(mode: str, layout: str, memory: str) -> tuple[LLM, list[list[int]]]:
         load_format="dummy",
         hf_overrides=OVERRIDES,
         kv_cache_memory=memory,
-        max_model_len=128,
+        max_model_len=88,  # the longest request is 60 + 20 tokens
         block_size=4,
         max_num_batched_tokens=16,
         max_num_seqs=4,

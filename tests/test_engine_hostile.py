@@ -1,7 +1,9 @@
 """The engine under hostile input.
 
-- Every kind of bad request mixed into one batch with good ones: each bad one fails alone with
-  its typed error; the good ones produce exactly the tokens of a clean run; every block returns.
+- Every kind of bad request mixed into one batch with good ones: `generate` raises one
+  `InvalidRequestsError` listing each bad one (index and typed error) and runs nothing; through
+  the step API each bad request fails alone and the good ones produce exactly the tokens of a
+  clean run; every block returns.
 - Bad sampling parameters: a typed error before any work, the engine untouched.
 - Malformed model folders, truncated safetensors and a config.json that lies about the shapes
   its weights have: `LLM(...)` raises a typed `HybridCacheError`; an engine built before keeps
@@ -25,6 +27,7 @@ from hybrid_cache.config import ConfigError
 from hybrid_cache.engine.errors import (
     InsufficientKVCacheError,
     InvalidRequestError,
+    InvalidRequestsError,
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
@@ -43,7 +46,7 @@ MAX_MODEL_LEN = 64
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
 
-def small_llm(preset: str, memory: str = "64KiB", **kwargs) -> LLM:
+def small_llm(preset: str, memory: str = "68KiB", **kwargs) -> LLM:
     return LLM(
         preset,
         kv_cache_memory=memory,
@@ -113,36 +116,60 @@ def bad_prompts(llm: LLM) -> list[tuple[object, type]]:
 
 
 @pytest.mark.parametrize("preset", ["llama", "gemma3"])
-def test_every_bad_request_fails_alone(preset, request):
+def test_every_bad_request_is_listed_and_nothing_runs(preset, request):
     llm: LLM = request.getfixturevalue(preset)
     good = good_prompts(llm.spec.vocab_size)
     clean = [output.token_ids for output in llm.generate(good, GREEDY, use_tqdm=False)]
     bad = bad_prompts(llm)
-    # Too big for the whole pool, though within max_model_len: a request-level error too.
-    too_big = SamplingParams(max_tokens=MAX_MODEL_LEN - 4, temperature=0.0, ignore_eos=True)
     prompts: list[object] = []
-    params: list[SamplingParams] = []
-    expected: list[type | None] = []
-    for index, (prompt, error_type) in enumerate(bad):
+    for index, (prompt, _) in enumerate(bad):
         prompts += [good[index % len(good)], prompt]
-        params += [GREEDY, GREEDY]
-        expected += [None, error_type]
-    if not llm.engine.kv_cache.can_ever_fit(MAX_MODEL_LEN - 1):  # so on llama's pool
-        prompts.append({"prompt_token_ids": [5] * 4})
-        params.append(too_big)
-        expected.append(InsufficientKVCacheError)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert len(outputs) == len(prompts)
-    for index, (output, error_type) in enumerate(zip(outputs, expected)):
-        if error_type is None:
-            assert output.error is None and output.finish_reason == "length"
-            assert output.token_ids == clean[(index // 2) % len(good)], "a good request changed"
-        else:
-            assert output.finish_reason == "error" and output.token_ids == []
-            assert isinstance(output.error, error_type), (prompts[index], output.error)
-            assert isinstance(output.error, HybridCacheError)
-            with pytest.raises(error_type):
-                output.raise_for_error()
+    steps = llm.stats.num_steps
+    with pytest.raises(InvalidRequestsError) as caught:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    listed = caught.value.errors
+    assert [index for index, _ in listed] == list(range(1, len(prompts), 2))
+    for (index, error), (prompt, error_type) in zip(listed, bad):
+        assert isinstance(error, error_type), (prompt, error)
+        assert isinstance(error, HybridCacheError)
+        assert f"[{index}] {type(error).__name__}: {error}" in str(caught.value)
+    assert llm.stats.num_steps == steps, "nothing ran"
+    assert_quiescent(llm)
+    # The good half of the batch, alone, gives the tokens of the clean run.
+    outputs = llm.generate(prompts[0::2], GREEDY, use_tqdm=False)
+    assert [output.token_ids for output in outputs] == [
+        clean[index % len(good)] for index in range(len(bad))
+    ]
+    assert_quiescent(llm)
+
+
+@pytest.mark.parametrize("preset", ["llama", "gemma3"])
+def test_step_api_fails_each_bad_request_alone(preset, request):
+    llm: LLM = request.getfixturevalue(preset)
+    engine = llm.engine
+    good = good_prompts(llm.spec.vocab_size)
+    clean = [output.token_ids for output in llm.generate(good, GREEDY, use_tqdm=False)]
+    vocab = llm.spec.vocab_size
+    bad = [
+        ([], InvalidRequestError),
+        ([1] * (MAX_MODEL_LEN + 1), PromptTooLongError),
+        ([1] * 10_000, PromptTooLongError),
+        ([3, vocab], InvalidRequestError),
+        ([3, -1], InvalidRequestError),
+        ([2**63], InvalidRequestError),
+    ]
+    for index, (prompt, error_type) in enumerate(bad):
+        engine.add_request(f"good-{index}", good[index % len(good)]["prompt_token_ids"], GREEDY)
+        with pytest.raises(error_type):
+            engine.add_request(f"bad-{index}", prompt, GREEDY)
+        assert f"bad-{index}" not in engine.unfinished_request_ids
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((r.request_id, r) for r in engine.step())
+    assert sorted(finished) == sorted(f"good-{index}" for index in range(len(bad)))
+    for index in range(len(bad)):
+        done = finished[f"good-{index}"]
+        assert done.error is None and done.output_token_ids == clean[index % len(good)]
     assert_quiescent(llm)
 
 

@@ -197,24 +197,25 @@ def test_hybrid_and_uniform_modes_give_the_same_tokens(tiny):
 def test_preemption_by_recompute_gives_the_same_tokens(tiny):
     prompts = make_prompts(3, lengths=(24, 26, 28, 30))
     # Room for about one and a half requests: the newest running ones get preempted.
-    llm = tiny.llm(kv_cache_memory=small_pool_bytes(tiny))
+    llm = tiny.llm(**small_pool(tiny))
     assert generate_ids(llm, prompts) == hf_greedy(tiny.hf, prompts)
     assert llm.stats.num_preemptions > 0
     assert_all_blocks_free(llm)
 
 
-def small_pool_bytes(
+def small_pool(
     tiny: TinyModel,
     mode: str = "hybrid",
     max_num_batched_tokens: int = 16,
     largest: int = 30 + NUM_NEW_TOKENS,
-) -> int:
-    """A pool just larger than the `largest` request (in tokens) at its worst case:
-    admission passes, but four requests running together must preempt."""
+) -> dict:
+    """`LLM` arguments for a pool just larger than the `largest` request (in tokens, also the
+    `max_model_len`) at its worst case: admission passes, but four requests running together
+    must preempt."""
     spec = load_model_spec(tiny.folder)
     options = PlanOptions(
         kv_cache_memory="1MiB",
-        max_model_len=128,
+        max_model_len=largest,
         block_size=4,
         max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_dtype="float32",
@@ -223,7 +224,10 @@ def small_pool_bytes(
     layout = plan_kv_cache(spec, options, mode=mode)
     need = sum(g.max_blocks_per_request(largest, max_num_batched_tokens) for g in layout.groups)
     num_blocks = 1 + need + 2
-    return num_blocks * layout.page_bytes * layout.layers_per_group
+    return {
+        "kv_cache_memory": num_blocks * layout.page_bytes * layout.layers_per_group,
+        "max_model_len": largest,
+    }
 
 
 def test_prefix_cache_hits_give_the_same_tokens(tiny):
@@ -309,8 +313,8 @@ def test_prefix_hits_preemption_and_chunks_together(tiny):
     shared = tuple(make_prompts(11, lengths=(20,))[0])
     prompts = make_prompts(12, lengths=(3, 9, 25), prefix=shared) + make_prompts(13, (4, 30))
     largest = max(len(p) for p in prompts) + NUM_NEW_TOKENS
-    pool = small_pool_bytes(tiny, max_num_batched_tokens=8, largest=largest)
-    llm = tiny.llm(kv_cache_memory=pool, max_num_batched_tokens=8, max_num_seqs=3)
+    pool = small_pool(tiny, max_num_batched_tokens=8, largest=largest)
+    llm = tiny.llm(**pool, max_num_batched_tokens=8, max_num_seqs=3)
     expected = hf_greedy(tiny.hf, prompts)
     assert generate_ids(llm, prompts) == expected
     assert generate_ids(llm, prompts) == expected  # again, now over a warm prefix cache
@@ -325,10 +329,8 @@ def test_longest_prefix_first_admission_gives_the_same_tokens(tiny):
     warm = make_prompts(52, lengths=(6,), prefix=shared)
     prompts = make_prompts(53, (4, 30)) + make_prompts(54, lengths=(3, 9), prefix=shared)
     largest = max(len(p) for p in prompts) + NUM_NEW_TOKENS
-    pool = small_pool_bytes(tiny, max_num_batched_tokens=8, largest=largest)
-    llm = tiny.llm(
-        kv_cache_memory=pool, max_num_batched_tokens=8, max_num_seqs=3, scheduling_policy="lpm"
-    )
+    pool = small_pool(tiny, max_num_batched_tokens=8, largest=largest)
+    llm = tiny.llm(**pool, max_num_batched_tokens=8, max_num_seqs=3, scheduling_policy="lpm")
     assert generate_ids(llm, warm) == hf_greedy(tiny.hf, warm)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [output.token_ids for output in outputs] == hf_greedy(tiny.hf, prompts)
@@ -341,7 +343,7 @@ def test_seeded_sampling_is_reproducible_across_batches_and_preemption(tiny):
     prompts = make_prompts(7, lengths=(24, 26, 28, 30))
     params = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=i) for i in range(4)]
     roomy = tiny.llm(enable_prefix_caching=False)
-    cramped = tiny.llm(kv_cache_memory=small_pool_bytes(tiny))
+    cramped = tiny.llm(**small_pool(tiny))
     alone = [generate_ids(roomy, [p], [q])[0] for p, q in zip(prompts, params)]
     assert generate_ids(roomy, prompts, params) == alone
     assert generate_ids(cramped, prompts, params) == alone
@@ -383,32 +385,49 @@ def test_text_prompts_use_the_folder_tokenizer(tmp_path):
 
 
 def test_generate_command_runs_a_preset(capsys):
-    import argparse
     import json
 
-    from hybrid_cache.commands import generate
+    from hybrid_cache.cli import main
 
-    parser = argparse.ArgumentParser()
-    generate.register(parser.add_subparsers())
-    args = parser.parse_args(
-        [
-            "generate",
-            "--model=tiny-gemma3",
-            "--kv-cache-memory=1MiB",
-            "--max-model-len=128",
-            "--max-tokens=5",
-            "--ignore-eos",
-            "--prompt-token-ids=5,6,7",
-            "--prompt-token-ids=",
-            "--json",
-        ]
-    )
-    assert args.handler(args) == 1  # the empty prompt failed, and says so in the exit code
+    flags = ["generate", "--model=tiny-gemma3", "--kv-cache-memory=1MiB", "--max-model-len=128"]
+    code = main([*flags, "--max-tokens=5", "--ignore-eos", "--prompt-token-ids=5,6,7", "--json"])
+    assert code == 0
     result = json.loads(capsys.readouterr().out)
-    good, bad = result["outputs"]
+    (good,) = result["outputs"]
     assert good["finish_reason"] == "length" and len(good["token_ids"]) == 5
-    assert bad["finish_reason"] == "error" and "InvalidRequestError" in bad["error"]
+    assert good["prompt_token_ids"] == [5, 6, 7] and good["error"] is None
     assert result["summary"]["num_steps"] >= 5
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prompt-token-ids=5,6,7", "--prompt-token-ids="], "InvalidRequestError"),
+        (["--prompt-token-ids=5,x"], "comma-separated ints"),
+        (["--temperature=-1"], "InvalidSamplingParamsError: temperature"),
+        (["--max-tokens=0"], "InvalidSamplingParamsError: max_tokens"),
+        (["--num-prompts=0"], "--num-prompts must be a positive integer"),
+        (["--chat", "--prompt-token-ids=1,2"], "--chat sends --prompt texts"),
+        (["--chat-template=x.jinja", "--prompt=hi"], "--chat-template applies with --chat"),
+        (["--device=gpu"], "DeviceUnavailableError"),
+        (["--prompt=the cat"], "NoTokenizerError: --prompt is text"),
+        (["--chat", "--prompt=the cat"], "NoTokenizerError: --prompt with --chat is text"),
+        (["--generation-config=/no/such/folder"], "EngineConfigError: --generation-config"),
+    ],
+)
+def test_generate_command_checks_its_flags_before_the_model_loads(
+    capsys, monkeypatch, flags, message
+):
+    from hybrid_cache.cli import main
+    from hybrid_cache.engine import llm as llm_module
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(llm_module, "load_model", no_loading)
+    code = main(["generate", "--model=tiny-gemma3", "--kv-cache-memory=1MiB", *flags])
+    assert code == 1
+    assert message in capsys.readouterr().err
 
 
 def test_block_table_is_a_zero_copy_view_of_the_core():

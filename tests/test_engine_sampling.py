@@ -156,7 +156,7 @@ def test_prompt_logprobs_survive_chunked_prefill_and_preemption(tiny):
     # Four prompts of about 45 tokens in a pool of 15 blocks (60 tokens): chunks of 8 tokens,
     # preemptions mid-prompt.
     prompts = [PROMPT * 2, PROMPT[::-1] * 2, PROMPT[3:] * 2, PROMPT[:20] * 2]
-    llm = tiny.llm(kv_cache_memory="32KiB", max_num_batched_tokens=8)
+    llm = tiny.llm(kv_cache_memory="32KiB", max_num_batched_tokens=8, max_model_len=56)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
     outputs = generate(llm, params, prompts)
     assert llm.stats.num_preemptions > 0

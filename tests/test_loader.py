@@ -261,7 +261,12 @@ def test_multimodal_wrapper_builds_its_text_model() -> None:
     windows = [layer.sliding_window for layer in attention_layers(model)]
     assert windows == [layer.window for layer in spec.layers]
     assert windows.count(None) == 1  # 7 layers, every 6th full
-    llm = LLM("gemma-3-12b", hf_overrides={"text_config": small}, kv_cache_memory="8MiB")
+    llm = LLM(
+        "gemma-3-12b",
+        hf_overrides={"text_config": small},
+        kv_cache_memory="8MiB",
+        max_model_len=1024,
+    )
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     (output,) = llm.generate([{"prompt_token_ids": list(range(3, 60))}], params, use_tqdm=False)
     output.raise_for_error()

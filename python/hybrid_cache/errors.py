@@ -89,11 +89,21 @@ class InvalidBlockSizeError(PlanError):
 
 
 class BudgetTooSmallError(PlanError):
-    """The KV-cache budget holds less than one block per group (plus the null block)."""
+    """The KV-cache budget holds less than one block per group (plus the null block), or (an
+    engine) less than one request of `max_model_len` tokens."""
 
 
 class WindowTooLargeError(PlanError):
     """A window/chunk covers the whole context while `strict_windows` is set."""
+
+
+class DeviceUnavailableError(EngineConfigError):
+    """`--device` names a device this machine does not have (e.g. `cuda` without a GPU)."""
+
+
+class KVCacheMemoryError(EngineConfigError):
+    """The KV-cache budget is more memory than the device (GPU, or the host for the CPU) has
+    free; the message says how much there is."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,8 +165,8 @@ class KernelArgumentError(HybridCacheError, ValueError):
 
 # ---------------------------------------------------------------------------------------------
 # The engine (`engine/`) and the benchmark front (`bench/`). Each is also a `ValueError`: the
-# caller passed something the engine cannot run. A per-request error is attached to that
-# request's output (`finish_reason == "error"`); see `LLM.generate`.
+# caller passed something the engine cannot run. `LLM.generate` raises one
+# `InvalidRequestsError` for a batch with bad prompts; `LLMEngine.add_request` raises for one.
 
 
 class InvalidSamplingParamsError(HybridCacheError, ValueError):
@@ -176,6 +186,29 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt has more tokens than `max_model_len`."""
 
 
+class NoTokenizerError(InvalidRequestError):
+    """Text was given (a prompt or a chat) but the model has no tokenizer (a preset, or a folder
+    without tokenizer files, or transformers is not installed)."""
+
+
+class InvalidRequestsError(InvalidRequestError):
+    """`LLM.generate` / `LLM.chat` found bad prompts and ran none of the batch. `errors` holds
+    `(index, error)` for every bad one, in order; each error is an `InvalidRequestError`."""
+
+    def __init__(self, errors: list, num_prompts: int) -> None:
+        self.errors = list(errors)
+        self.num_prompts = num_prompts
+        listed = "".join(
+            f"\n  [{index}] {type(error).__name__}: {error}" for index, error in self.errors
+        )
+        super().__init__(
+            f"{len(self.errors)} of {num_prompts} prompts cannot run, so none was run:{listed}"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.errors, self.num_prompts))
+
+
 class InsufficientKVCacheError(InvalidRequestError, RequestTooLargeError):
     """The request can never fit in the KV-cache pool, even running alone."""
 
@@ -189,6 +222,7 @@ __all__ = [
     "BenchConfigError",
     "BudgetTooSmallError",
     "ConfigError",
+    "DeviceUnavailableError",
     "DoubleFreeError",
     "DuplicateRequestError",
     "EngineConfigError",
@@ -199,7 +233,9 @@ __all__ = [
     "InvalidBlockSizeError",
     "InvalidGroupError",
     "InvalidRequestError",
+    "InvalidRequestsError",
     "InvalidSamplingParamsError",
+    "KVCacheMemoryError",
     "KernelArgumentError",
     "LayerGroupMismatchError",
     "MemorySizeError",
@@ -207,6 +243,7 @@ __all__ = [
     "ModelLoadError",
     "ModelNotLocalError",
     "NoFreeBlocksError",
+    "NoTokenizerError",
     "PlanError",
     "PromptTooLongError",
     "RequestTooLargeError",

@@ -54,6 +54,7 @@ class BenchSettings:
     hold_waiting_prefixes: bool = True
     load_format: str = "dummy"
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    generation_config: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
     dtype: Any = "auto"

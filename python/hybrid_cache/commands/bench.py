@@ -88,9 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="no model: real scheduler + allocator, step times from the cost model",
     )
-    parser.add_argument(
-        "--gpu-memory", default="80GB", help="--simulate: modelled GPU memory (default 80GB)"
-    )
+    parser.add_argument("--gpu-memory", default="80GB", help="--simulate: modelled GPU memory")
     parser.add_argument(
         "--compare-hf",
         action="store_true",

@@ -3,6 +3,11 @@
 Prompts are text (`--prompt`, needs a model folder with a tokenizer) or token ids
 (`--prompt-token-ids 1,2,3`); with neither, `--num-prompts` random prompts of `--prompt-len`
 token ids are generated (seeded), so a preset like `tiny-gemma3` runs end to end as a demo.
+`--chat` sends each `--prompt` as one user message through the tokenizer's chat template.
+
+The sampling flags not given take the model's generation config (`--generation-config`), else
+the command's defaults (greedy, 32 tokens). Every flag is checked, and the prompts parsed,
+before the model loads.
 """
 
 from __future__ import annotations
@@ -13,8 +18,21 @@ import logging
 import random
 from typing import Any
 
-from hybrid_cache.config import ConfigError
-from hybrid_cache.engine.engine_config import add_engine_arguments, engine_config_from_args
+from hybrid_cache.checks import check_positive_int
+from hybrid_cache.engine.engine_config import (
+    EngineConfig,
+    add_engine_arguments,
+    engine_config_from_args,
+)
+from hybrid_cache.engine.generation_config import read_generation_defaults
+from hybrid_cache.engine.sampling_params import SamplingParams
+from hybrid_cache.engine.tokenizer import has_tokenizer_files
+from hybrid_cache.errors import InvalidRequestError, NoTokenizerError
+
+# What a sampling flag means when neither it nor the generation config sets it.
+DEFAULT_MAX_TOKENS = 32
+DEFAULT_TEMPERATURE = 0.0  # greedy
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,35 +46,60 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--prompt-token-ids", action="append", default=[], help="comma-separated ids (repeat)"
     )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each --prompt as one user message through the tokenizer's chat template",
+    )
+    parser.add_argument(
+        "--chat-template",
+        help="with --chat: a Jinja chat template, or a file holding one (default: the tokenizer's)",
+    )
     parser.add_argument("--num-prompts", type=int, default=4, help="random prompts if none given")
     parser.add_argument("--prompt-len", type=int, default=32, help="length of random prompts")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        help=f"most tokens generated per prompt (default: the generation config's "
+        f"max_new_tokens, else {DEFAULT_MAX_TOKENS})",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        help="0 = greedy (default: the generation config's, else 0)",
+    )
+    parser.add_argument(
+        "--top-k", type=int, help="0 = no top-k filter (default: the generation config's, else 0)"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        help="nucleus sampling mass, 1 = off (default: the generation config's, else 1)",
+    )
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    config = engine_config_from_args(args)
+    params = sampling_params_from_args(args, config)
+    prompts = build_prompts(args, config)
+
     from hybrid_cache.engine.llm import LLM
-    from hybrid_cache.engine.sampling_params import SamplingParams
 
     if not args.json:
         # The engine logs its KV-cache plan at INFO; show it on stderr, above the outputs.
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    llm = LLM(engine_config_from_args(args))
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed if args.temperature > 0 else None,
-        ignore_eos=args.ignore_eos,
-    )
-    prompts = build_prompts(args, llm.spec.vocab_size)
-    outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+    llm = LLM(config)
+    use_tqdm = not args.json
+    if args.chat:
+        conversations = [[{"role": "user", "content": text}] for text in prompts]
+        outputs = llm.chat(conversations, params, use_tqdm, chat_template=args.chat_template)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     stats = llm.engine.stats
     summary = {
         "num_steps": len(llm.step_stats),
@@ -96,21 +139,60 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(output.error is not None for output in outputs) else 0
 
 
-def build_prompts(args: argparse.Namespace, vocab_size: int) -> list[Any]:
+def sampling_params_from_args(args: argparse.Namespace, config: EngineConfig) -> SamplingParams:
+    """The flags given, over the generation config's values, over the command's defaults
+    (`InvalidSamplingParamsError` for a bad value, before the model loads)."""
+    defaults = read_generation_defaults(config.model, config.generation_config).sampling
+    values: dict[str, Any] = {
+        "max_tokens": DEFAULT_MAX_TOKENS,
+        "temperature": DEFAULT_TEMPERATURE,
+        **defaults,
+    }
+    values.update(
+        {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    )
+    values["seed"] = args.seed if values["temperature"] > 0 else None
+    values["ignore_eos"] = args.ignore_eos
+    return SamplingParams(**values)
+
+
+def build_prompts(args: argparse.Namespace, config: EngineConfig) -> list[Any]:
+    """The prompts the flags ask for (`InvalidRequestError` for a bad flag, before the model
+    loads): the texts, the id lists, or seeded random ids."""
+    if args.chat and (args.prompt_token_ids or not args.prompt):
+        raise InvalidRequestError(
+            "--chat sends --prompt texts as user messages: give --prompt, not --prompt-token-ids"
+        )
+    if args.chat_template is not None and not args.chat:
+        raise InvalidRequestError("--chat-template applies with --chat only")
+    if args.prompt and not has_tokenizer_files(config.model):
+        raise NoTokenizerError(
+            f"--prompt{' with --chat' if args.chat else ''} is text, and {config.model} has no "
+            "tokenizer (a preset, or a folder without tokenizer files): use --prompt-token-ids"
+        )
     prompts: list[Any] = list(args.prompt)
     for text in args.prompt_token_ids:
-        try:
-            prompts.append({"prompt_token_ids": [int(t) for t in text.split(",") if t.strip()]})
-        except ValueError as error:
-            raise ConfigError(f"--prompt-token-ids takes comma-separated ints: {error}") from error
-    if not prompts:
-        generator = random.Random(args.seed)
-        prompts = [
-            {
-                "prompt_token_ids": [
-                    generator.randrange(3, vocab_size) for _ in range(args.prompt_len)
-                ]
-            }
-            for _ in range(args.num_prompts)
-        ]
-    return prompts
+        prompts.append({"prompt_token_ids": parse_token_ids(text)})
+    if prompts:
+        return prompts
+    check_positive_int(args.num_prompts, "--num-prompts", InvalidRequestError)
+    check_positive_int(args.prompt_len, "--prompt-len", InvalidRequestError)
+    vocab_size = config.model_spec().vocab_size
+    generator = random.Random(args.seed)
+    return [
+        {"prompt_token_ids": [generator.randrange(3, vocab_size) for _ in range(args.prompt_len)]}
+        for _ in range(args.num_prompts)
+    ]
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """`--prompt-token-ids 1,2,3` as ids; `InvalidRequestError` for anything else or none."""
+    try:
+        ids = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError as error:
+        raise InvalidRequestError(
+            f"--prompt-token-ids takes comma-separated ints, got {text!r}"
+        ) from error
+    if not ids:
+        raise InvalidRequestError(f"--prompt-token-ids {text!r} holds no token ids")
+    return ids

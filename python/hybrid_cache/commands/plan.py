@@ -45,8 +45,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         kv_cache_memory=REQUIRED,
         kv_cache_mode=BOTH_MODES,
     )
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    parser.add_argument("--max-padding-waste", type=float, default=DEFAULT_MAX_PADDING_WASTE)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="dtype of the KV cache (auto: the model's dtype)",
+    )
+    parser.add_argument(
+        "--max-padding-waste",
+        type=float,
+        default=DEFAULT_MAX_PADDING_WASTE,
+        help="largest share of a max-length request's memory that group and page padding may "
+        "cost when the planner sizes groups",
+    )
     parser.add_argument(
         "--strict-windows",
         action="store_true",

@@ -2,9 +2,11 @@
 
 One job per file:
 
-    llm.py            LLM: its EngineConfig, model + tokenizer, KV budget, plan, generate()
+    llm.py            LLM: its EngineConfig, model + tokenizer, KV budget, plan, generate(), chat()
+    prompts.py        the prompt forms generate() takes, chat conversations and their template
+    generation_config.py  the folder's generation_config.json: EOS ids, default sampling values
     engine_config.py  EngineConfig (validated once, the defaults) and the shared CLI flags
-    engine_args.py    dtype and end-of-sequence ids from the config, plan logging
+    engine_args.py    device, dtype and end-of-sequence ids from the config, plan checks and logging
     llm_engine.py     LLMEngine: add_request / step / abort_request, per-step figures
     step_runner.py    StepRunner: the execute(SchedulerOutput) contract a step runs through
     scheduler.py      continuous batching, chunked prefill, preemption by recompute

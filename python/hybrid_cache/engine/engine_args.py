@@ -1,19 +1,56 @@
-"""What `LLM` derives from its (already validated) `EngineConfig`: the dtype, the
-end-of-sequence ids, and the plan summary the engine logs."""
+"""What `LLM` derives from its (already validated) `EngineConfig`: the device, the dtype, the
+end-of-sequence ids, the check that one `max_model_len` request fits the plan, and the plan
+summary the engine logs."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any, Iterable, Union
 
 import torch
 
 from hybrid_cache.config import ModelSpec, normalize_dtype
+from hybrid_cache.errors import BudgetTooSmallError, DeviceUnavailableError
 from hybrid_cache.planner import KVCacheLayout, report_plan
 from hybrid_cache.sizes import format_memory_size
 
 logger = logging.getLogger("hybrid_cache.engine.llm")
+
+
+def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
+    """The engine's device: as given, else CUDA when available, else the CPU. A device this
+    machine lacks (CUDA without a GPU, an index past the last GPU) or a name that is not a
+    device raises `DeviceUnavailableError` before anything is loaded."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise DeviceUnavailableError(
+            f"--device {device!r} is not a device: use cpu, cuda or cuda:N, or leave it unset "
+            "(LLM argument device)"
+        ) from error
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise DeviceUnavailableError(
+            f"--device {device!r}: the engine runs on cpu or cuda (LLM argument device)"
+        )
+    if not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
+        raise DeviceUnavailableError(
+            f"--device {device!r}: this machine has no usable CUDA device (torch "
+            f"{torch.__version__}, {built}, sees none); use --device cpu or leave --device "
+            "unset (LLM argument device)"
+        )
+    count = torch.cuda.device_count()
+    if resolved.index is not None and resolved.index >= count:
+        raise DeviceUnavailableError(
+            f"--device {device!r}: this machine has {count} CUDA device(s), cuda:0 to "
+            f"cuda:{count - 1} (LLM argument device)"
+        )
+    return resolved
 
 
 def resolve_dtype(
@@ -29,14 +66,48 @@ def resolve_dtype(
     return getattr(torch, name)
 
 
-def eos_token_ids(hf_config: Mapping[str, Any], tokenizer: Any) -> tuple[int, ...]:
-    """End-of-sequence ids from the config (an int or a list), else the tokenizer's."""
-    value = hf_config.get("eos_token_id")
-    if value is None and tokenizer is not None:
-        value = getattr(tokenizer, "eos_token_id", None)
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+def eos_token_ids(
+    hf_config: Mapping[str, Any], tokenizer: Any, generation_eos: Iterable[int] = ()
+) -> tuple[int, ...]:
+    """End-of-sequence ids, in order, each once: config.json's `eos_token_id` (an int or a
+    list), the generation config's (`generation_eos`), and the tokenizer's."""
+    ids: list[int] = []
+    for value in (
+        hf_config.get("eos_token_id"),
+        list(generation_eos),
+        None if tokenizer is None else getattr(tokenizer, "eos_token_id", None),
+    ):
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if item is not None and int(item) not in ids:
+                ids.append(int(item))
+    return tuple(ids)
+
+
+def check_one_request_fits(layout: KVCacheLayout, spec: ModelSpec, budget: int) -> None:
+    """`BudgetTooSmallError` when the pool cannot hold one request of `max_model_len` tokens
+    (the core's worst case, what admission checks), naming the budget that would and the
+    longest `max_model_len` that fits."""
+    report = report_plan(layout, spec)
+    if report.max_concurrency >= 1:
+        return
+    usable = layout.num_blocks - 1
+    low, high = 0, report.context_len  # the longest length that fits is in [low, high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if report_plan(layout, spec, middle).blocks_per_request <= usable:
+            low = middle
+        else:
+            high = middle
+    block_bytes = layout.page_bytes * layout.layers_per_group
+    needed = (report.blocks_per_request + 1) * block_bytes  # + the null block
+    fits = f"at most {low}" if low > 0 else "nothing: not even one token fits"
+    raise BudgetTooSmallError(
+        f"the KV cache ({format_memory_size(budget)}: {usable} blocks) cannot hold one request "
+        f"of max_model_len={report.context_len} tokens, which needs {report.blocks_per_request} "
+        f"blocks; raise --kv-cache-memory to at least {format_memory_size(needed)} (LLM "
+        "argument kv_cache_memory; a profiled CUDA budget grows with --gpu-memory-utilization) "
+        f"or lower --max-model-len to {fits} (LLM argument max_model_len)"
+    )
 
 
 def log_plan(layout: KVCacheLayout, spec: ModelSpec) -> None:

@@ -31,6 +31,7 @@ from hybrid_cache.checks import (
     is_int,
 )
 from hybrid_cache.config import ModelSpec, load_model_spec, normalize_dtype
+from hybrid_cache.engine.generation_config import check_generation_config
 from hybrid_cache.errors import ConfigError, EngineConfigError, MemorySizeError, PlanError
 from hybrid_cache.planner import (
     DEFAULT_BLOCK_SIZE,
@@ -39,13 +40,16 @@ from hybrid_cache.planner import (
     PLAN_MODES,
     PlanOptions,
 )
-from hybrid_cache.sizes import MemorySize, parse_memory_size
+from hybrid_cache.sizes import MemorySize, format_memory_size, parse_memory_size
 
 if TYPE_CHECKING:
     import torch
 
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# The KV budget on the CPU when none is given (`memory.py`): enough for the small models the CPU
+# runs, and cheap to zero.
+DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 1024**2
 LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 # Admission order of waiting requests (see `scheduler.py`): first come first served, or the
 # longest cached prefix first.
@@ -76,7 +80,10 @@ class EngineConfig:
     `kv_group_layout`: the planner's `group_layout`; `attention_backend`: "auto" or a backend
     name (checked by the selector, which knows the registered backends); `scheduling_policy`:
     "fcfs" or "lpm" (`scheduler.py`); `hold_waiting_prefixes`: a request takes its prefix-cache
-    hit when it arrives, so admissions before it cannot evict it (`scheduler.py`); `enforce_eager`: run every step eagerly (every step does
+    hit when it arrives, so admissions before it cannot evict it (`scheduler.py`);
+    `generation_config`: "auto" (the model folder's `generation_config.json`: EOS ids and
+    default sampling values), "vllm" (the engine's sampling defaults) or a folder to read it
+    from (`generation_config.py`); `enforce_eager`: run every step eagerly (every step does
     today: CUDA graphs for pure-decode steps are not built yet, so the flag is checked and
     kept)."""
 
@@ -84,6 +91,7 @@ class EngineConfig:
     # The model.
     load_format: str = "auto"
     hf_overrides: Optional[Mapping[str, Any]] = None
+    generation_config: str = "auto"
     # The KV-cache plan.
     kv_cache_memory: Optional[MemorySize] = None
     max_model_len: Optional[int] = None
@@ -120,6 +128,11 @@ class EngineConfig:
                 f"{type(self.hf_overrides).__name__}{_hint('hf_overrides')}"
             )
         object.__setattr__(self, "hf_overrides", dict(self.hf_overrides or {}) or None)
+        object.__setattr__(
+            self,
+            "generation_config",
+            check_generation_config(self.generation_config, _hint("generation_config")),
+        )
         if self.kv_cache_memory is not None:
             try:
                 memory = parse_memory_size(self.kv_cache_memory)
@@ -318,9 +331,18 @@ def add_engine_arguments(
         parser.add_argument(*(flags or ("--" + name.replace("_", "-"),)), dest=name, **kwargs)
 
     add("model", required=True, help="model folder with config.json, or preset")
-    add("hf_overrides", help="JSON object deep-merged into config.json")
+    add("hf_overrides", help="JSON object deep-merged into config.json (default: none)")
     add("load_format", choices=LOAD_FORMATS, help="dummy: seeded random weights")
-    add("kv_cache_memory", help="KV budget: bytes or e.g. 512MiB, 40GB (default: see docs)")
+    add(
+        "generation_config",
+        help="auto: the model folder's generation_config.json gives EOS ids and default "
+        "sampling values; vllm: the engine's sampling defaults; or a folder to read it from",
+    )
+    add(
+        "kv_cache_memory",
+        help="KV budget: bytes or e.g. 512MiB, 40GB (default: profiled on CUDA, see "
+        f"--gpu-memory-utilization; {format_memory_size(DEFAULT_CPU_KV_CACHE_MEMORY)} on the CPU)",
+    )
     add("max_model_len", type=int, help="context length (default: max_position_embeddings)")
     add("block_size", type=int, help="tokens per block of the largest page (a power of two)")
     add(

@@ -2,26 +2,37 @@
 `hybrid_cache.errors`, re-exported here).
 
 Each is a `HybridCacheError` (catch everything from this package with one class) and a
-`ValueError` (the caller passed something the engine cannot run). A per-request error is
-attached to that request's output (`finish_reason == "error"`); see `LLM.generate`.
+`ValueError` (the caller passed something the engine cannot run). `LLM.generate` checks its
+whole batch first and raises one `InvalidRequestsError` listing every bad prompt; the step API
+(`LLMEngine.add_request`) raises for the one request it is given.
 """
 
 from __future__ import annotations
 
 from hybrid_cache.errors import (
+    BudgetTooSmallError,
+    DeviceUnavailableError,
     EngineConfigError,
     InsufficientKVCacheError,
     InvalidRequestError,
+    InvalidRequestsError,
     InvalidSamplingParamsError,
+    KVCacheMemoryError,
+    NoTokenizerError,
     PromptTooLongError,
     UnsupportedSamplingParamsError,
 )
 
 __all__ = [
+    "BudgetTooSmallError",
+    "DeviceUnavailableError",
     "EngineConfigError",
     "InsufficientKVCacheError",
     "InvalidRequestError",
+    "InvalidRequestsError",
     "InvalidSamplingParamsError",
+    "KVCacheMemoryError",
+    "NoTokenizerError",
     "PromptTooLongError",
     "UnsupportedSamplingParamsError",
 ]

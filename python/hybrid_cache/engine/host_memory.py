@@ -12,6 +12,9 @@ advised `MADV_HUGEPAGE` (the kernel's `transparent_hugepage` setting `madvise` o
 grants huge pages to it; `never` leaves 4 KiB pages, which only costs the speed-up). The
 tensor keeps its mapping alive. Elsewhere (no `madvise`, or `HYBRID_CACHE_HUGE_PAGES=0` in the
 environment) it is `torch.zeros`.
+
+`available_bytes()`: the host memory a new allocation can still get (Linux `MemAvailable`, capped
+by a cgroup v2 memory limit), which `memory.check_kv_cache_fits` holds the CPU KV cache to.
 """
 
 from __future__ import annotations
@@ -20,11 +23,36 @@ import ctypes
 import math
 import mmap
 import os
+from pathlib import Path
+from typing import Optional
 
 import torch
 
+from hybrid_cache.errors import KVCacheMemoryError
+
 HUGE_PAGE_BYTES = 2 << 20
 ENABLED = os.environ.get("HYBRID_CACHE_HUGE_PAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def available_bytes() -> Optional[int]:
+    """Bytes of host memory still available (`MemAvailable`, within the cgroup's `memory.max`
+    where one is set); None where neither can be read (not Linux)."""
+    figures = []
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                figures.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = (CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            figures.append(int(limit) - int((CGROUP / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(figures) if figures else None
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -32,8 +60,22 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     count = math.prod(shape)
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     if not ENABLED or nbytes < HUGE_PAGE_BYTES:
-        return torch.zeros(shape, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            return torch.zeros(shape, dtype=dtype)
+        except RuntimeError as error:  # torch's CPU allocator out of memory
+            raise KVCacheMemoryError(
+                f"the host refused {nbytes} B for a KV-cache tensor ({error}); lower "
+                "--kv-cache-memory (LLM argument kv_cache_memory)"
+            ) from error
+    try:
+        mapping = mmap.mmap(
+            -1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+    except OSError as error:
+        raise KVCacheMemoryError(
+            f"the host refused {nbytes} B for a KV-cache tensor ({error}); lower "
+            "--kv-cache-memory (LLM argument kv_cache_memory)"
+        ) from error
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     offset = -address % HUGE_PAGE_BYTES
     try:

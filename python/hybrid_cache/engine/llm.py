@@ -1,35 +1,66 @@
 """`LLM`: the user-facing front, in the shape vLLM users know.
 
     llm = LLM(model="path/to/hf-folder")            # or a preset name, e.g. "tiny-gemma3"
-    outputs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8))
+    outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8))
+    outputs = llm.chat([{"role": "user", "content": "Hello"}])
 
-Construction: the arguments become one validated `EngineConfig` (`llm.config`), then read the
-config (+ `hf_overrides`) into the `ModelSpec`, build the model from that spec (weights from the
-folder, or seeded random weights with `load_format="dummy"`), size the KV cache (see
-`memory.py`), plan the layout (`planner.plan_kv_cache`, logged), and start the engine.
+Construction: the arguments become one validated `EngineConfig` (`llm.config`); then the device
+is checked, the config (+ `hf_overrides`) read into the `ModelSpec` and the generation config
+into the EOS ids and default sampling params (`generation_config.py`); where the KV budget is
+known without the model, the plan is made and checked now (one `max_model_len` request must fit,
+and the KV tensors must fit the device's free memory), so a bad budget fails before the weights
+load. Then the model is built (weights from the folder, or seeded random weights with
+`load_format="dummy"`), the KV cache sized (`memory.py`: profiled on CUDA), the layout planned
+(`planner.plan_kv_cache`, logged) and checked, and the engine started.
+
+`generate` and `chat` check their whole batch first (`prompts.py`) and raise one
+`InvalidRequestsError` listing every bad prompt before anything runs; the step API
+(`self.engine`, `LLMEngine.add_request` / `step`) fails one request alone.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
-import numbers
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from hybrid_cache.config import ModelSpec
-from hybrid_cache.engine.engine_args import eos_token_ids, log_plan, resolve_dtype
+from hybrid_cache.engine.engine_args import (
+    check_one_request_fits,
+    eos_token_ids,
+    log_plan,
+    resolve_device,
+    resolve_dtype,
+)
 from hybrid_cache.engine.engine_config import EngineConfig
-from hybrid_cache.engine.errors import InvalidRequestError, InvalidSamplingParamsError
+from hybrid_cache.engine.errors import (
+    InvalidRequestError,
+    InvalidRequestsError,
+    InvalidSamplingParamsError,
+    NoTokenizerError,
+)
+from hybrid_cache.engine.generation_config import (
+    GenerationDefaults,
+    log_generation_defaults,
+    read_generation_defaults,
+)
 from hybrid_cache.engine.llm_engine import Finished, LLMEngine
-from hybrid_cache.engine.memory import kv_cache_budget
+from hybrid_cache.engine.memory import check_kv_cache_fits, kv_cache_budget
 from hybrid_cache.engine.output_builder import request_output
-from hybrid_cache.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepStats
-from hybrid_cache.engine.request import FinishReason
+from hybrid_cache.engine.outputs import EngineStats, RequestOutput, StepStats
+from hybrid_cache.engine.prompts import (
+    render_chat,
+    resolve_chat_template,
+    split_conversations,
+    split_prompts,
+    tokenize_prompt,
+)
 from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.engine.tokenizer import load_tokenizer
 from hybrid_cache.models import load_model
@@ -37,36 +68,48 @@ from hybrid_cache.planner import KVCacheLayout, plan_kv_cache
 
 logger = logging.getLogger(__name__)
 
-Prompt = Union[str, Mapping[str, Any]]
+Prompt = Union[str, Sequence[int], Mapping[str, Any]]
+Message = Mapping[str, Any]
+# A checked batch: per prompt, its request (validated, not yet queued) and its text.
+CheckedBatch = list[tuple[Finished, Optional[str]]]
 
 
 class LLM:
     """An engine over one model. `generate` runs a batch of prompts to completion."""
 
     def __init__(self, model: Union[str, os.PathLike, EngineConfig], **kwargs: Any) -> None:
-        """`model`: a local Hugging Face folder (config.json + safetensors, tokenizer optional)
-        or a built-in preset name (always random weights), or an `EngineConfig`; `kwargs`: the
-        `EngineConfig` fields (`kv_cache_memory`, `max_model_len`, `block_size`,
-        `kv_cache_mode`, `kv_group_layout`, `max_num_seqs`, `max_num_batched_tokens`,
-        `enable_prefix_caching`, `scheduling_policy`, `hf_overrides`, `load_format`, `dtype`,
-        `device`, `seed`, `attention_backend`, `gpu_memory_utilization`, `enforce_eager`; see
-        there for their defaults), or with an
+        """`model`: a local Hugging Face folder (config.json + safetensors, tokenizer and
+        generation_config.json optional) or a built-in preset name (always random weights), or
+        an `EngineConfig`; `kwargs`: the `EngineConfig` fields (`kv_cache_memory`,
+        `max_model_len`, `block_size`, `kv_cache_mode`, `kv_group_layout`, `max_num_seqs`,
+        `max_num_batched_tokens`, `enable_prefix_caching`, `scheduling_policy`, `hf_overrides`,
+        `generation_config`, `load_format`, `dtype`, `device`, `seed`, `attention_backend`,
+        `gpu_memory_utilization`, `enforce_eager`; see there for their defaults), or with an
         `EngineConfig`, the fields to replace. Every argument is checked before any work: a bad
         one raises a typed `EngineConfigError` (or `PlanError`, `MemorySizeError`,
-        `ConfigError`) naming it."""
+        `ConfigError`) naming it; a device the machine lacks is a `DeviceUnavailableError`, a
+        budget the device cannot give a `KVCacheMemoryError`, a budget below one
+        `max_model_len` request a `BudgetTooSmallError`."""
         self.config: EngineConfig = EngineConfig.of(model, **kwargs)
         config = self.config
         # Every step runs eagerly today (no CUDA graphs yet); kept so callers can pass it.
         self.enforce_eager: bool = config.enforce_eager
-        self.device: torch.device = torch.device(
-            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        )
+        self.device: torch.device = resolve_device(config.device)
         self.spec: ModelSpec = config.model_spec()
         self.dtype: torch.dtype = resolve_dtype(config.dtype, self.spec, self.device)
         self.max_model_len: int = config.resolved_max_model_len(self.spec)
+        self.generation_defaults: GenerationDefaults = read_generation_defaults(
+            config.model, config.generation_config
+        )
+        # A budget that needs no profile run is planned and checked before the weights load.
+        layout = None
+        if config.kv_cache_memory is not None or self.device.type != "cuda":
+            layout = self.plan_layout(self.kv_budget(None))
         is_folder = Path(config.model).is_dir()
         if config.load_format == "auto" and not is_folder:
-            logger.info("%s is a preset without weights: using random (dummy) weights", model)
+            logger.info(
+                "%s is a preset without weights: using random (dummy) weights", config.model
+            )
         self.model = load_model(
             config.model if is_folder else None,
             spec=self.spec,
@@ -76,26 +119,21 @@ class LLM:
             seed=config.seed,
         )
         self.tokenizer = load_tokenizer(config.model) if is_folder else None
-
-        budget = kv_cache_budget(
-            self.model,
-            self.device,
-            config.kv_cache_memory,
-            config.gpu_memory_utilization,
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
-        )
-        options = config.plan_options(
-            budget, self.max_model_len, kv_cache_dtype=str(self.dtype).removeprefix("torch.")
-        )
-        self.layout: KVCacheLayout = plan_kv_cache(self.spec, options, mode=config.kv_cache_mode)
+        if layout is None:
+            layout = self.plan_layout(self.kv_budget(self.model))
+        else:  # again, now that the weights hold their share of the memory
+            check_kv_cache_fits(layout.tensor_bytes * layout.layers_per_group, self.device)
+        self.layout: KVCacheLayout = layout
         log_plan(self.layout, self.spec)
+        log_generation_defaults(self.generation_defaults, config.generation_config)
         self.engine: LLMEngine = LLMEngine.from_model(
             self.model,
             self.layout,
             config.scheduler_limits(self.max_model_len),
             vocab_size=self.spec.vocab_size,
-            eos_token_ids=eos_token_ids(self.spec.hf_config, self.tokenizer),
+            eos_token_ids=eos_token_ids(
+                self.spec.hf_config, self.tokenizer, self.generation_defaults.eos_token_ids
+            ),
             dtype=self.dtype,
             device=self.device,
             seed=config.seed,
@@ -103,6 +141,30 @@ class LLM:
             tokenizer=self.tokenizer,
         )
         self.request_counter: itertools.count[int] = itertools.count()
+
+    def kv_budget(self, model: Optional[torch.nn.Module]) -> int:
+        """Bytes for the KV cache (`memory.kv_cache_budget`; `model` is needed only to profile
+        a CUDA device)."""
+        config = self.config
+        return kv_cache_budget(
+            model,
+            self.device,
+            config.kv_cache_memory,
+            config.gpu_memory_utilization,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+        )
+
+    def plan_layout(self, budget: int) -> KVCacheLayout:
+        """The plan of `budget`, checked: one `max_model_len` request fits, and the KV tensors
+        fit the device's free memory."""
+        options = self.config.plan_options(
+            budget, self.max_model_len, kv_cache_dtype=str(self.dtype).removeprefix("torch.")
+        )
+        layout = plan_kv_cache(self.spec, options, mode=self.config.kv_cache_mode)
+        check_one_request_fits(layout, self.spec, budget)
+        check_kv_cache_fits(layout.tensor_bytes * layout.layers_per_group, self.device)
+        return layout
 
     @property
     def step_stats(self) -> list[StepStats]:
@@ -119,6 +181,21 @@ class LLM:
         """Empties the prefix cache (e.g. between benchmark runs); False while requests run."""
         return self.engine.kv_cache.reset_prefix_cache()
 
+    def get_tokenizer(self) -> Any:
+        """The model folder's tokenizer; `NoTokenizerError` for a preset or a folder without
+        tokenizer files."""
+        if self.tokenizer is None:
+            raise NoTokenizerError(
+                f"{self.config.model} has no tokenizer (a preset, a folder without tokenizer "
+                "files, or transformers is not installed)"
+            )
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params of a `generate` / `chat` call that passes none: `SamplingParams()` with
+        the generation config's values (`generation_config="vllm"`: without them)."""
+        return self.generation_defaults.sampling_params()
+
     def generate(
         self,
         prompts: Union[Prompt, Sequence[Prompt]],
@@ -127,44 +204,115 @@ class LLM:
     ) -> list[RequestOutput]:
         """Runs every prompt to completion and returns one output per prompt, in order.
 
-        Errors: a problem with the call itself (a `sampling_params` list of the wrong length, or
-        an entry that is not a `SamplingParams`) raises before any work. A problem with one
-        prompt (empty, not tokenizable, ids outside the vocabulary, longer than
-        `max_model_len` or than the whole KV pool can hold) does not stop the others: that
-        prompt's output has `finish_reason == "error"`, no tokens, and the typed exception
-        (an `InvalidRequestError` subclass) in `output.error`; `output.raise_for_error()`
-        re-raises it.
-        """
-        prompt_list = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)
-        params_list = broadcast_params(sampling_params, len(prompt_list))
-        self.engine.reset_step_stats()
-        outputs: list[Optional[RequestOutput]] = [None] * len(prompt_list)
-        index_of: dict[str, int] = {}
-        requests: dict[str, Finished] = {}
-        for index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-            request_id = str(next(self.request_counter))
-            text = prompt if isinstance(prompt, str) else None
-            token_ids: list[int] = []
-            try:
-                token_ids = self.tokenize(prompt)
-                requests[request_id] = self.engine.add_request(request_id, token_ids, params)
-                index_of[request_id] = index
-            except InvalidRequestError as error:
-                outputs[index] = failed_output(request_id, text, token_ids, error)
+        `prompts`: one prompt or a list (`prompts.py`: text, `{"prompt": text}`, token ids,
+        `{"prompt_token_ids": ids}`); `sampling_params`: one for all, one each, or None for
+        `get_default_sampling_params()`.
 
-        progress = make_progress_bar(use_tqdm, len(requests))
+        Errors, all raised before anything runs: a `sampling_params` list of the wrong length
+        or an entry that is not a `SamplingParams` raises `InvalidSamplingParamsError`; bad
+        prompts (empty, not a prompt, text without a tokenizer, ids outside the vocabulary,
+        longer than `max_model_len` or than the whole KV pool can hold) raise one
+        `InvalidRequestsError` whose `errors` lists each one's index and typed error.
+        """
+        batch = split_prompts(prompts)
+        params = broadcast_params(self.params_or_default(sampling_params), len(batch))
+        tokenized = [functools.partial(tokenize_prompt, p, self.tokenizer) for p in batch]
+        return self.run_batch(self.check_batch(tokenized, params), use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Optional[list[Any]] = None,
+        chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+    ) -> list[RequestOutput]:
+        """Generates the next message of a conversation (a list of `{"role", "content"}`
+        dicts) or of each of a list of conversations, as `generate` does for prompts.
+
+        The tokenizer's chat template (or `chat_template`: a Jinja string or a file) renders
+        each conversation; `add_generation_prompt` opens the assistant's turn,
+        `continue_final_message` leaves the last message open instead; `tools` and
+        `chat_template_kwargs` go to the template. The text is tokenized without special
+        tokens (the template writes the BOS). A model without a tokenizer raises
+        `NoTokenizerError`, a tokenizer without a template `InvalidRequestError`; bad
+        conversations raise one `InvalidRequestsError` before anything runs."""
+        template = resolve_chat_template(self.tokenizer, chat_template)
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(
+                "add_generation_prompt and continue_final_message exclude each other: the one "
+                "opens a new assistant turn, the other continues the last message"
+            )
+        conversations = split_conversations(messages)
+        params = broadcast_params(self.params_or_default(sampling_params), len(conversations))
+
+        rendered = [
+            functools.partial(
+                render_chat,
+                self.tokenizer,
+                conversation,
+                template,
+                add_generation_prompt,
+                continue_final_message,
+                tools,
+                chat_template_kwargs,
+            )
+            for conversation in conversations
+        ]
+        return self.run_batch(self.check_batch(rendered, params), use_tqdm)
+
+    def params_or_default(
+        self, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None]
+    ) -> Union[SamplingParams, Sequence[SamplingParams]]:
+        return self.get_default_sampling_params() if sampling_params is None else sampling_params
+
+    def check_batch(
+        self,
+        prompts: Sequence[Callable[[], tuple[Optional[str], list[int]]]],
+        params: Sequence[SamplingParams],
+    ) -> CheckedBatch:
+        """Each prompt's text and ids (from its callable) as a validated request, nothing
+        queued; `InvalidRequestsError` listing every prompt that failed."""
+        checked: CheckedBatch = []
+        errors: list[tuple[int, InvalidRequestError]] = []
+        for index, (tokens, prompt_params) in enumerate(zip(prompts, params)):
+            try:
+                text, token_ids = tokens()
+                request_id = str(next(self.request_counter))
+                checked.append(
+                    (self.engine.check_request(request_id, token_ids, prompt_params), text)
+                )
+            except InvalidRequestError as error:
+                errors.append((index, error))
+        if errors:
+            raise InvalidRequestsError(errors, len(prompts))
+        return checked
+
+    def run_batch(self, checked: CheckedBatch, use_tqdm: bool) -> list[RequestOutput]:
+        """Queues the checked requests, steps until each has finished, returns their outputs
+        in order (a request that fails while running, which a checked one should not, has
+        `finish_reason == "error"` and its error in `output.error`)."""
+        self.engine.reset_step_stats()
+        index_of = {request.request_id: index for index, (request, _) in enumerate(checked)}
+        outputs: list[Optional[RequestOutput]] = [None] * len(checked)
+        progress = make_progress_bar(use_tqdm, len(checked))
         try:
+            for request, _ in checked:
+                self.engine.enqueue(request)
             while self.engine.has_unfinished_requests():
                 for request in self.engine.step():
                     index = index_of.get(request.request_id)
                     if index is None:
                         continue  # added through `self.engine` directly, not by this call
-                    outputs[index] = self.make_output(request, prompt_list[index])
+                    outputs[index] = self.make_output(request, checked[index][1])
                     if progress is not None:
                         progress.update(1)
         except BaseException:
-            for request_id in requests:
-                self.engine.abort_request(request_id)  # give every block back
+            for request, _ in checked:
+                self.engine.abort_request(request.request_id)  # give every block back
             raise
         finally:
             if progress is not None:
@@ -173,41 +321,12 @@ class LLM:
         return outputs  # type: ignore[return-value]
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt: a string (needs a tokenizer) or {"prompt_token_ids": [...]}."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "this model has no tokenizer: pass {'prompt_token_ids': [...]} instead of text"
-                )
-            return list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
-            token_ids = prompt["prompt_token_ids"]
-            if hasattr(token_ids, "tolist"):  # a torch tensor or numpy array
-                token_ids = token_ids.tolist()
-            if not isinstance(token_ids, Sequence) or not all(
-                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in token_ids
-            ):
-                raise InvalidRequestError("prompt_token_ids must be a list of ints")
-            return [int(t) for t in token_ids]
-        raise InvalidRequestError(
-            f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
-        )
+        """Token ids of one prompt (any form `generate` takes); `InvalidRequestError` if bad."""
+        return tokenize_prompt(prompt, self.tokenizer)[1]
 
-    def make_output(self, request: Finished, prompt: Prompt) -> RequestOutput:
+    def make_output(self, request: Finished, prompt: Optional[str]) -> RequestOutput:
         """The output of a finished request (or of all the samples of one prompt)."""
-        return request_output(request, prompt if isinstance(prompt, str) else None, self.tokenizer)
-
-
-def failed_output(
-    request_id: str, prompt: Optional[str], token_ids: list[int], error: Exception
-) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id,
-        prompt=prompt,
-        prompt_token_ids=token_ids,
-        outputs=[CompletionOutput(0, [], None, FinishReason.ERROR.value)],
-        error=error,
-    )
+        return request_output(request, prompt, self.tokenizer)
 
 
 def broadcast_params(

@@ -1,7 +1,8 @@
 """`LLMEngine`: the step loop behind `LLM` — validate and add requests, schedule, run, collect.
 
-One step = `Scheduler.schedule()` (which requests, how many tokens, preemptions), then the
-runner's `execute()` (forward + sampling), then `Scheduler.update_from_output()` (tokens,
+`add_request` = `check_request` (validate, build the `Request`) + `enqueue`; a bad request
+raises alone. One step = `Scheduler.schedule()` (which requests, how many tokens,
+preemptions), then the runner's `execute()` (forward + sampling), then `Scheduler.update_from_output()` (tokens,
 finishes, blocks returned). Finished requests (including failed and aborted ones) come back from
 `step()`: a `Request`, or for a prompt with several samples (`n > 1`, `best_of`) its
 `SampleGroup` once every sample has finished. A finished request's text is decoded then.
@@ -138,10 +139,17 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Finished:
         """Validates and queues a request (one per sample); raises a typed
-        `InvalidRequestError` (nothing queued) for an empty prompt, ids outside the
-        vocabulary, a prompt over `max_model_len`, a request the pool can never hold, or
-        sampling params the engine cannot honour. Returns the `Request`, or the `SampleGroup`
-        of a prompt with several samples."""
+        `InvalidRequestError` (nothing queued, other requests untouched) for a request id in
+        use, an empty prompt, ids outside the vocabulary, a prompt over `max_model_len`, a
+        request the pool can never hold, or sampling params the engine cannot honour. Returns
+        the `Request`, or the `SampleGroup` of a prompt with several samples."""
+        return self.enqueue(self.check_request(request_id, prompt_token_ids, params))
+
+    def check_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Finished:
+        """What `add_request` would queue, validated (the same errors) but not queued:
+        `LLM.generate` checks a whole batch this way before queuing any of it."""
         if request_id in self.unfinished_request_ids or request_id in self.group_of_child:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if len(prompt_token_ids) == 0:
@@ -164,8 +172,6 @@ class LLMEngine:
             request = self._make_request(request_id, prompt_token_ids, params)
             if not self.kv_cache.can_ever_fit(num_kv_tokens(request)):
                 raise self.kv_cache.does_not_fit(request)
-            self._queue(request)
-            self.unfinished_request_ids.add(request_id)
             return request
         child_ids = [child_request_id(request_id, index) for index in range(num_samples)]
         in_use = [
@@ -188,13 +194,7 @@ class LLMEngine:
         ]
         if not self.kv_cache.can_ever_fit(num_kv_tokens(children[0])):
             raise self.kv_cache.does_not_fit(children[0])
-        group = SampleGroup(request_id, params, children)
-        for child in children:
-            self._queue(child)  # one after another: the first's prompt blocks come first
-            self.group_of_child[child.request_id] = group
-        self.groups[request_id] = group
-        self.unfinished_request_ids.add(request_id)
-        return group
+        return SampleGroup(request_id, params, children)
 
     def _make_request(
         self,
@@ -218,6 +218,25 @@ class LLMEngine:
             detokenizer=detokenizer,
             track_logprobs=track_logprobs,
         )
+
+    def enqueue(self, item: Finished) -> Finished:
+        """Queues a request (or every sample of a group) from `check_request`; its arrival
+        order is now. The samples go one after another: the first's prompt blocks come first."""
+        ids = [item.request_id]
+        if isinstance(item, SampleGroup):
+            ids += [child.request_id for child in item.children]
+        in_use = [i for i in ids if i in self.unfinished_request_ids or i in self.group_of_child]
+        if in_use:
+            raise InvalidRequestError(f"request ids {in_use} are already in use")
+        if isinstance(item, SampleGroup):
+            for child in item.children:
+                self._queue(child)
+                self.group_of_child[child.request_id] = item
+            self.groups[item.request_id] = item
+        else:
+            self._queue(item)
+        self.unfinished_request_ids.add(item.request_id)
+        return item
 
     def _queue(self, request: Request) -> None:
         request.arrival_index = self.num_requests_added

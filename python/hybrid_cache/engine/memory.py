@@ -5,8 +5,12 @@ Order of precedence:
 2. On CUDA, a profile run: one forward at the largest batch the scheduler can form
    (`max_num_batched_tokens` tokens), then
    `budget = total_memory * gpu_memory_utilization - memory used by everything else at the peak`.
-3. On the CPU, `DEFAULT_CPU_KV_CACHE_MEMORY` (512 MiB): enough for the small models the CPU runs,
+3. On the CPU, `engine_config.DEFAULT_CPU_KV_CACHE_MEMORY` (512 MiB): enough for the small models the CPU runs,
    and cheap to zero. Pass `kv_cache_memory` for anything larger.
+
+`check_kv_cache_fits`: the planned KV tensors must fit the memory the device has free (the host's
+available memory for the CPU), checked before they are allocated, so an impossible budget is a
+typed error and not an out-of-memory kill.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ import torch
 from torch import nn
 
 from hybrid_cache.attention import attention_layers, build_attention_metadata, set_forward_context
-from hybrid_cache.engine.errors import EngineConfigError
+from hybrid_cache.engine import host_memory
+from hybrid_cache.engine.engine_config import DEFAULT_CPU_KV_CACHE_MEMORY
+from hybrid_cache.engine.errors import EngineConfigError, KVCacheMemoryError
 from hybrid_cache.engine.model_runner import metadata_to
 from hybrid_cache.planner import DEFAULT_BLOCK_SIZE
-from hybrid_cache.sizes import MemorySize, parse_memory_size
+from hybrid_cache.sizes import MemorySize, format_memory_size, parse_memory_size
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 1024**2
 PROFILE_BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # the scratch run only measures activations
 
 
@@ -39,6 +44,24 @@ def kv_cache_budget(
         return DEFAULT_CPU_KV_CACHE_MEMORY
     return profile_cuda_budget(
         model, device, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs
+    )
+
+
+def check_kv_cache_fits(num_bytes: int, device: torch.device) -> None:
+    """`KVCacheMemoryError` when `num_bytes` of KV tensors exceed what `device` has free: the
+    host's available memory for the CPU, free plus cached-but-unused memory for CUDA."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        available, where = free + cached, f"is free on {device}"
+    else:
+        available, where = host_memory.available_bytes(), "of host memory is available"
+    if available is None or num_bytes <= available:
+        return
+    raise KVCacheMemoryError(
+        f"the KV cache needs {format_memory_size(num_bytes)} but only "
+        f"{format_memory_size(available)} {where}; lower --kv-cache-memory to at most "
+        f"{format_memory_size(available)} (LLM argument kv_cache_memory), or free memory"
     )
 
 
