@@ -321,6 +321,31 @@ def test_incremental_text_equals_the_full_decode_and_reads_a_small_window(make):
     assert len(output) > 20 and max(counting.lengths) <= 8
 
 
+@pytest.mark.parametrize("make", [byte_level_bpe, metaspace_bpe])
+def test_streamed_text_equals_the_full_decode(make):
+    # A fast tokenizer decodes through `tokenizers`' stream decoder, not the window decodes.
+    tokenizer = make()
+    prompt = tokenizer.encode("the old barn")
+    output = tokenizer.encode(" héllo wörld, naïve café — the quick brown fox")
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    assert detokenizer.stream is not None
+    for token in output:
+        detokenizer.add_tokens([token])
+    detokenizer.add_tokens([], final=True)
+    full = tokenizer.decode(prompt + output)
+    assert detokenizer.text == full[len(tokenizer.decode(prompt)) :]
+    if make is byte_level_bpe:
+        # Output that ends inside a character shows it as a full decode does.
+        pieces = [t for t in output if chr(0xFFFD) in tokenizer.decode([t])]
+        cut = output[: output.index(pieces[0]) + 1]
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+        for token in cut:
+            detokenizer.add_tokens([token])
+        detokenizer.add_tokens([], final=True)
+        assert detokenizer.text == tokenizer.decode(prompt + cut)[len(tokenizer.decode(prompt)) :]
+        assert detokenizer.text.endswith(chr(0xFFFD))
+
+
 def test_stop_strings_are_found_across_tokens_and_cut_the_text():
     tokenizer = byte_level_bpe()
     prompt = tokenizer.encode("the")

@@ -140,7 +140,11 @@ class ModeRun:
         self._engine = engine = llm.engine
         self._feed = make_feed(settings, llm.spec.vocab_size)
         self._params = SamplingParams(
-            max_tokens=settings.output_len, temperature=0.0, ignore_eos=True
+            max_tokens=settings.output_len,
+            temperature=0.0,
+            ignore_eos=True,
+            logprobs=settings.logprobs,
+            stop=list(settings.stop),
         )
         warm_up_started = time.perf_counter()
         warm_up(llm, settings)

@@ -52,6 +52,7 @@ class BenchSettings:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     hold_waiting_prefixes: bool = True
+    tokenizer: Optional[str] = None
     load_format: str = "dummy"
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     generation_config: str = "auto"
@@ -62,6 +63,9 @@ class BenchSettings:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False
     multi_turn: Optional[MultiTurnShape] = None
+    # What every request asks of the sampler besides greedy tokens (the real engine only).
+    logprobs: Optional[int] = None
+    stop: tuple[str, ...] = ()
 
     @classmethod
     def for_multi_turn(cls, model: str, shape: MultiTurnShape, **flags: Any) -> BenchSettings:

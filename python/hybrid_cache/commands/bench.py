@@ -69,6 +69,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--turn-input-len", type=int, help="multi-turn: new user tokens per turn")
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument(
+        "--logprobs",
+        type=int,
+        help="every request also asks for its sampled tokens' logprobs and this many top ones",
+    )
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="a stop string every request checks (repeat; needs --tokenizer with a preset)",
+    )
+    parser.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -272,7 +283,12 @@ def settings_from_args(args: argparse.Namespace, kv_cache_memory: Optional[str])
 
     with engine_errors_as_bench_errors():
         config = engine_config_from_args(args, kv_cache_memory=kv_cache_memory)
-    flags = {**BenchSettings.engine_flags(config), "kv_cache_memory": kv_cache_memory}
+    flags = {
+        **BenchSettings.engine_flags(config),
+        "kv_cache_memory": kv_cache_memory,
+        "logprobs": args.logprobs,
+        "stop": tuple(args.stop),
+    }
     if args.workload == "multi-turn":
         shape = MultiTurnShape(
             num_sessions=args.num_sessions,
@@ -303,6 +319,8 @@ def check_flags(args: argparse.Namespace) -> None:
             "--interleave runs the hybrid and the uniform engine side by side: it needs "
             "--kv-cache-mode both and the real engine (not --simulate)"
         )
+    if args.simulate and (args.stop or args.logprobs is not None):
+        raise BenchConfigError("--stop and --logprobs need the real engine, not --simulate")
     if args.repeat <= 0:
         raise BenchConfigError(f"--repeat must be positive, got {args.repeat}")
     if args.num_threads is not None and args.num_threads <= 0:

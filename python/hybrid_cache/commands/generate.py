@@ -32,7 +32,19 @@ from hybrid_cache.errors import InvalidRequestError, NoTokenizerError
 # What a sampling flag means when neither it nor the generation config sets it.
 DEFAULT_MAX_TOKENS = 32
 DEFAULT_TEMPERATURE = 0.0  # greedy
-SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p")
+SAMPLING_FLAGS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "n",
+    "logprobs",
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -76,6 +88,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         help="nucleus sampling mass, 1 = off (default: the generation config's, else 1)",
     )
+    parser.add_argument("--min-p", type=float, help="drop tokens below min_p x the top one's")
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        help="> 1 discourages tokens of the prompt and output (default: the generation "
+        "config's, else 1 = off)",
+    )
+    parser.add_argument(
+        "--presence-penalty", type=float, help="subtracted from tokens the output has (0 = off)"
+    )
+    parser.add_argument(
+        "--frequency-penalty",
+        type=float,
+        help="subtracted per occurrence in the output (0 = off)",
+    )
+    parser.add_argument(
+        "--min-tokens", type=int, help="no end-of-sequence or stop token before this many"
+    )
+    parser.add_argument("--n", type=int, help="samples per prompt (needs --temperature > 0)")
+    parser.add_argument(
+        "--logprobs", type=int, help="print the sampled tokens' logprobs (and this many top ones)"
+    )
+    parser.add_argument(
+        "--stop", action="append", default=[], help="a stop string (repeat; needs a tokenizer)"
+    )
     parser.add_argument(
         "--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens"
     )
@@ -116,6 +153,16 @@ def run(args: argparse.Namespace) -> int:
             "text": output.text,
             "finish_reason": output.finish_reason,
             "num_cached_tokens": output.num_cached_tokens,
+            "completions": [
+                {
+                    "token_ids": completion.token_ids,
+                    "text": completion.text,
+                    "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason,
+                    "cumulative_logprob": completion.cumulative_logprob,
+                }
+                for completion in output.outputs
+            ],
             "error": None
             if output.error is None
             else f"{type(output.error).__name__}: {output.error}",
@@ -126,11 +173,17 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"outputs": results, "summary": summary}, indent=2))
     else:
         for index, result in enumerate(results):
-            shown = result["text"] if result["text"] is not None else result["token_ids"]
-            detail = (
-                result["error"] or f"{result['finish_reason']}, {len(result['token_ids'])} tokens"
-            )
-            print(f"[{index}] ({detail}) {shown}")
+            if result["error"]:
+                print(f"[{index}] ({result['error']})")
+                continue
+            for number, completion in enumerate(result["completions"]):
+                shown = completion["text"]
+                shown = completion["token_ids"] if shown is None else shown
+                detail = f"{completion['finish_reason']}, {len(completion['token_ids'])} tokens"
+                if completion["cumulative_logprob"] is not None:
+                    detail += f", logprob {completion['cumulative_logprob']:.3f}"
+                label = f"[{index}]" if len(result["completions"]) == 1 else f"[{index}.{number}]"
+                print(f"{label} ({detail}) {shown}")
         print(
             f"{summary['num_steps']} steps, {summary['num_preemptions']} preemptions, "
             f"prefix-cache hit rate {summary['prefix_cache_hit_rate']:.1%}, peak blocks per "
@@ -153,6 +206,13 @@ def sampling_params_from_args(args: argparse.Namespace, config: EngineConfig) ->
     )
     values["seed"] = args.seed if values["temperature"] > 0 else None
     values["ignore_eos"] = args.ignore_eos
+    if args.stop:
+        if not has_tokenizer_files(config.tokenizer or config.model):
+            raise NoTokenizerError(
+                f"--stop matches text, and {config.model} has no tokenizer: use a model folder "
+                "with tokenizer files, or --tokenizer"
+            )
+        values["stop"] = list(args.stop)
     return SamplingParams(**values)
 
 
@@ -165,7 +225,7 @@ def build_prompts(args: argparse.Namespace, config: EngineConfig) -> list[Any]:
         )
     if args.chat_template is not None and not args.chat:
         raise InvalidRequestError("--chat-template applies with --chat only")
-    if args.prompt and not has_tokenizer_files(config.model):
+    if args.prompt and not has_tokenizer_files(config.tokenizer or config.model):
         raise NoTokenizerError(
             f"--prompt{' with --chat' if args.chat else ''} is text, and {config.model} has no "
             "tokenizer (a preset, or a folder without tokenizer files): use --prompt-token-ids"

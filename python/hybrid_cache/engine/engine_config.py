@@ -32,6 +32,7 @@ from hybrid_cache.checks import (
 )
 from hybrid_cache.config import ModelSpec, load_model_spec, normalize_dtype
 from hybrid_cache.engine.generation_config import check_generation_config
+from hybrid_cache.engine.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 from hybrid_cache.errors import ConfigError, EngineConfigError, MemorySizeError, PlanError
 from hybrid_cache.planner import (
     DEFAULT_BLOCK_SIZE,
@@ -83,15 +84,17 @@ class EngineConfig:
     hit when it arrives, so admissions before it cannot evict it (`scheduler.py`);
     `generation_config`: "auto" (the model folder's `generation_config.json`: EOS ids and
     default sampling values), "vllm" (the engine's sampling defaults) or a folder to read it
-    from (`generation_config.py`); `enforce_eager`: run every step eagerly (every step does
-    today: CUDA graphs for pure-decode steps are not built yet, so the flag is checked and
-    kept)."""
+    from (`generation_config.py`); `tokenizer`: a tokenizer folder instead of the model
+    folder's (a preset then takes text prompts); `enforce_eager`: run every step eagerly
+    (every step does today: CUDA graphs for pure-decode steps are not built yet, so the flag
+    is checked and kept)."""
 
     model: str
     # The model.
     load_format: str = "auto"
     hf_overrides: Optional[Mapping[str, Any]] = None
     generation_config: str = "auto"
+    tokenizer: Optional[str] = None
     # The KV-cache plan.
     kv_cache_memory: Optional[MemorySize] = None
     max_model_len: Optional[int] = None
@@ -133,6 +136,18 @@ class EngineConfig:
             "generation_config",
             check_generation_config(self.generation_config, _hint("generation_config")),
         )
+        if self.tokenizer is not None:
+            if not isinstance(self.tokenizer, (str, os.PathLike)):
+                raise EngineConfigError(
+                    f"--tokenizer must be a folder, got {self.tokenizer!r}{_hint('tokenizer')}"
+                )
+            object.__setattr__(self, "tokenizer", os.fspath(self.tokenizer))
+            if not has_tokenizer_files(self.tokenizer):
+                raise EngineConfigError(
+                    f"--tokenizer {self.tokenizer} is not a folder with tokenizer files "
+                    f"({', '.join(TOKENIZER_FILES)}): give a local tokenizer folder, or leave it "
+                    f"out to use the model folder's{_hint('tokenizer')}"
+                )
         if self.kv_cache_memory is not None:
             try:
                 memory = parse_memory_size(self.kv_cache_memory)
@@ -337,6 +352,10 @@ def add_engine_arguments(
         "generation_config",
         help="auto: the model folder's generation_config.json gives EOS ids and default "
         "sampling values; vllm: the engine's sampling defaults; or a folder to read it from",
+    )
+    add(
+        "tokenizer",
+        help="a tokenizer folder (default: the model folder's tokenizer; a preset has none)",
     )
     add(
         "kv_cache_memory",

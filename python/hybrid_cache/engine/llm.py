@@ -20,7 +20,9 @@ load. Then the model is built (weights from the folder, or seeded random weights
 
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
 import itertools
 import logging
 import os
@@ -118,7 +120,8 @@ class LLM:
             device=self.device,
             seed=config.seed,
         )
-        self.tokenizer = load_tokenizer(config.model) if is_folder else None
+        tokenizer_folder = config.tokenizer or (config.model if is_folder else None)
+        self.tokenizer = None if tokenizer_folder is None else load_tokenizer(tokenizer_folder)
         if layout is None:
             layout = self.plan_layout(self.kv_budget(self.model))
         else:  # again, now that the weights hold their share of the memory
@@ -141,6 +144,13 @@ class LLM:
             tokenizer=self.tokenizer,
         )
         self.request_counter: itertools.count[int] = itertools.count()
+        # Everything alive now (the model, the imported libraries: hundreds of thousands of
+        # objects) lives as long as the engine: out of the garbage collector's full passes,
+        # which would otherwise walk all of it whenever a step makes many objects (a
+        # `Logprob` per token and position). The engine's objects hold no reference cycles,
+        # so a dropped `LLM` is still freed (by reference counting). vLLM does the same.
+        gc.freeze()
+        atexit.register(gc.unfreeze)  # the last collection at exit sees everything again
 
     def kv_budget(self, model: Optional[torch.nn.Module]) -> int:
         """Bytes for the KV cache (`memory.kv_cache_budget`; `model` is needed only to profile

@@ -35,6 +35,14 @@ def token_logprobs(
     if k > 0:
         values, indices = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
         top_values, top_ids = values.tolist(), indices.tolist()
+    if k > 0 and min(num_logprobs) == k:  # every row asks for the same top k: no slicing
+        top_ranks = list(range(1, k + 1))
+        return [
+            ([token, *ids], [value, *values], [rank, *top_ranks])
+            for token, value, rank, ids, values in zip(
+                chosen_ids, chosen_values, ranks, top_ids, top_values
+            )
+        ]
     rows: list[TokenLogprobs] = []
     for row, count in enumerate(num_logprobs):
         ids = [chosen_ids[row]]
@@ -48,6 +56,10 @@ def token_logprobs(
     return rows
 
 
+# Each token's own text, per tokenizer (kept with it, so its id is not reused): decoded once.
+_token_texts: dict[int, tuple[Any, dict[int, str]]] = {}
+
+
 def logprob_dicts(
     rows: Iterable[TokenLogprobs], tokenizer: Optional[Any]
 ) -> list[dict[int, Logprob]]:
@@ -57,8 +69,10 @@ def logprob_dicts(
     rows = list(rows)
     texts: dict[int, str] = {}
     if tokenizer is not None:
-        unique = sorted({token for ids, _, _ in rows for token in ids})
-        texts = dict(zip(unique, tokenizer.batch_decode([[token] for token in unique])))
+        texts = _token_texts.setdefault(id(tokenizer), (tokenizer, {}))[1]
+        unique = sorted({token for ids, _, _ in rows for token in ids} - texts.keys())
+        if unique:
+            texts.update(zip(unique, tokenizer.batch_decode([[token] for token in unique])))
     result = []
     for ids, values, ranks in rows:
         position: dict[int, Logprob] = {}
