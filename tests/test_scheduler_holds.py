@@ -145,3 +145,26 @@ def test_a_new_request_without_a_hit_holds_nothing():
     scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
     scheduler.add_request(make_request("X1", list(range(30, 40))))
     assert not scheduler.held and kv.num_free_blocks == kv.num_blocks - 1
+
+
+def test_a_held_request_starts_while_the_one_before_it_waits_for_blocks():
+    # R runs; B (no hit, 3 blocks) is next in line but only 1 block is free; C behind it holds
+    # P's 3 blocks and needs 1 more for its last token: C starts, B keeps its place.
+    kv = make_kv(num_blocks=9)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler.add_request(make_request("P0", P_PROMPT))
+    drain(scheduler)
+    running = make_request("R1", list(range(30, 44)), max_tokens=2)  # 14 + 2 tokens: 4 blocks
+    scheduler.add_request(running)
+    assert step(scheduler) == ["R1"]
+    blocked = make_request("B2", list(range(50, 62)))  # 12 tokens: 3 blocks
+    held = make_request("C3", P_PROMPT + [5])  # P's 12 tokens held, 1 block for the 13th
+    scheduler.add_request(blocked)
+    scheduler.add_request(held)
+    assert scheduler.held == {"C3": 12} and kv.num_free_blocks == 1
+    assert step(scheduler) == ["R1", "C3"]
+    assert scheduler.head_blocked and list(scheduler.waiting) == [blocked]
+    drain(scheduler)
+    assert held.num_cached_tokens == 12
+    assert blocked.finish_reason is FinishReason.LENGTH
+    assert kv.num_free_blocks == kv.num_blocks - 1

@@ -133,6 +133,8 @@ class Scheduler:
         # Waiting requests holding their prefix-cache hit: request id -> hit tokens (oldest
         # hold first).
         self.held: dict[str, int] = {}
+        # Whether the last admission stopped at a request the free blocks could not hold.
+        self.head_blocked: bool = False
         # "lpm": times each waiting request was overtaken by a later one.
         self.overtaken: dict[str, int] = {}
         assert max_num_seqs > 0 and max_num_batched_tokens > 0, "limits must be positive"
@@ -155,6 +157,8 @@ class Scheduler:
         kv_cache = self.kv_cache
         if len(self.running) + len(self.held) >= self.max_num_seqs:
             return  # every block-table row may be needed by a running request
+        if self.head_blocked:
+            return  # the blocks it would hold are the ones the next in line waits for
         if kv_cache.probe_cache_hit(request) == 0:
             return
         try:
@@ -318,21 +322,20 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        if self.policy == "lpm":
-            # Requests run out of arrival order: put it back where its arrival puts it.
-            waiting = self.waiting
-            position = next(
-                (i for i, r in enumerate(waiting) if r.arrival_index > request.arrival_index),
-                len(waiting),
-            )
-            waiting.insert(position, request)
+        waiting = self.waiting
+        if not waiting or waiting[0].arrival_index > request.arrival_index:
+            # The usual case under "fcfs": every running request arrived before every waiting
+            # one, and victims go newest first, so the front keeps the queue in arrival order.
+            waiting.appendleft(request)
             return
-        # Every running request arrived before every waiting one, and victims go newest first,
-        # so pushing each to the front keeps the waiting queue in arrival order.
-        assert not self.waiting or self.waiting[0].arrival_index > request.arrival_index, (
-            "preemption would break first-come-first-served order"
+        # It ran out of arrival order ("lpm", or a hold started while the one before it
+        # waited for blocks): put it back where its arrival puts it.
+        assert self.policy == "lpm" or self.hold_waiting_prefixes, "fcfs runs in arrival order"
+        position = next(
+            (i for i, r in enumerate(waiting) if r.arrival_index > request.arrival_index),
+            len(waiting),
         )
-        self.waiting.appendleft(request)
+        waiting.insert(position, request)
 
     def _lpm_order(self) -> list[Request]:
         """The first `LPM_WINDOW` waiting requests, the longest cached prefix first (ties in
@@ -349,6 +352,7 @@ class Scheduler:
         return [window[i] for _, _, i in scored]
 
     def _admit_waiting(self, token_budget: int, output: SchedulerOutput) -> None:
+        self.head_blocked = False
         lpm = self.policy == "lpm" and len(self.waiting) > 1
         order = iter(self._lpm_order()) if lpm else None
         retry: Optional[Request] = None  # admitted again after other holds were released
@@ -376,7 +380,11 @@ class Scheduler:
                 if self.running:
                     if held is None:
                         self.kv_cache.free(request)
-                    break  # blocks come back as running requests finish
+                    # Blocks come back as running requests finish; meanwhile requests that
+                    # hold their hit need blocks for their new tokens only.
+                    self.head_blocked = True
+                    self._admit_held(token_budget, output, request)
+                    break
                 if self._release_held(keep=request):
                     if held is None:
                         self.kv_cache.free(request)  # looked up again, with more blocks free
@@ -389,19 +397,44 @@ class Scheduler:
                 error = self.kv_cache.does_not_fit(request, " (it fails alone, at its first step)")
                 self._fail(request, error, output)
                 continue
-            self.held.pop(request.request_id, None)
             if lpm:
                 self._note_overtakes(request)
-            self._unqueue(request)
-            if not request.has_been_scheduled:
-                request.num_cached_tokens = num_hit_tokens
-                request.has_been_scheduled = True
-                request.first_scheduled_time = time.time()
-            request.num_computed_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            output.scheduled.append(ScheduledRequest(request, row, num_hit_tokens, num_new_tokens))
+            self._start(request, row, num_hit_tokens, num_new_tokens, output)
             token_budget -= num_new_tokens
+
+    def _admit_held(self, token_budget: int, output: SchedulerOutput, blocked: Request) -> None:
+        """While `blocked` (the next in line) waits for blocks, the waiting requests holding
+        their hit start, in arrival order, where the blocks for their new tokens fit: they
+        need no block the pool could give `blocked` beyond those."""
+        waiting_held = [r for r in self.waiting if r.request_id in self.held and r is not blocked]
+        for request in waiting_held:
+            if token_budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return
+            hit = self.held[request.request_id]
+            num_new_tokens = min(request.num_tokens - hit, token_budget)
+            if self.kv_cache.allocate(request, hit, num_new_tokens):
+                self._start(request, self.kv_cache.row_of(request), hit, num_new_tokens, output)
+                token_budget -= num_new_tokens
+
+    def _start(
+        self,
+        request: Request,
+        row: int,
+        num_hit_tokens: int,
+        num_new_tokens: int,
+        output: SchedulerOutput,
+    ) -> None:
+        """Moves an admitted request (its blocks allocated) from waiting to running."""
+        self.held.pop(request.request_id, None)
+        self._unqueue(request)
+        if not request.has_been_scheduled:
+            request.num_cached_tokens = num_hit_tokens
+            request.has_been_scheduled = True
+            request.first_scheduled_time = time.time()
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        output.scheduled.append(ScheduledRequest(request, row, num_hit_tokens, num_new_tokens))
 
     def _unqueue(self, request: Request) -> None:
         """Takes `request` out of the waiting queue (the front, unless "lpm" picked another)."""
