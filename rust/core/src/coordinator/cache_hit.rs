@@ -126,10 +126,10 @@ impl<P: BlockAllocator> Coordinator<P> {
     /// weighs before it admits. 0 when prefix caching is off.
     ///
     /// Hashes growing prefixes of the prompt (`PROBE_FIRST_BLOCKS` of the longest chain's
-    /// blocks, `PROBE_GROWTH` times longer each round) until a full-attention group's cached
-    /// run ends inside the prefix hashed so far: that run starts at token 0, so no hit reaches
-    /// past it, and every group accepts or refuses a hit point by the blocks before it, which
-    /// are all hashed. So a prompt with nothing cached costs one short round. A model with no
+    /// blocks, `PROBE_GROWTH` times longer each round) until a full-attention group's run of
+    /// cached full blocks ends inside the prefix hashed so far, with the next block too: that
+    /// run starts at token 0, so no hit reaches past the block after it, and every group accepts
+    /// or refuses a hit point by the blocks before it, which are all hashed. So a prompt with nothing cached costs one short round. A model with no
     /// full-attention group hashes the whole prompt.
     pub fn probe_cache_hit(&self, tokens: &[u32], extra: &ExtraKeys) -> Result<usize, CoreError> {
         if tokens.is_empty() {
@@ -161,21 +161,27 @@ impl<P: BlockAllocator> Coordinator<P> {
         }
     }
 
-    /// Whether one of `full_groups` accepts less than the longest hit a prompt of `num_tokens`
-    /// tokens allows (hashed in `chains`).
+    /// Whether one of `full_groups` can hit no further than the first `num_tokens` tokens
+    /// (hashed in `chains`) reach: its run of cached full blocks from block 0 ends, and the
+    /// block after the run (where a hit may still end, inside it) lies within the longest hit
+    /// those tokens allow.
     fn full_run_ends_before(
         &self,
         full_groups: &[usize],
         chains: &[Vec<BlockHash>],
         num_tokens: usize,
     ) -> bool {
-        let alignment = self.hit_alignment;
-        let max_hit = (num_tokens - 1) / alignment * alignment;
-        let lookup = self.end_lookup();
+        let max_hit = (num_tokens - 1) / self.hit_alignment * self.hit_alignment;
+        let pool = &self.pool;
         full_groups.iter().any(|&group| {
             let keys = self.keys.keys(chains, group);
             let manager = self.managers[group].as_ref();
-            longest_group_hit(&lookup, manager, keys, max_hit) / alignment * alignment < max_hit
+            let block_size = manager.block_size();
+            let mut is_cached = |index: usize| {
+                index < keys.num_full() && pool.cached_block(keys.full(index)).is_some()
+            };
+            let run = manager.longest_hit_blocks(keys.num_full(), &mut is_cached);
+            (run + 1) * block_size <= max_hit
         })
     }
 
