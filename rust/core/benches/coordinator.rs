@@ -156,22 +156,13 @@ fn prefix_hit_2048_over(
     config: fn(usize, usize, usize) -> CoordinatorConfig,
     name: &str,
 ) {
-    let mut coordinator = Coordinator::new(config(2048, 4, 4096)).unwrap();
-    let tokens = prompt(7, 2048);
+    let (mut coordinator, tokens) = cached_prompt(config);
     let request = |request_id| NewRequest {
         request_id,
         prompt_token_ids: &tokens,
         max_total_tokens: None,
         extra: ExtraKeys::default(),
     };
-    coordinator.add_request(request(0)).unwrap();
-    let step = AllocateStep {
-        request_id: 0,
-        num_computed_tokens: 0,
-        num_new_tokens: 2048,
-    };
-    assert!(coordinator.allocate(step).unwrap());
-    coordinator.free_request(0).unwrap();
     criterion.bench_function(name, |bench| {
         bench.iter(|| {
             coordinator.add_request(request(1)).unwrap();
@@ -183,13 +174,14 @@ fn prefix_hit_2048_over(
     });
 }
 
-fn probe_2048(criterion: &mut Criterion) {
-    let mut coordinator = Coordinator::new(gemma2_config(2048, 4, 4096)).unwrap();
-    let cached = prompt(7, 2048);
+/// A coordinator over `config` whose pool caches a freed 2048-token prompt, and that prompt.
+fn cached_prompt(config: fn(usize, usize, usize) -> CoordinatorConfig) -> (Coordinator, Vec<u32>) {
+    let mut coordinator = Coordinator::new(config(2048, 4, 4096)).unwrap();
+    let tokens = prompt(7, 2048);
     coordinator
         .add_request(NewRequest {
             request_id: 0,
-            prompt_token_ids: &cached,
+            prompt_token_ids: &tokens,
             max_total_tokens: None,
             extra: ExtraKeys::default(),
         })
@@ -201,6 +193,11 @@ fn probe_2048(criterion: &mut Criterion) {
     };
     assert!(coordinator.allocate(step).unwrap());
     coordinator.free_request(0).unwrap();
+    (coordinator, tokens)
+}
+
+fn probe_2048(criterion: &mut Criterion) {
+    let (coordinator, cached) = cached_prompt(gemma2_config);
     let extra = ExtraKeys::default();
     criterion.bench_function("probe_cache_hit_2048_tokens_cached", |bench| {
         bench.iter(|| {
