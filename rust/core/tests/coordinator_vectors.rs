@@ -796,6 +796,25 @@ fn every_looked_up_token_is_a_hit_or_has_a_reason() {
 }
 
 #[test]
+fn a_probe_past_its_first_round_finds_a_hit_on_a_freed_tail() {
+    // Full B = 16 keyed by units of 2, window B = 2 W = 2. A freed 10-token request leaves block
+    // 0 under the partial key of its 5 units only: a hit of 10 takes it, a hit of 6 (all the
+    // probe's first 8 tokens allow) finds nothing. The probe must not stop there.
+    let mut c = coordinator(32, vec![full(16), window(2, 2)]);
+    let prompt = tokens(10);
+    add(&mut c, 1, &prompt);
+    assert!(allocate(&mut c, 1, 0, 10));
+    c.free_request(1).unwrap();
+    c.take_block_copies();
+    let mut longer = prompt.clone();
+    longer.extend(100..110);
+    let extra = ExtraKeys::default();
+    assert_eq!(c.probe_cache_hit(&longer, &extra).unwrap(), 10);
+    add(&mut c, 2, &longer);
+    assert_eq!(c.find_cache_hit(2).unwrap(), 10);
+}
+
+#[test]
 fn a_probe_finds_the_hit_a_request_would_get_and_changes_nothing() {
     // Full B = 4 keyed by units of 2, window B = 2 W = 4.
     let mut c = coordinator(32, vec![full(4), window(2, 4)]);
