@@ -217,6 +217,24 @@ class BenchConfigError(HybridCacheError, ValueError):
     """A benchmark flag is invalid or the flags contradict each other; the message says which."""
 
 
+# ---------------------------------------------------------------------------------------------
+# The async engine and the OpenAI-compatible server (`entrypoints/`).
+
+
+class EngineDeadError(HybridCacheError):
+    """The async engine's step loop failed or was shut down: every request waiting on it and
+    every later one gets this error (its cause is the loop's exception); restart the server."""
+
+
+class EngineOverloadedError(HybridCacheError):
+    """The async engine holds as many requests as it accepts (`max_pending_requests`,
+    `--max-pending-requests`); retry later or raise the limit."""
+
+
+class ServerConfigError(HybridCacheError, ValueError):
+    """A `hybrid-cache serve` flag is invalid; the message names it."""
+
+
 __all__ = [
     "AttentionBackendUnavailableError",
     "BenchConfigError",
@@ -226,6 +244,8 @@ __all__ = [
     "DoubleFreeError",
     "DuplicateRequestError",
     "EngineConfigError",
+    "EngineDeadError",
+    "EngineOverloadedError",
     "HybridCacheError",
     "InsufficientKVCacheError",
     "InvalidArgumentError",
@@ -247,6 +267,7 @@ __all__ = [
     "PlanError",
     "PromptTooLongError",
     "RequestTooLargeError",
+    "ServerConfigError",
     "TooManyRequestsError",
     "UnknownArchitectureError",
     "UnknownAttentionBackendError",
