@@ -235,8 +235,33 @@ class ServerConfigError(HybridCacheError, ValueError):
     """A `hybrid-cache serve` flag is invalid; the message names it."""
 
 
+class InvalidFieldError(InvalidRequestError):
+    """A request body field is malformed, of the wrong type, or one the server does not
+    support; `param` names it (dotted for nested fields), None for the whole body."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.param))
+
+
+class UnknownServedModelError(InvalidRequestError):
+    """The request names a model the server does not serve (HTTP 404)."""
+
+
+class RequestBodyTooLargeError(InvalidRequestError):
+    """The request body is over the server's limit (`--max-request-bytes`; HTTP 413)."""
+
+
+class AuthenticationError(HybridCacheError):
+    """The request's API key is missing or wrong (HTTP 401)."""
+
+
 __all__ = [
     "AttentionBackendUnavailableError",
+    "AuthenticationError",
     "BenchConfigError",
     "BudgetTooSmallError",
     "ConfigError",
@@ -251,6 +276,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidBlockError",
     "InvalidBlockSizeError",
+    "InvalidFieldError",
     "InvalidGroupError",
     "InvalidRequestError",
     "InvalidRequestsError",
@@ -266,6 +292,7 @@ __all__ = [
     "NoTokenizerError",
     "PlanError",
     "PromptTooLongError",
+    "RequestBodyTooLargeError",
     "RequestTooLargeError",
     "ServerConfigError",
     "TooManyRequestsError",
@@ -273,6 +300,7 @@ __all__ = [
     "UnknownAttentionBackendError",
     "UnknownModelError",
     "UnknownRequestError",
+    "UnknownServedModelError",
     "UnsupportedArchitectureError",
     "UnsupportedQuantizationError",
     "UnsupportedSamplingParamsError",
