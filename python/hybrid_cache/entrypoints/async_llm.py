@@ -200,6 +200,7 @@ class AsyncLLM:
         self._pending_lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any]]] = {}
+        self._inboxes: dict[asyncio.AbstractEventLoop, _Inbox] = {}
         self._update_snapshot()
         self._thread = threading.Thread(target=self._run, name="hybrid-cache-engine", daemon=True)
         self._thread.start()
@@ -503,13 +504,21 @@ class AsyncLLM:
         self._outbox.setdefault(loop, []).append((target, value))
 
     def _flush(self) -> None:
-        """Hands each event loop what the pass produced for it, in one call."""
+        """Hands each event loop what the pass produced for it: into its inbox, and a wake-up
+        only when the loop has emptied the inbox since the last one (a loop that lags behind
+        then reads several steps in one go, for one wake-up)."""
         outbox, self._outbox = self._outbox, {}
         for loop, items in outbox.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the loop has closed: nobody waits for these
-                pass
+            inbox = self._inboxes.get(loop)
+            if inbox is None:
+                inbox = self._inboxes[loop] = _Inbox()
+            inbox.items.extend(items)
+            if not inbox.scheduled:
+                inbox.scheduled = True
+                try:
+                    loop.call_soon_threadsafe(inbox.drain)
+                except RuntimeError:  # the loop has closed: nobody waits for these
+                    del self._inboxes[loop]
 
     def _update_snapshot(self) -> None:
         engine = self.engine
@@ -544,13 +553,24 @@ class AsyncLLM:
         self._flush()
 
 
-def _deliver(items: list[tuple[Union[asyncio.Future, asyncio.Queue], Any]]) -> None:
-    """On the caller's event loop: resolves `generate`'s futures and fills its queues."""
-    for target, value in items:
-        if isinstance(target, asyncio.Queue):
-            target.put_nowait(value)
-        elif not target.done():
-            if isinstance(value, BaseException):
-                target.set_exception(value)
-            else:
-                target.set_result(value)
+class _Inbox:
+    """What the loop thread has for one event loop: filled there, drained on the event loop
+    (a deque: appends and pops are atomic; `scheduled` is cleared before draining, so an item
+    added after the drain started gets a wake-up of its own)."""
+
+    def __init__(self) -> None:
+        self.items: deque[tuple[Any, Any]] = deque()
+        self.scheduled: bool = False
+
+    def drain(self) -> None:
+        self.scheduled = False
+        items = self.items
+        while items:
+            target, value = items.popleft()
+            if isinstance(target, asyncio.Queue):
+                target.put_nowait(value)
+            elif not target.done():
+                if isinstance(value, BaseException):
+                    target.set_exception(value)
+                else:
+                    target.set_result(value)

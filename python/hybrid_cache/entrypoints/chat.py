@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Callable, Optional
 
+from hybrid_cache.engine.prompts import render_chat, resolve_chat_template
 from hybrid_cache.entrypoints.async_llm import RequestStream
 from hybrid_cache.entrypoints.errors import error_of
 from hybrid_cache.entrypoints.formatting import DONE_EVENT, chat_logprobs, sse, usage
@@ -20,7 +21,6 @@ from hybrid_cache.entrypoints.protocol import ChatCompletionRequest
 from hybrid_cache.entrypoints.sampling import max_tokens_for, sampling_params
 from hybrid_cache.entrypoints.serving import ServingContext, add_all, final_output, run_all
 from hybrid_cache.entrypoints.streaming import SampleDelta
-from hybrid_cache.engine.prompts import render_chat, resolve_chat_template
 from hybrid_cache.errors import InvalidFieldError, InvalidRequestError
 
 

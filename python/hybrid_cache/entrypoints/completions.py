@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from hybrid_cache.engine.sampling_params import SamplingParams
+from hybrid_cache.entrypoints.async_llm import RequestStream
 from hybrid_cache.entrypoints.errors import error_of
 from hybrid_cache.entrypoints.formatting import (
     DONE_EVENT,
@@ -34,7 +35,6 @@ from hybrid_cache.entrypoints.serving import (
     merge_streams,
     run_all,
 )
-from hybrid_cache.entrypoints.async_llm import RequestStream
 from hybrid_cache.entrypoints.streaming import SampleDelta, StreamOutput
 from hybrid_cache.errors import InvalidFieldError, NoTokenizerError
 
