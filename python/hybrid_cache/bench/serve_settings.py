@@ -36,15 +36,21 @@ class ServeBenchSettings:
                 f"--workload must be one of {', '.join(SERVE_WORKLOADS)}, got {self.workload!r}"
             )
         if not self.base_url.startswith(("http://", "https://")):
-            raise BenchConfigError(f"--base-url must start with http:// or https://, got {self.base_url!r}")
+            raise BenchConfigError(
+                f"--base-url must start with http:// or https://, got {self.base_url!r}"
+            )
         for name in ("num_prompts", "input_len", "output_len"):
             value = getattr(self, name)
             if value <= 0:
                 raise BenchConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
         if not self.request_rate > 0:
-            raise BenchConfigError(f"--request-rate must be positive (inf: all at once), got {self.request_rate}")
+            raise BenchConfigError(
+                f"--request-rate must be positive (inf: all at once), got {self.request_rate}"
+            )
         if self.max_concurrency is not None and self.max_concurrency <= 0:
-            raise BenchConfigError(f"--max-concurrency must be positive, got {self.max_concurrency}")
+            raise BenchConfigError(
+                f"--max-concurrency must be positive, got {self.max_concurrency}"
+            )
         if self.workload == "shared-prefix" and not 0 < self.prefix_len < self.input_len:
             raise BenchConfigError(
                 f"--workload shared-prefix needs 0 < --prefix-len < --input-len, got "
@@ -56,5 +62,3 @@ class ServeBenchSettings:
             raise BenchConfigError("--workload multi-turn needs --turn-input-len")
         if self.timeout_s <= 0:
             raise BenchConfigError(f"--timeout must be positive, got {self.timeout_s}")
-
-

@@ -204,7 +204,9 @@ async def run_serve_bench(settings: ServeBenchSettings) -> dict[str, Any]:
     """Runs the load and returns `results_of`."""
     settings.check()
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-    limits = httpx.Limits(max_connections=settings.max_concurrency or 1000, max_keepalive_connections=None)
+    limits = httpx.Limits(
+        max_connections=settings.max_concurrency or 1000, max_keepalive_connections=None
+    )
     async with httpx.AsyncClient(
         base_url=settings.base_url,
         headers=headers,

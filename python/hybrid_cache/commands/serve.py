@@ -103,7 +103,9 @@ def check_flags(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise ServerConfigError(f"--max-request-bytes: {error}") from error
     if limit <= 0:
-        raise ServerConfigError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
+        raise ServerConfigError(
+            f"--max-request-bytes must be positive, got {args.max_request_bytes}"
+        )
     if args.served_model_name and any(not name for name in args.served_model_name):
         raise ServerConfigError("--served-model-name must not be empty")
     return limit
@@ -126,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     llm = LLM(config)
     settings = ServerSettings(api_key=api_key or None, max_request_bytes=limit)
-    server = create_server(llm, args.served_model_name, args.chat_template, settings, args.max_pending_requests)
+    server = create_server(
+        llm, args.served_model_name, args.chat_template, settings, args.max_pending_requests
+    )
     names = ", ".join(server.context.model_names)
     logging.getLogger(__name__).info(
         "serving %s on http://%s:%d (body limit %s%s)",
@@ -138,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         uvicorn.Server(uvicorn_config(server.app, args.host, args.port, args.log_level)).run()
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then passes the signal on
+        pass
     finally:
         server.shutdown()
     return 0

@@ -24,9 +24,9 @@ from typing import Any, Callable, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybrid_cache._core import __version__
 from hybrid_cache.engine.llm import LLM
@@ -111,9 +111,7 @@ def create_server(
     return Server(build_app(context, metrics, settings), engine, context, metrics)
 
 
-def build_app(
-    context: ServingContext, metrics: ServerMetrics, settings: ServerSettings
-) -> FastAPI:
+def build_app(context: ServingContext, metrics: ServerMetrics, settings: ServerSettings) -> FastAPI:
     """The FastAPI app of one engine (see the module)."""
     app = FastAPI(title="hybrid-cache", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.context = context
@@ -336,4 +334,3 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Run
             raise RuntimeError("the server thread ended before it started")
         thread.join(0.01)
     return RunningServer(server, thread, host, sock.getsockname()[1])
-

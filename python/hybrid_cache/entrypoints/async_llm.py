@@ -396,7 +396,9 @@ class AsyncLLM:
         """Token times for the metrics; with `stream`, the samples' deltas."""
         children = tracked.children()
         self._observe_tokens(tracked, children, now)
-        failed = next((child for child in children if child.finish_reason is FinishReason.ERROR), None)
+        failed = next(
+            (child for child in children if child.finish_reason is FinishReason.ERROR), None
+        )
         if failed is not None:  # one sample of a group failed: the request fails
             self._fail(tracked, failed.error or RuntimeError(f"{failed} failed"))
             return

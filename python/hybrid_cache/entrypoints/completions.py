@@ -71,9 +71,7 @@ def prepare(context: ServingContext, body: CompletionRequest) -> list[PreparedPr
     for index, prompt in enumerate(split_prompt_field(body.prompt)):
         if isinstance(prompt, str):
             if tokenizer is None:
-                raise NoTokenizerError(
-                    "this model has no tokenizer: send the prompt as token ids"
-                )
+                raise NoTokenizerError("this model has no tokenizer: send the prompt as token ids")
             text: Optional[str] = prompt
             token_ids = list(tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens))
         else:
@@ -161,7 +159,9 @@ async def create_completion(
     formatter = CompletionFormatter(context, body, request_id)
     engine = context.engine
     if body.stream:
-        streams = await add_all(engine, [(p.engine_prompt(), p.params, p.request_id) for p in prepared])
+        streams = await add_all(
+            engine, [(p.engine_prompt(), p.params, p.request_id) for p in prepared]
+        )
         return stream_completion(formatter, prepared, streams)
     outputs = await run_all(
         [
@@ -179,9 +179,7 @@ async def create_completion(
             choices.append(formatter.choice(prompt, output, delta, first=True))
         cached += output.num_cached_tokens
     response = formatter.envelope(choices)
-    response["usage"] = usage(
-        sum(len(p.token_ids) for p in prepared), completion_tokens, cached
-    )
+    response["usage"] = usage(sum(len(p.token_ids) for p in prepared), completion_tokens, cached)
     return response
 
 

@@ -36,7 +36,11 @@ class TokenTexts:
 
 def sse(payload: dict[str, Any]) -> bytes:
     """One server-sent event holding `payload` as JSON."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return (
+        b"data: "
+        + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+        + b"\n\n"
+    )
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
