@@ -277,17 +277,18 @@ def test_past_the_pending_limit_requests_are_refused(llm):
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 
     async def main():
-        first = [
-            asyncio.ensure_future(collect(engine, PROMPTS[i], params, f"p{i}")) for i in range(2)
-        ]
-        await asyncio.sleep(0.05)
+        # A request is pending until its stream has been read to the end or closed.
+        first = [await engine.add_request(PROMPTS[i], params, f"p{i}") for i in range(2)]
         with pytest.raises(EngineOverloadedError, match="max-pending-requests"):
             await collect(engine, PROMPTS[2], params, "p2")
-        await asyncio.gather(*first)
-        # Room again once they finished.
+        outputs = [output async for output in first[0]]
+        assert outputs[-1].finished
+        first[1].close()
+        # Room again.
         return await collect(engine, PROMPTS[2], params, "p3")
 
     try:
         assert run(main())[-1].finished
+        assert engine.num_pending_requests == 0
     finally:
         engine.shutdown()

@@ -5,18 +5,20 @@
         print(output.deltas[0].text, end="")          # the text as tokens arrive
     engine.shutdown()
 
-The engine is not thread-safe, so every engine call runs on the loop thread: `generate` and
-`abort` post commands that it applies between steps. `generate` has the request checked there
-(a bad one raises its typed error before any output), then yields a `StreamOutput` for each
-step that gave the request something new (several merged when the consumer fell behind); the
-last has `finished` and the whole `RequestOutput`. With `stream=False` it yields only that
-last one, every token in it.
+The engine is not thread-safe, so every engine call runs on the loop thread: `add_request`
+and `abort` post commands that it applies between steps. `add_request` returns once the loop
+thread has checked and queued the request (a bad one raises its typed error, before any
+output), with the request's `RequestStream`: a `StreamOutput` for each step that gave the
+request something new (several merged when the consumer fell behind), the last one
+`finished` with the whole `RequestOutput`. With `stream=False` only that last one comes,
+every token in it. `generate` is both in one async generator.
 
-Leaving the iteration early (a `break`, a cancelled task: a client that disconnected) aborts
-the request, which returns its blocks. A request that fails raises its error from its own
-`generate` alone. An exception in the step loop raises `EngineDeadError` from every waiting
-`generate` and every later one, and `is_healthy` turns False. Past `max_pending_requests`
-requests in flight, `generate` raises `EngineOverloadedError`.
+Closing a stream early (leaving a `generate` loop, a cancelled task: a client that
+disconnected) aborts the request, which returns its blocks. A request that fails raises its
+error from its own stream alone. An exception in the step loop raises `EngineDeadError` from
+every waiting stream and every later call, and `is_healthy` turns False. Past
+`max_pending_requests` requests in flight (queued, running, or finished but not yet read to
+the end), `add_request` raises `EngineOverloadedError`.
 """
 
 from __future__ import annotations
