@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--rate-share", type=float, default=0.5)
+    parser.add_argument("--stream-interval", type=int, default=1, help="the server's")
     parser.add_argument("--output-json")
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
@@ -86,7 +87,7 @@ def main() -> None:
         sys.executable, "-m", "hybrid_cache", "serve", args.model, "--port", str(port),
         "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.concurrency),
         "--load-format", "dummy", "--num-threads", str(args.num_threads),
-        "--log-level", "warning",
+        "--log-level", "warning", "--stream-interval", str(args.stream_interval),
     ]  # fmt: skip
     if args.hf_overrides:
         command += ["--hf-overrides", args.hf_overrides]

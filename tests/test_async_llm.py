@@ -113,6 +113,21 @@ def test_stop_string_text_is_held_back_until_it_cannot_start_a_stop(llm, engine)
     assert joined(outputs, 0)[0] == outputs[-1].output.text
 
 
+def test_a_stream_interval_sends_fewer_larger_outputs(llm):
+    engine = AsyncLLM(llm, stream_interval=4)
+    params = SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True)
+    (offline,) = llm.generate(PROMPTS[1], params, use_tqdm=False)
+    try:
+        outputs = run(collect(engine, PROMPTS[1], params, "interval"))
+    finally:
+        engine.shutdown()
+    sizes = [len(output.deltas[0].token_ids) for output in outputs]
+    # The first token, then 4 at a time (a consumer that lags reads several at once).
+    assert 2 <= len(outputs) <= 7 and sum(sizes) == 21
+    assert sizes[0] % 4 == 1 and all(size % 4 == 0 for size in sizes[1:-1])
+    assert joined(outputs, 0)[:2] == (offline.outputs[0].text, offline.outputs[0].token_ids)
+
+
 def test_non_streaming_yields_one_output_with_every_token(llm, engine):
     params = SamplingParams(max_tokens=12, temperature=0.9, seed=5, n=2, best_of=3)
     (offline,) = llm.generate(PROMPTS[0], params, use_tqdm=False)

@@ -19,8 +19,7 @@ from pathlib import Path
 from hybrid_cache.bench.errors import BenchConfigError
 from hybrid_cache.bench.multi_turn import MultiTurnShape
 from hybrid_cache.bench.serve_settings import SERVE_WORKLOADS, ServeBenchSettings
-
-API_KEY_VARIABLE = "HYBRID_CACHE_API_KEY"
+from hybrid_cache.entrypoints.server_config import API_KEY_VARIABLE
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

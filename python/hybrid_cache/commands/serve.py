@@ -17,14 +17,17 @@ import os
 from typing import Optional
 
 from hybrid_cache.engine.engine_config import add_engine_arguments, engine_config_from_args
+from hybrid_cache.entrypoints.server_config import (
+    API_KEY_VARIABLE,
+    DEFAULT_HOST,
+    DEFAULT_MAX_PENDING_REQUESTS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_PORT,
+    DEFAULT_STREAM_INTERVAL,
+)
 from hybrid_cache.errors import ServerConfigError
 from hybrid_cache.sizes import format_memory_size, parse_memory_size
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
-DEFAULT_MAX_REQUEST_BYTES = "1MiB"
-DEFAULT_MAX_PENDING_REQUESTS = 1024
-API_KEY_VARIABLE = "HYBRID_CACHE_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -63,14 +66,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-request-bytes",
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="largest request body accepted (larger: HTTP 413)",
+        default=format_memory_size(DEFAULT_MAX_REQUEST_BYTES),
+        help="largest request body accepted, bytes or e.g. 64KiB (larger: HTTP 413)",
     )
     parser.add_argument(
         "--max-pending-requests",
         type=int,
         default=DEFAULT_MAX_PENDING_REQUESTS,
         help="requests queued or running before new ones get HTTP 503",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=DEFAULT_STREAM_INTERVAL,
+        help="tokens a stream gathers per chunk (the first goes at once); more: fewer chunks",
     )
     parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level")
@@ -96,6 +105,8 @@ def check_flags(args: argparse.Namespace) -> int:
         raise ServerConfigError(
             f"--max-pending-requests must be positive, got {args.max_pending_requests}"
         )
+    if args.stream_interval <= 0:
+        raise ServerConfigError(f"--stream-interval must be positive, got {args.stream_interval}")
     if args.num_threads is not None and args.num_threads <= 0:
         raise ServerConfigError(f"--num-threads must be positive, got {args.num_threads}")
     try:
@@ -129,7 +140,12 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(config)
     settings = ServerSettings(api_key=api_key or None, max_request_bytes=limit)
     server = create_server(
-        llm, args.served_model_name, args.chat_template, settings, args.max_pending_requests
+        llm,
+        args.served_model_name,
+        args.chat_template,
+        settings,
+        args.max_pending_requests,
+        args.stream_interval,
     )
     names = ", ".join(server.context.model_names)
     logging.getLogger(__name__).info(

@@ -31,16 +31,17 @@ from pydantic import BaseModel, ValidationError
 from hybrid_cache._core import __version__
 from hybrid_cache.engine.llm import LLM
 from hybrid_cache.engine.prompts import resolve_chat_template
-from hybrid_cache.entrypoints.async_llm import (
-    DEFAULT_MAX_PENDING_REQUESTS,
-    AsyncLLM,
-    EngineSnapshot,
-)
+from hybrid_cache.entrypoints.async_llm import AsyncLLM, EngineSnapshot
 from hybrid_cache.entrypoints.chat import create_chat_completion
 from hybrid_cache.entrypoints.completions import create_completion
 from hybrid_cache.entrypoints.errors import error_body, error_of
 from hybrid_cache.entrypoints.metrics import ServerMetrics
 from hybrid_cache.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from hybrid_cache.entrypoints.server_config import (
+    DEFAULT_MAX_PENDING_REQUESTS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_STREAM_INTERVAL,
+)
 from hybrid_cache.entrypoints.serving import ServingContext
 from hybrid_cache.errors import (
     AuthenticationError,
@@ -52,7 +53,6 @@ from hybrid_cache.errors import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_REQUEST_BYTES = 1024**2
 OPEN_ROUTES = frozenset({"/health"})
 
 
@@ -83,6 +83,7 @@ def create_server(
     chat_template: Optional[str] = None,
     settings: Optional[ServerSettings] = None,
     max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
+    stream_interval: int = DEFAULT_STREAM_INTERVAL,
 ) -> Server:
     """Starts an `AsyncLLM` over `llm` and builds its app. The served name is the model's
     path or preset name unless `served_model_names` are given (the first is reported in
@@ -99,7 +100,7 @@ def create_server(
         names[0],
         healthy=lambda: bool(holder) and holder[0].is_healthy,
     )
-    engine = AsyncLLM(llm, max_pending_requests, listener=metrics)
+    engine = AsyncLLM(llm, max_pending_requests, metrics, stream_interval)
     holder.append(engine)
     context = ServingContext(
         engine,

@@ -41,6 +41,10 @@ from hybrid_cache.engine.parallel_sampling import SampleGroup
 from hybrid_cache.engine.prompts import tokenize_prompt
 from hybrid_cache.engine.request import FinishReason, Request
 from hybrid_cache.engine.sampling_params import SamplingParams
+from hybrid_cache.entrypoints.server_config import (
+    DEFAULT_MAX_PENDING_REQUESTS,
+    DEFAULT_STREAM_INTERVAL,
+)
 from hybrid_cache.entrypoints.streaming import SampleStream, StreamOutput
 from hybrid_cache.errors import (
     EngineDeadError,
@@ -50,9 +54,6 @@ from hybrid_cache.errors import (
 )
 
 logger = logging.getLogger(__name__)
-
-# Requests in flight (queued, running, or being checked) before `generate` refuses more.
-DEFAULT_MAX_PENDING_REQUESTS = 1024
 
 
 class RequestListener:
@@ -179,15 +180,17 @@ class AsyncLLM:
         llm: LLM,
         max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
         listener: Optional[RequestListener] = None,
+        stream_interval: int = DEFAULT_STREAM_INTERVAL,
     ) -> None:
-        if isinstance(max_pending_requests, bool) or not isinstance(max_pending_requests, int):
-            raise ServerConfigError(
-                f"--max-pending-requests must be a positive integer, got {max_pending_requests!r}"
-            )
-        if max_pending_requests <= 0:
-            raise ServerConfigError(
-                f"--max-pending-requests must be a positive integer, got {max_pending_requests}"
-            )
+        """`stream_interval`: tokens a sample gathers before its stream gets them (the first
+        and the last always go at once); more means fewer, larger outputs."""
+        for flag, value in (
+            ("--max-pending-requests", max_pending_requests),
+            ("--stream-interval", stream_interval),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ServerConfigError(f"{flag} must be a positive integer, got {value!r}")
+        self.stream_interval: int = stream_interval
         self.llm: LLM = llm
         self.engine = llm.engine
         self.tokenizer: Any = llm.tokenizer
@@ -404,10 +407,19 @@ class AsyncLLM:
         if failed is not None:  # one sample of a group failed: the request fails
             self._fail(tracked, failed.error or RuntimeError(f"{failed} failed"))
             return
-        if tracked.stream:
-            output = self._stream_output(tracked, children)
-            if output.deltas:
-                self._send(tracked.loop, tracked.queue, output)
+        if not tracked.stream:
+            return
+        interval = self.stream_interval
+        if interval > 1 and not any(
+            stream.num_tokens == 0
+            or child.is_finished
+            or len(child.output_token_ids) - stream.num_tokens >= interval
+            for stream, child in zip(tracked.samples, children)
+        ):
+            return
+        output = self._stream_output(tracked, children)
+        if output.deltas:
+            self._send(tracked.loop, tracked.queue, output)
 
     def _finish(self, tracked: _Tracked, now: float) -> None:
         """A finished (or aborted) request's last output, with its `RequestOutput`."""
