@@ -47,6 +47,24 @@ def running_server(
         server.shutdown()
 
 
+@contextlib.contextmanager
+def slow_steps(server: Server, seconds: float = 0.01) -> Iterator[None]:
+    """Each engine step takes at least `seconds` (a request stays running long enough to be
+    looked at while it runs)."""
+    runner = server.engine.llm.engine.model_runner
+    execute = runner.execute
+
+    def slow(output: Any) -> Any:
+        time.sleep(seconds)
+        return execute(output)
+
+    runner.execute = slow
+    try:
+        yield
+    finally:
+        runner.execute = execute
+
+
 def wait_idle(server: Server, timeout: float = 10.0) -> None:
     """Until no request is pending in the async engine and none is queued or running."""
     deadline = time.monotonic() + timeout

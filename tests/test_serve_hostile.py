@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 from hybrid_cache.entrypoints.api_server import ServerSettings
-from serve_harness import MODEL_NAME, make_llm, metric, running_server, wait_idle
+from serve_harness import MODEL_NAME, make_llm, metric, running_server, slow_steps, wait_idle
 
 LIMIT = 64 * 1024
 
@@ -168,3 +168,56 @@ def test_the_server_still_answers_and_counted_the_errors(server):
     assert metric(page, "hybrid_cache:http_error_responses_total", status="400") == before + 3
     assert running.engine.llm.engine.kv_cache.num_used_blocks_per_group() == [0, 0]
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_overloaded_and_dead_engines_answer_503(serve_model_folder):
+    llm = make_llm(serve_model_folder)
+    with running_server(llm, max_pending_requests=1) as (url, running):
+        long_stream = {
+            "model": MODEL_NAME,
+            "prompt": [5, 6, 7],
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with (
+            slow_steps(running),
+            httpx.stream("POST", url + "/v1/completions", json=long_stream) as stream,
+        ):
+            lines = stream.iter_lines()  # kept: a closed iterator closes the response
+            next(lines)  # the request is running
+            response = httpx.post(url + "/v1/completions", content=completion())
+            assert response.status_code == 503
+            assert response.json()["error"]["code"] == "engine_overloaded"
+        wait_idle(running)
+
+        def broken(output):
+            raise RuntimeError("the device fell over")
+
+        llm.engine.model_runner.execute = broken
+        response = httpx.post(url + "/v1/completions", content=completion())
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["code"] == "engine_unhealthy" and "the device fell over" in error["message"]
+        assert httpx.get(url + "/health").status_code == 503
+        assert httpx.post(url + "/v1/chat/completions", content=chat()).status_code == 503
+        page = httpx.get(url + "/metrics").text
+        assert metric(page, "hybrid_cache:healthy") == 0
+
+
+def test_a_model_without_tokenizer_takes_token_ids_only():
+    from hybrid_cache import LLM
+
+    llm = LLM("tiny-gemma3", kv_cache_memory="4MiB", max_model_len=128)
+    with running_server(llm) as (url, _):
+        ids = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+        response = httpx.post(url + "/v1/completions", json={**ids, "return_token_ids": True})
+        assert response.status_code == 200
+        choice = response.json()["choices"][0]
+        assert choice["text"] == "" and len(choice["token_ids"]) == 3
+        for path, body in [("/v1/completions", completion()), ("/v1/chat/completions", chat())]:
+            response = httpx.post(url + path, content=body)
+            assert response.status_code == 400
+            assert "tokenizer" in response.json()["error"]["message"]
+        response = httpx.post(url + "/v1/completions", json={**ids, "stop": ["x"]})
+        assert response.status_code == 400 and "tokenizer" in response.json()["error"]["message"]

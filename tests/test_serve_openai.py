@@ -10,7 +10,7 @@ import pytest
 from hybrid_cache import SamplingParams
 from hybrid_cache._core import __version__
 from hybrid_cache.entrypoints.api_server import ServerSettings
-from serve_harness import MODEL_NAME, make_llm, metric, running_server, wait_idle
+from serve_harness import MODEL_NAME, make_llm, metric, running_server, slow_steps, wait_idle
 
 API_KEY = "test-key"
 PROMPT = "the cat sat on the mat and héllo"
@@ -138,6 +138,34 @@ def test_completions_of_token_ids_and_several_prompts(client, offline):
         assert choice.model_extra["prompt_token_ids"] == output.prompt_token_ids
         assert choice.text == output.outputs[0].text
     assert response.usage.prompt_tokens == 8 and response.usage.completion_tokens == 12
+
+
+def test_several_prompts_stream_as_one(client, offline):
+    prompts = ["the cat sat", "a dog ran far"]
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=2, n=2)
+    expected = offline.generate(prompts, params, use_tqdm=False)
+    args = dict(model=MODEL_NAME, prompt=prompts, max_tokens=10, temperature=1.0, seed=2, n=2)
+    texts, reasons, _ = streamed_texts(client.completions.create(stream=True, **args))
+    response = client.completions.create(**args)
+    want = [completion.text for output in expected for completion in output.outputs]
+    assert [texts[i] for i in range(4)] == [c.text for c in response.choices] == want
+
+
+def test_the_gauges_follow_a_running_request(server):
+    url, running = server
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL_NAME, "prompt": list(range(3, 40)), "max_tokens": 200}
+    body.update(ignore_eos=True, stream=True)
+    with (
+        slow_steps(running),
+        httpx.stream("POST", url + "/v1/completions", json=body, headers=headers) as stream,
+    ):
+        lines = stream.iter_lines()  # kept: a closed iterator closes the response
+        next(lines)  # running now
+        page = httpx.get(url + "/metrics", headers=headers).text
+    assert metric(page, "hybrid_cache:num_requests_running") == 1
+    assert metric(page, "hybrid_cache:kv_cache_blocks_used", kind="full") >= 3  # 38+ tokens
+    assert metric(page, "hybrid_cache:kv_cache_blocks_used_by_kind", kind="sliding_window") >= 1
 
 
 def test_chat_streamed_equal_non_streamed_equal_offline(client, offline):
