@@ -80,7 +80,7 @@ def main() -> None:
         for ids in make_prompts(args.num_prompts, args.input_len, 0, vocab, seed=0)
     ]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    llm.generate(prompts[: args.concurrency], params, use_tqdm=False)  # warm-up: a full batch
 
     port = free_port()
     command = [
@@ -102,7 +102,8 @@ def main() -> None:
             output_len=args.output_len,
             max_concurrency=args.concurrency,
         )
-        asyncio.run(run_serve_bench(ServeBenchSettings(**{**settings.__dict__, "num_prompts": 8})))
+        warm_up = {**settings.__dict__, "num_prompts": args.concurrency}
+        asyncio.run(run_serve_bench(ServeBenchSettings(**warm_up)))
         offline, served, serve_results = [], [], []
         for round_index in range(args.repeat):
             for side in ("offline", "server") if round_index % 2 == 0 else ("server", "offline"):
@@ -142,6 +143,8 @@ def main() -> None:
         "offline_output_tok_s": offline,
         "server_output_tok_s": served,
         "ratio_best": max(served) / max(offline),
+        # Server over offline within each round (the two ran back to back).
+        "ratio_per_round": [server / alone for server, alone in zip(served, offline)],
         "server_ttft_p99_ms_at_concurrency": serve_results[best]["ttft"]["p99_ms"],
         "paced_request_rate": rate,
         "paced_ttft_p99_ms": paced["ttft"]["p99_ms"],
