@@ -15,6 +15,7 @@ from hybrid_cache.errors import (
     EngineOverloadedError,
     InvalidRequestError,
     PromptTooLongError,
+    ServerConfigError,
 )
 from serve_harness import make_llm
 
@@ -307,3 +308,30 @@ def test_past_the_pending_limit_requests_are_refused(llm):
         assert engine.num_pending_requests == 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("field", ["max_pending_requests", "stream_interval"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_bad_engine_limits_are_typed_errors(llm, field, value):
+    with pytest.raises(ServerConfigError, match=field.replace("_", "-")):
+        AsyncLLM(llm, **{field: value})
+
+
+def test_requests_posted_with_the_shutdown_are_refused_not_left_waiting(folder):
+    engine = AsyncLLM(make_llm(folder))
+    params = SamplingParams(max_tokens=4)
+
+    async def main():
+        # Posted behind the stop, all taken by the loop thread at once (it waits for the lock
+        # held here; the lock is re-entrant, so this thread still posts): each gets an answer.
+        with engine._wake:
+            engine._commands.append(("stop",))
+            tasks = [
+                asyncio.ensure_future(collect(engine, PROMPTS[0], params, f"late{i}"))
+                for i in range(3)
+            ]
+            await asyncio.sleep(0.05)  # the adds are posted behind the stop
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = run(main(), 10)
+    assert all(isinstance(result, EngineDeadError) for result in results), results

@@ -199,6 +199,7 @@ class AsyncLLM:
         self.listener: RequestListener = listener or RequestListener()
         self.snapshot: EngineSnapshot = EngineSnapshot()
         self._commands: deque[tuple[Any, ...]] = deque()
+        self._taken: deque[tuple[Any, ...]] = deque()  # taken by the loop thread, not yet done
         self._wake = threading.Condition()
         self._dead: Optional[EngineDeadError] = None
         self._num_pending = 0
@@ -224,7 +225,8 @@ class AsyncLLM:
 
     @property
     def num_pending_requests(self) -> int:
-        """Requests in flight: being checked, queued or running."""
+        """Requests in flight: being checked, queued, running, or finished but their stream
+        not yet read to the end."""
         return self._num_pending
 
     async def add_request(
@@ -336,9 +338,10 @@ class AsyncLLM:
                 with self._wake:
                     while not self._commands and not engine.has_unfinished_requests():
                         self._wake.wait()
-                    commands = list(self._commands)
+                    self._taken.extend(self._commands)
                     self._commands.clear()
-                for command in commands:
+                while self._taken:
+                    command = self._taken.popleft()
                     if command[0] == "stop":
                         self._die(EngineDeadError("the engine was shut down"))
                         return
@@ -550,7 +553,8 @@ class AsyncLLM:
         """No request can run any more: every waiting caller gets `dead`."""
         with self._wake:
             self._dead = dead
-            commands = list(self._commands)
+            commands = [*self._taken, *self._commands]
+            self._taken.clear()
             self._commands.clear()
         for command in commands:
             if command[0] == "add":
