@@ -80,8 +80,9 @@ def wait_idle(server: Server, timeout: float = 10.0) -> None:
     raise AssertionError(f"the server is not idle: {server.engine.snapshot}")
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """One sample of a Prometheus text page (labels matched as given, others ignored)."""
+def metric(text: str, name: str, default: Optional[float] = None, **labels: str) -> float:
+    """One sample of a Prometheus text page (labels matched as given, others ignored; summed
+    over the samples that match); `default` when none does, else `KeyError`."""
     total = None
     for line in text.splitlines():
         if line.startswith("#"):
@@ -92,6 +93,8 @@ def metric(text: str, name: str, **labels: str) -> float:
         found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
         if all(found.get(key) == value for key, value in labels.items()):
             total = (total or 0.0) + float(match.group(3))
+    if total is None and default is not None:
+        return default
     if total is None:
         raise KeyError(f"{name} {labels} is not on the metrics page")
     return total

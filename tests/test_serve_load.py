@@ -121,6 +121,8 @@ def test_load_with_disconnects_and_malformed_bodies(server):
     assert metric(page, "hybrid_cache:request_success_total", finished_reason="abort") == given_up
     assert metric(page, "hybrid_cache:request_success_total", finished_reason="error") == 0
     assert metric(page, "hybrid_cache:http_error_responses_total", status="400") == NUM_MALFORMED
+    gave_up = NUM_IMPATIENT - sum(impatient)  # answered 499 (client closed request)
+    assert metric(page, "hybrid_cache:http_error_responses_total", 0, status="499") == gave_up
     prompt_tokens = sum(len(prompt_of(i)) for i in range(NUM_STREAMS + NUM_IMPATIENT))
     assert metric(page, "hybrid_cache:prompt_tokens_total") == prompt_tokens
     generated = metric(page, "hybrid_cache:generation_tokens_total")

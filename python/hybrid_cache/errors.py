@@ -255,6 +255,11 @@ class RequestBodyTooLargeError(InvalidRequestError):
     """The request body is over the server's limit (`--max-request-bytes`; HTTP 413)."""
 
 
+class ClientDisconnectedError(HybridCacheError):
+    """The client closed the connection before its response was ready; its requests were
+    aborted (HTTP 499, which nobody reads)."""
+
+
 class AuthenticationError(HybridCacheError):
     """The request's API key is missing or wrong (HTTP 401)."""
 
@@ -264,6 +269,7 @@ __all__ = [
     "AuthenticationError",
     "BenchConfigError",
     "BudgetTooSmallError",
+    "ClientDisconnectedError",
     "ConfigError",
     "DeviceUnavailableError",
     "DoubleFreeError",

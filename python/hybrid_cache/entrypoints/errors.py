@@ -4,8 +4,9 @@ status and OpenAI error body of every error a request can meet.
     {"error": {"message": "...", "type": "invalid_request_error", "param": "n", "code": null}}
 
 400 for bad input (a prompt over `max_model_len` has code "context_length_exceeded"), 401 for
-a missing or wrong API key, 404 for an unknown model, 413 for a body over the limit, 503 while
-the engine is overloaded or dead, 500 for anything else (a bug: the message says so).
+a missing or wrong API key, 404 for an unknown model, 413 for a body over the limit, 499 when
+the client left before its response (nobody reads it), 503 while the engine is overloaded or
+dead, 500 for anything else (a bug: the message says so).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Optional
 
 from hybrid_cache.errors import (
     AuthenticationError,
+    ClientDisconnectedError,
     EngineDeadError,
     EngineOverloadedError,
     HybridCacheError,
@@ -29,6 +31,7 @@ from hybrid_cache.errors import (
 
 __all__ = [
     "AuthenticationError",
+    "ClientDisconnectedError",
     "EngineDeadError",
     "EngineOverloadedError",
     "InvalidFieldError",
@@ -45,6 +48,8 @@ def error_status(error: BaseException) -> tuple[int, str, Optional[str]]:
     """(HTTP status, OpenAI error type, code) of an error."""
     if isinstance(error, AuthenticationError):
         return 401, "authentication_error", "invalid_api_key"
+    if isinstance(error, ClientDisconnectedError):
+        return 499, "client_closed_request", None
     if isinstance(error, UnknownServedModelError):
         return 404, "invalid_request_error", "model_not_found"
     if isinstance(error, RequestBodyTooLargeError):

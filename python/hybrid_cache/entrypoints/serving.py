@@ -17,7 +17,11 @@ from hybrid_cache.entrypoints.async_llm import AsyncLLM, RequestStream
 from hybrid_cache.entrypoints.formatting import TokenTexts
 from hybrid_cache.entrypoints.protocol import SamplingFields
 from hybrid_cache.entrypoints.streaming import StreamOutput
-from hybrid_cache.errors import InvalidFieldError, UnknownServedModelError
+from hybrid_cache.errors import (
+    ClientDisconnectedError,
+    InvalidFieldError,
+    UnknownServedModelError,
+)
 
 T = TypeVar("T")
 
@@ -64,7 +68,7 @@ async def run_all(
 ) -> list[T]:
     """Runs every call at once and returns their results in order. When one raises, or the
     client disconnects first (`disconnected` returns), the others are cancelled (which aborts
-    their requests) and the error (`asyncio.CancelledError` for a disconnect) is raised."""
+    their requests) and the error (`ClientDisconnectedError` for a disconnect) is raised."""
     tasks = [asyncio.ensure_future(call()) for call in calls]
     watcher = asyncio.ensure_future(disconnected())
     try:
@@ -72,7 +76,7 @@ async def run_all(
         done, _ = await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if everything in done:
             return everything.result()
-        raise asyncio.CancelledError("the client disconnected")
+        raise ClientDisconnectedError("the client disconnected before the response was ready")
     finally:
         watcher.cancel()
         for task in tasks:
