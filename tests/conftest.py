@@ -1,8 +1,19 @@
 """Session-wide test setup. The Triton kernels run under Triton's CPU interpreter in every test
 module: TRITON_INTERPRET=1 is set here, before any test module is imported. Modules that set it
 themselves were too late whenever another module had imported triton first (the interpreter is
-chosen at import), e.g. test_attention_backends.py after test_torch_batched.py."""
+chosen at import), e.g. test_attention_backends.py after test_torch_batched.py. The serving
+tests share one saved tiny model folder (`serve_model_folder`)."""
 
 import os
 
+import pytest
+
 os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(scope="session")
+def serve_model_folder(tmp_path_factory):
+    """The tiny serve model (`serve_model.py`), saved once for every serving test."""
+    from serve_model import save_serve_model
+
+    return save_serve_model(tmp_path_factory.mktemp("serve-model"))

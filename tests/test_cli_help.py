@@ -22,7 +22,7 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
 
 
 def test_every_subcommand_is_walked():
-    assert set(subcommand_parsers()) == {"plan", "generate", "bench"}
+    assert set(subcommand_parsers()) == {"plan", "generate", "bench", "bench-serve", "serve"}
 
 
 @pytest.mark.parametrize("name", sorted(subcommand_parsers()))
@@ -59,7 +59,21 @@ def test_version(capsys):
 
 
 # Only what `pip install .` installs may be imported: the standard library, numpy, the package.
-BLOCKED = ["torch", "transformers", "tokenizers", "safetensors", "tqdm", "triton", "matplotlib"]
+BLOCKED = [
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "tqdm",
+    "triton",
+    "matplotlib",
+    "fastapi",
+    "uvicorn",
+    "pydantic",
+    "prometheus_client",
+    "httpx",
+    "openai",
+]
 BLOCKER = textwrap.dedent(
     """
     import importlib.abc, sys

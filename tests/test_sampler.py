@@ -87,6 +87,9 @@ def test_free_forgets_generator():
         {"top_p": 0.0},
         {"top_p": 1.5},
         {"seed": "x"},
+        {"seed": 2**63},
+        {"seed": -(2**63) - 1},
+        {"seed": 2**63 - 1, "n": 2, "temperature": 1.0},  # sample 1 would use 2**63
         {"stop_token_ids": [-3]},
         {"stop_token_ids": 7},
         {"stop_token_ids": "7"},
@@ -95,6 +98,13 @@ def test_free_forgets_generator():
 def test_invalid_sampling_params_raise_typed_error(kwargs):
     with pytest.raises(InvalidSamplingParamsError):
         SamplingParams(**kwargs)
+
+
+def test_the_extreme_seeds_sample():
+    """The seed range's ends are seeds a torch generator takes (beyond them it overflows)."""
+    for seed in (-(2**63), 2**63 - 1):
+        tokens = Sampler().sample(torch.zeros(1, 5), ["r"], [SamplingParams(seed=seed)])
+        assert 0 <= int(tokens[0]) < 5
 
 
 def test_invalid_sampling_params_error_is_a_value_error():

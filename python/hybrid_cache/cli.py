@@ -7,7 +7,7 @@ import sys
 from typing import Optional, Sequence
 
 from hybrid_cache._core import __version__
-from hybrid_cache.commands import register_all
+from hybrid_cache.commands import register_all, resolve_nested
 from hybrid_cache.errors import HybridCacheError
 
 
@@ -51,7 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs one subcommand; returns the exit code (1 for a typed error, printed without a
     traceback because its message already says what to change)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(resolve_nested(sys.argv[1:] if argv is None else argv))
     if not hasattr(args, "handler"):
         parser.print_help(sys.stderr)
         return 2

@@ -217,20 +217,72 @@ class BenchConfigError(HybridCacheError, ValueError):
     """A benchmark flag is invalid or the flags contradict each other; the message says which."""
 
 
+# ---------------------------------------------------------------------------------------------
+# The async engine and the OpenAI-compatible server (`entrypoints/`).
+
+
+class EngineDeadError(HybridCacheError):
+    """The async engine's step loop failed or was shut down: every request waiting on it and
+    every later one gets this error (its cause is the loop's exception); restart the server."""
+
+
+class EngineOverloadedError(HybridCacheError):
+    """The async engine holds as many requests as it accepts (`max_pending_requests`,
+    `--max-pending-requests`); retry later or raise the limit."""
+
+
+class ServerConfigError(HybridCacheError, ValueError):
+    """A `hybrid-cache serve` flag is invalid; the message names it."""
+
+
+class InvalidFieldError(InvalidRequestError):
+    """A request body field is malformed, of the wrong type, or one the server does not
+    support; `param` names it (dotted for nested fields), None for the whole body."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.param))
+
+
+class UnknownServedModelError(InvalidRequestError):
+    """The request names a model the server does not serve (HTTP 404)."""
+
+
+class RequestBodyTooLargeError(InvalidRequestError):
+    """The request body is over the server's limit (`--max-request-bytes`; HTTP 413)."""
+
+
+class ClientDisconnectedError(HybridCacheError):
+    """The client closed the connection before its response was ready; its requests were
+    aborted (HTTP 499, which nobody reads)."""
+
+
+class AuthenticationError(HybridCacheError):
+    """The request's API key is missing or wrong (HTTP 401)."""
+
+
 __all__ = [
     "AttentionBackendUnavailableError",
+    "AuthenticationError",
     "BenchConfigError",
     "BudgetTooSmallError",
+    "ClientDisconnectedError",
     "ConfigError",
     "DeviceUnavailableError",
     "DoubleFreeError",
     "DuplicateRequestError",
     "EngineConfigError",
+    "EngineDeadError",
+    "EngineOverloadedError",
     "HybridCacheError",
     "InsufficientKVCacheError",
     "InvalidArgumentError",
     "InvalidBlockError",
     "InvalidBlockSizeError",
+    "InvalidFieldError",
     "InvalidGroupError",
     "InvalidRequestError",
     "InvalidRequestsError",
@@ -246,12 +298,15 @@ __all__ = [
     "NoTokenizerError",
     "PlanError",
     "PromptTooLongError",
+    "RequestBodyTooLargeError",
     "RequestTooLargeError",
+    "ServerConfigError",
     "TooManyRequestsError",
     "UnknownArchitectureError",
     "UnknownAttentionBackendError",
     "UnknownModelError",
     "UnknownRequestError",
+    "UnknownServedModelError",
     "UnsupportedArchitectureError",
     "UnsupportedQuantizationError",
     "UnsupportedSamplingParamsError",

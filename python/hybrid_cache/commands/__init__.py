@@ -12,8 +12,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from collections.abc import Sequence
 
-COMMAND_MODULES: tuple[str, ...] = ("plan", "generate", "bench")
+COMMAND_MODULES: tuple[str, ...] = ("plan", "generate", "bench", "bench_serve", "serve")
+# Two-word commands: `hybrid-cache bench serve ...` runs the `bench-serve` parser.
+NESTED_COMMANDS: dict[tuple[str, str], str] = {("bench", "serve"): "bench-serve"}
+
+
+def resolve_nested(argv: Sequence[str]) -> list[str]:
+    """The arguments with a two-word command (`NESTED_COMMANDS`) replaced by its parser's name."""
+    args = list(argv)
+    name = NESTED_COMMANDS.get(tuple(args[:2]))  # type: ignore[arg-type]
+    return [name, *args[2:]] if name is not None else args
 
 
 def register_all(subparsers: argparse._SubParsersAction) -> None:

@@ -36,8 +36,10 @@ from hybrid_cache.engine.engine_config import (
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="throughput benchmark: hybrid vs uniform KV cache (real engine or --simulate)",
-        description="Runs a fixed random workload and prints requests/s and tokens/s per mode.",
+        help="throughput benchmark: hybrid vs uniform KV cache (real engine or --simulate); "
+        "`bench serve`: load on a running server over HTTP",
+        description="Runs a fixed random workload and prints requests/s and tokens/s per mode. "
+        "`hybrid-cache bench serve --help`: the serving benchmark (a running server, over HTTP).",
     )
     add_engine_arguments(
         parser,

@@ -338,7 +338,10 @@ def add_engine_arguments(
             return
         if name in defaults:
             value = defaults[name]
-            kwargs.update({"required": True} if value is _REQUIRED else {"default": value})
+            # A command's own default makes the flag optional (`serve` takes MODEL positionally).
+            kwargs.update(
+                {"required": True} if value is _REQUIRED else {"default": value, "required": False}
+            )
         elif "default" not in kwargs and "action" not in kwargs:
             default = fields[name].default
             kwargs["default"] = None if default is dataclasses.MISSING else default

@@ -11,6 +11,9 @@ from hybrid_cache.engine.errors import InvalidSamplingParamsError
 
 # presence_penalty and frequency_penalty range (as vLLM and the OpenAI API).
 MAX_ABS_PENALTY = 2.0
+# Seeds a torch generator takes (a signed 64-bit integer).
+MIN_SEED = -(2**63)
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,12 @@ class SamplingParams:
             )
         if self.seed is not None:
             _check_int("seed", self.seed, None, "or None")
+            last = self.seed + self.num_samples - 1  # sample i of n uses seed + i
+            if self.seed < MIN_SEED or last > MAX_SEED:
+                raise InvalidSamplingParamsError(
+                    f"seed must be a signed 64-bit integer ([-2**63, 2**63 - 1], and seed + "
+                    f"n - 1 too: sample i uses seed + i), got {self.seed}"
+                )
         for token_id in self.stop_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise InvalidSamplingParamsError(
