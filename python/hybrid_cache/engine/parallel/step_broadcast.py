@@ -1,0 +1,132 @@
+"""The step broadcast: rank 0 sends each step's `StepInputs` to the workers, and the setup
+exchanges every rank takes part in once.
+
+A step is one broadcast of a fixed int32 buffer (`HEADER_FIELDS` + `INLINE_VALUES`) on the idle
+group, the payload inside it when it fits, else a second broadcast of the payload on the
+control group. A buffer of tensors, not pickled objects: `broadcast_object_list` costs about
+three times as much per step. Each rank counts the collectives it enters
+(`parallel_layers.count_collective`), so that on a timeout the driver can tell which rank
+stopped.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from hybrid_cache.engine.parallel.process_group import RankGroups
+from hybrid_cache.engine.parallel.step_inputs import (
+    HEADER_FIELDS,
+    OP_STEP,
+    OP_STOP,
+    StepInputs,
+    pack,
+    payload_length,
+    unpack,
+)
+from hybrid_cache.models.parallel_layers import count_collective
+
+# Payload values carried inside the header message (decode steps of a few hundred requests).
+INLINE_VALUES = 8192
+
+
+class StepSender:
+    """Rank 0's side: `send(inputs)` each step, `stop()` once at shutdown. `wait(work)` waits
+    for an async collective (the caller bounds it and watches the workers)."""
+
+    def __init__(self, groups: RankGroups, wait: Callable[[Any], None]) -> None:
+        self.groups = groups
+        self.wait = wait
+        self.header = torch.zeros(HEADER_FIELDS + INLINE_VALUES, dtype=torch.int32)
+        self.header_array = self.header.numpy()
+
+    def send(self, inputs: StepInputs) -> None:
+        payload = pack(inputs, self.header_array)
+        self._send_header()
+        if len(payload) > INLINE_VALUES:
+            count_collective()
+            dist.broadcast(torch.from_numpy(payload), 0, group=self.groups.control)
+
+    def stop(self) -> None:
+        self.header_array[:HEADER_FIELDS] = 0
+        self.header_array[0] = OP_STOP
+        self._send_header()
+
+    def _send_header(self) -> None:
+        count_collective()
+        self.wait(dist.broadcast(self.header, 0, group=self.groups.idle, async_op=True))
+
+
+class StepReceiver:
+    """A worker's side: `receive()` waits for the next step (None: the driver stopped)."""
+
+    def __init__(self, groups: RankGroups) -> None:
+        self.groups = groups
+        self.header = torch.zeros(HEADER_FIELDS + INLINE_VALUES, dtype=torch.int32)
+        self.header_array = self.header.numpy()
+
+    def receive(self) -> Optional[StepInputs]:
+        count_collective()
+        dist.broadcast(self.header, 0, group=self.groups.idle)
+        header = self.header_array
+        if header[0] == OP_STOP:
+            return None
+        assert header[0] == OP_STEP, f"unknown step operation {header[0]}"
+        length = payload_length(header)
+        if length <= INLINE_VALUES:
+            return unpack(header, header[HEADER_FIELDS:])
+        payload = torch.empty(length, dtype=torch.int32)
+        count_collective()
+        dist.broadcast(payload, 0, group=self.groups.control)
+        return unpack(header, payload.numpy())
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup exchanges (once per engine; every rank calls each, in this order).
+
+
+def exchange_status(
+    groups: RankGroups, ok: bool, wait: Optional[Callable[[Any], None]] = None
+) -> list[bool]:
+    """Every rank's `ok` (rank order), on the idle group: ranks reach this after loading their
+    shard, which takes as long as it takes. `wait` (the driver's) bounds the wait and watches
+    the workers; a worker waits plainly."""
+    mine = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    every = [torch.zeros(1, dtype=torch.int32) for _ in range(groups.size)]
+    count_collective()
+    work = dist.all_gather(every, mine, group=groups.idle, async_op=True)
+    (wait or _plain_wait)(work)
+    return [bool(value.item()) for value in every]
+
+
+def agree_budget(groups: RankGroups, budget: int) -> int:
+    """The smallest of the ranks' KV budgets (each rank profiles its own device)."""
+    value = torch.tensor([budget], dtype=torch.int64)
+    count_collective()
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=groups.control)
+    return int(value.item())
+
+
+def share_object(groups: RankGroups, value: Any = None) -> Any:
+    """Rank 0's `value` on every rank (the KV-cache layout; once, so pickling is fine)."""
+    box = [value]
+    count_collective()
+    dist.broadcast_object_list(box, 0, group=groups.control)
+    return box[0]
+
+
+def _plain_wait(work: Any) -> None:
+    work.wait()
+
+
+def bounded_wait(timeout: datetime.timedelta) -> Callable[[Any], None]:
+    """`work.wait(timeout)`: raises when the collective does not finish in time."""
+
+    def wait(work: Any) -> None:
+        work.wait(timeout=timeout)
+
+    return wait
+
