@@ -63,10 +63,11 @@ logger = logging.getLogger(__name__)
 
 # How long a stopped worker gets to exit before it is terminated, then killed.
 STOP_GRACE_S = 5.0
+# After a failed collective, how long a worker that lost its connection may take to be reaped
+# (its exit code then names the failure).
+DEATH_WAIT_S = 1.0
 # How often a setup wait (which lasts as long as the slowest rank's loading) checks the workers.
 SETUP_POLL_S = 0.05
-# A worker's traceback is waited for this long after it died (it writes it before exiting).
-TRACEBACK_WAIT_S = 1.0
 
 
 class TensorParallelExecutor:
@@ -89,6 +90,7 @@ class TensorParallelExecutor:
         self.processes = processes  # rank r is processes[r - 1]; empty under torchrun
         self.entered = None if entered is None else entered.numpy()
         self.errors = errors
+        self.reports: dict[int, str] = {}  # per rank: the traceback it reported
         self.failure: Optional[TensorParallelError] = None
         self.sender = StepSender(groups, bounded_wait(self.timeout))
         self._state = _Shutdown(processes, rendezvous_file)
@@ -160,7 +162,8 @@ class TensorParallelExecutor:
             rank = failed[0]
             raise self._fail(
                 WorkerFailedError(
-                    f"tensor-parallel rank {rank} failed to get {stage}{self._traceback(rank)}",
+                    f"tensor-parallel rank {rank} failed to get {stage}; the engine is shut "
+                    f"down{self._traceback(rank)}",
                     rank,
                 )
             )
@@ -218,13 +221,18 @@ class TensorParallelExecutor:
         code = self.processes[rank - 1].exitcode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         return WorkerFailedError(
-            f"tensor-parallel rank {rank} {how}{self._traceback(rank)}; the engine is shut "
-            "down: build a new LLM",
+            f"tensor-parallel rank {rank} {how}; the engine is shut down: build a new LLM"
+            f"{self._traceback(rank)}",
             rank,
         )
 
     def _diagnose(self, error: BaseException) -> TensorParallelError:
+        # A lost connection comes a moment before the dying process can be reaped.
+        deadline = time.monotonic() + DEATH_WAIT_S
         dead = self._dead_rank()
+        while dead is None and self.processes and time.monotonic() < deadline:
+            time.sleep(SETUP_POLL_S)
+            dead = self._dead_rank()
         if dead is not None:
             return self._died(dead)
         if self.entered is not None:
@@ -244,22 +252,15 @@ class TensorParallelExecutor:
         )
 
     def _traceback(self, rank: int) -> str:
-        """`: <traceback>` of the worker's reported error, if it sent one."""
+        """The worker's traceback after a line break, when it reported an error (it writes the
+        report before it exits, so a dead worker's is already there)."""
         if self.errors is None:
             return ""
-        deadline = time.monotonic() + TRACEBACK_WAIT_S
-        reports: dict[int, str] = {}
-        while True:
-            while not self.errors.empty():
-                sender, text = self.errors.get()
-                reports.setdefault(sender, text)
-            if rank in reports or time.monotonic() > deadline:
-                break
-            if self.processes[rank - 1].exitcode is None:
-                break  # alive: nothing more will come now
-            time.sleep(0.02)
-        text = reports.get(rank)
-        return "" if text is None else f": it raised\n{text.rstrip()}\n"
+        while not self.errors.empty():
+            sender, text = self.errors.get()
+            self.reports.setdefault(sender, text)
+        text = self.reports.get(rank)
+        return "" if text is None else f"; rank {rank} raised:\n{text.rstrip()}"
 
     def _fail(self, failure: TensorParallelError) -> TensorParallelError:
         """Records the failure (later steps raise it) and stops every process."""

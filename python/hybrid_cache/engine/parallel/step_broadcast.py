@@ -3,7 +3,7 @@ exchanges every rank takes part in once.
 
 A step is one broadcast of a fixed int32 buffer (`HEADER_FIELDS` + `INLINE_VALUES`) on the idle
 group, the payload inside it when it fits, else a second broadcast of the payload on the
-control group. A buffer of tensors, not pickled objects: `broadcast_object_list` costs about
+control group; rank 0 posts them and goes on (`StepSender`). A buffer of tensors, not pickled objects: `broadcast_object_list` costs about
 three times as much per step. Each rank counts the collectives it enters
 (`parallel_layers.count_collective`), so that on a timeout the driver can tell which rank
 stopped.
@@ -34,30 +34,46 @@ INLINE_VALUES = 8192
 
 
 class StepSender:
-    """Rank 0's side: `send(inputs)` each step, `stop()` once at shutdown. `wait(work)` waits
-    for an async collective (the caller bounds it and watches the workers)."""
+    """Rank 0's side: `send(inputs)` each step, `stop()` once at shutdown.
+
+    A step's broadcast is posted and not waited for: rank 0 goes on to its own forward while
+    the message travels (the workers' first all-reduce of the step waits for it anyway). The
+    next `send` (or `stop`) first waits for the previous broadcast, with `wait` (the caller's
+    bound), before reusing its buffer."""
 
     def __init__(self, groups: RankGroups, wait: Callable[[Any], None]) -> None:
         self.groups = groups
         self.wait = wait
         self.header = torch.zeros(HEADER_FIELDS + INLINE_VALUES, dtype=torch.int32)
         self.header_array = self.header.numpy()
+        self.pending: list[Any] = []  # the works of the last step's broadcasts
+        self.payload: Optional[torch.Tensor] = None  # kept alive until its broadcast is done
 
     def send(self, inputs: StepInputs) -> None:
+        self.flush()
         payload = pack(inputs, self.header_array)
-        self._send_header()
+        self._post(self.header, self.groups.idle)
         if len(payload) > INLINE_VALUES:
-            count_collective()
-            dist.broadcast(torch.from_numpy(payload), 0, group=self.groups.control)
+            self.payload = torch.from_numpy(payload)
+            self._post(self.payload, self.groups.control)
 
     def stop(self) -> None:
+        self.flush()
         self.header_array[:HEADER_FIELDS] = 0
         self.header_array[0] = OP_STOP
-        self._send_header()
+        self._post(self.header, self.groups.idle)
+        self.flush()
 
-    def _send_header(self) -> None:
+    def flush(self) -> None:
+        """Waits for the broadcasts posted last (bounded by `wait`)."""
+        pending, self.pending = self.pending, []
+        for work in pending:
+            self.wait(work)
+        self.payload = None
+
+    def _post(self, tensor: torch.Tensor, group: Any) -> None:
         count_collective()
-        self.wait(dist.broadcast(self.header, 0, group=self.groups.idle, async_op=True))
+        self.pending.append(dist.broadcast(tensor, 0, group=group, async_op=True))
 
 
 class StepReceiver:
