@@ -140,9 +140,7 @@ class ModelSpec:
             )
             for layer in self.layers
         )
-        return dataclasses.replace(
-            self, layers=layers, tensor_parallel_size=tensor_parallel_size
-        )
+        return dataclasses.replace(self, layers=layers, tensor_parallel_size=tensor_parallel_size)
 
 
 def per_rank_kv_heads(num_kv_heads: int, tensor_parallel_size: int) -> int:

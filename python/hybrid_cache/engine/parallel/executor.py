@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 STOP_GRACE_S = 5.0
 # After a failed collective, how long a worker that lost its connection may take to be reaped
 # (its exit code then names the failure).
-DEATH_WAIT_S = 1.0
+DEATH_WAIT_S = 0.5
 # How often a setup wait (which lasts as long as the slowest rank's loading) checks the workers.
 SETUP_POLL_S = 0.05
 
@@ -81,6 +81,7 @@ class TensorParallelExecutor:
         entered: Optional[torch.Tensor],
         errors: Any,
         rendezvous_file: Optional[str],
+        num_threads: Optional[int] = None,
     ) -> None:
         self.config = config
         self.groups = groups
@@ -93,7 +94,7 @@ class TensorParallelExecutor:
         self.reports: dict[int, str] = {}  # per rank: the traceback it reported
         self.failure: Optional[TensorParallelError] = None
         self.sender = StepSender(groups, bounded_wait(self.timeout))
-        self._state = _Shutdown(processes, rendezvous_file)
+        self._state = _Shutdown(processes, rendezvous_file, num_threads)
         # Runs on `shutdown()`, when the executor is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, self._state.run, self.sender)
 
@@ -123,6 +124,11 @@ class TensorParallelExecutor:
         rendezvous = Rendezvous(f"file://{path}", size, backend, config.distributed_timeout)
         # Every rank on this host talks over the loopback device unless told otherwise.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # CPU ranks share this host's cores: each rank (this one too, until shutdown) takes its
+        # share of torch's threads, so no rank's spinning threads starve another's.
+        threads = torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(max(1, threads // size))
         context = mp.get_context("spawn")
         entered = torch.zeros(size, dtype=torch.int64).share_memory_()
         errors = context.SimpleQueue()
@@ -145,10 +151,10 @@ class TensorParallelExecutor:
                 processes.append(process)
             groups = join(rendezvous, 0)
         except BaseException:
-            _Shutdown(processes, path).run(None)
+            _Shutdown(processes, path, threads).run(None)
             raise
         set_collectives(groups.world, 0, entered.numpy())
-        return cls(config, groups, processes, entered, errors, path)
+        return cls(config, groups, processes, entered, errors, path, threads)
 
     # -- setup exchanges (the same order as `worker.serve`) ----------------------------------
 
@@ -286,11 +292,15 @@ class TensorParallelExecutor:
 
 class _Shutdown:
     """Stops the workers once: the stop message (when `sender` is given and they are alive),
-    then terminate, then kill; then the groups are destroyed and the rendezvous file removed."""
+    then terminate, then kill (at once, after a failure); then the groups are destroyed, the rendezvous file removed and
+    this process's torch threads restored (`num_threads`, when the executor changed them)."""
 
-    def __init__(self, processes: list[Any], rendezvous_file: Optional[str]) -> None:
+    def __init__(
+        self, processes: list[Any], rendezvous_file: Optional[str], num_threads: Optional[int]
+    ) -> None:
         self.processes = processes
         self.rendezvous_file = rendezvous_file
+        self.num_threads = num_threads
         self.done = False
 
     def run(self, sender: Optional[StepSender]) -> None:
@@ -306,10 +316,11 @@ class _Shutdown:
             deadline = time.monotonic() + STOP_GRACE_S
             for process in self.processes:
                 process.join(max(0.0, deadline - time.monotonic()))
-        for process in self.processes:
-            if process.exitcode is None:
-                process.terminate()
-                process.join(1.0)
+            for process in self.processes:
+                if process.exitcode is None:
+                    process.terminate()
+                    process.join(1.0)
+        for process in self.processes:  # after a failure at once: a hung rank ignores SIGTERM
             if process.exitcode is None:
                 process.kill()
                 process.join()
@@ -319,6 +330,8 @@ class _Shutdown:
         if self.rendezvous_file is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self.rendezvous_file)
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
 
 
 def is_torchrun_worker() -> bool:

@@ -145,4 +145,3 @@ def bounded_wait(timeout: datetime.timedelta) -> Callable[[Any], None]:
         work.wait(timeout=timeout)
 
     return wait
-
