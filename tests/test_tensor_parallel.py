@@ -10,12 +10,16 @@ its share of the KV heads), so both runs schedule alike and preempt alike.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
+from hybrid_cache.cli import main
 from hybrid_cache.config import load_model_spec
 from hybrid_cache.engine import LLM, SamplingParams
 from hybrid_cache.engine.engine_config import EngineConfig
@@ -124,7 +128,13 @@ def run_engine(folder: str, tensor_parallel_size: int) -> WorkloadRun:
         folder, tensor_parallel_size=tensor_parallel_size, kv_cache_memory=budget, **ENGINE
     ) as llm:
         assert llm.layout.num_blocks == num_blocks + 1
-        return WorkloadRun(llm)
+        workers = [] if llm.parallel is None else list(llm.parallel.processes)
+        assert len(workers) == tensor_parallel_size - 1
+        run = WorkloadRun(llm)
+    # Leaving the `with` shut the engine down: every worker exited, the groups are gone.
+    assert all(worker.exitcode == 0 for worker in workers)
+    assert not torch.distributed.is_initialized()
+    return run
 
 
 CASES = [
@@ -199,13 +209,51 @@ def test_a_failed_worker_ends_the_engine_naming_its_rank(small_engine: LLM, how:
         llm.engine.step()  # the engine stays failed
 
 
-def test_shutdown_stops_every_worker_and_frees_the_process_group() -> None:
-    llm = LLM("tiny-qwen3", tensor_parallel_size=2, kv_cache_memory="2MiB", max_model_len=64)
-    processes = list(llm.parallel.processes)
-    tokens = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
-    llm.shutdown()
-    assert all(process.exitcode == 0 for process in processes)
-    assert not torch.distributed.is_initialized()
-    with LLM("tiny-qwen3", kv_cache_memory="2MiB", max_model_len=64) as one_rank:
-        expected = one_rank.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
-    assert tokens[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+def test_bench_runs_each_mode_on_n_ranks_and_on_one(tmp_path, capsys) -> None:
+    json_path = tmp_path / "bench.json"
+    argv = ["bench", "--model", "tiny-gemma2", "--input-len", "24", "--output-len", "4"]
+    argv += ["--num-prompts", "8", "--kv-cache-memory", "1MiB", "--kv-cache-mode", "hybrid"]
+    argv += ["--tensor-parallel-size", "2", "--output-json", str(json_path)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "== hybrid (tensor parallel 2, measured;" in printed
+    assert "Step broadcast (rank 0 sends each step's inputs" in printed
+    assert "hybrid: tensor parallel 2 / 1: " in printed
+    results = json.loads(json_path.read_text())["results"]
+    assert set(results) == {"hybrid", "hybrid tp1"}
+    sharded, one_rank = results["hybrid"], results["hybrid tp1"]
+    assert (sharded["tensor_parallel_size"], one_rank["tensor_parallel_size"]) == (2, 1)
+    assert 0 < sharded["broadcast_share"] < 1 and one_rank["broadcast_share"] is None
+    assert len(sharded["steps"]["broadcast_time_s"]) == sharded["num_steps"]
+    assert sharded["steps"]["running"] == one_rank["steps"]["running"]  # the same schedule
+
+
+TORCHRUN_SCRIPT = """
+from hybrid_cache.engine import LLM, SamplingParams
+
+llm = LLM("tiny-gemma2", tensor_parallel_size=2, kv_cache_memory="2MiB", max_model_len=64)
+out = llm.generate([[1, 2, 3, 4], [9, 8]], SamplingParams(max_tokens=6), use_tqdm=False)
+print("TOKENS", [list(o.outputs[0].token_ids) for o in out], flush=True)
+llm.shutdown()
+"""
+
+
+def test_torchrun_starts_every_rank_from_one_script(tmp_path) -> None:
+    """Under torchrun every rank runs the script: rank 1's `LLM(...)` serves rank 0's steps and
+    exits its process when rank 0 shuts down; only rank 0 gets past it."""
+    script = tmp_path / "serve.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(script)]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env=environment, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = [line for line in result.stdout.splitlines() if line.startswith("TOKENS")]
+    assert len(printed) == 1, result.stdout  # rank 0 only
+    with LLM("tiny-gemma2", kv_cache_memory="2MiB", max_model_len=64) as one_rank:
+        out = one_rank.generate(
+            [[1, 2, 3, 4], [9, 8]], SamplingParams(max_tokens=6), use_tqdm=False
+        )
+    assert printed[0] == f"TOKENS {[list(o.outputs[0].token_ids) for o in out]}"

@@ -253,7 +253,7 @@ def labelled_runs(settings: Any, modes: tuple[str, ...]) -> dict[str, tuple[Any,
     from hybrid_cache.bench.report import TP1_SUFFIX
 
     runs = {mode: (settings, mode) for mode in modes}
-    if settings.tensor_parallel_size > 1:
+    if settings is not None and settings.tensor_parallel_size > 1:
         one_rank = dataclasses.replace(settings, tensor_parallel_size=1)
         runs.update({f"{mode}{TP1_SUFFIX}": (one_rank, mode) for mode in modes})
     return runs

@@ -84,7 +84,6 @@ class TensorParallelExecutor:
         num_threads: Optional[int] = None,
     ) -> None:
         self.config = config
-        self.groups = groups
         self.size = groups.size
         self.shard = TensorShard(0, groups.size)
         self.timeout = datetime.timedelta(seconds=config.distributed_timeout)
@@ -155,6 +154,13 @@ class TensorParallelExecutor:
             raise
         set_collectives(groups.world, 0, entered.numpy())
         return cls(config, groups, processes, entered, errors, path, threads)
+
+    @property
+    def groups(self) -> RankGroups:
+        """The process groups (held by the sender alone, so shutdown drops the last
+        reference to them: a group outliving `destroy_process_group` can abort the process
+        at exit)."""
+        return self.sender.groups
 
     # -- setup exchanges (the same order as `worker.serve`) ----------------------------------
 
@@ -275,6 +281,7 @@ class TensorParallelExecutor:
             logger.error("%s", failure)
             self._finalizer.detach()
             self._state.run(None)
+            self.sender.groups = None
         return self.failure
 
     def shutdown(self) -> None:
@@ -325,6 +332,8 @@ class _Shutdown:
                 process.kill()
                 process.join()
         set_collectives(None, 0, None)
+        if sender is not None:
+            sender.groups = None  # no reference outlives the groups (destroyed next)
         with contextlib.suppress(Exception):
             leave()
         if self.rendezvous_file is not None:

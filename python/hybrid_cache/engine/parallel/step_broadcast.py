@@ -58,11 +58,15 @@ class StepSender:
             self._post(self.payload, self.groups.control)
 
     def stop(self) -> None:
+        """Tells the workers to stop, and waits until every one has the message (a barrier:
+        no rank tears its groups down while another still reads from them)."""
         self.flush()
         self.header_array[:HEADER_FIELDS] = 0
         self.header_array[0] = OP_STOP
         self._post(self.header, self.groups.idle)
         self.flush()
+        count_collective()
+        self.wait(dist.barrier(group=self.groups.idle, async_op=True))
 
     def flush(self) -> None:
         """Waits for the broadcasts posted last (bounded by `wait`)."""
@@ -89,6 +93,8 @@ class StepReceiver:
         dist.broadcast(self.header, 0, group=self.groups.idle)
         header = self.header_array
         if header[0] == OP_STOP:
+            count_collective()
+            dist.barrier(group=self.groups.idle)  # `StepSender.stop`'s
             return None
         assert header[0] == OP_STEP, f"unknown step operation {header[0]}"
         length = payload_length(header)

@@ -155,13 +155,24 @@ def worker_main(args: WorkerArgs) -> None:
         args.errors.put((args.rank, text))
 
     try:
-        groups = join(args.rendezvous, args.rank)
-        set_collectives(groups.world, args.rank, entered)
-        serve(args.config, groups, report)
+        _serve_in_groups(args.config, join(args.rendezvous, args.rank), entered, report)
     except BaseException:
         report(traceback.format_exc())
         os._exit(1)
     leave()
+    os._exit(0)  # nothing left to flush; skips the interpreter's teardown (most of a second)
+
+
+def _serve_in_groups(
+    config: EngineConfig, groups: RankGroups, entered: Any, report: Callable[[str], None]
+) -> None:
+    """`serve` with `all_reduce` on `groups`; no reference to them outlives the call (the
+    caller destroys them next)."""
+    set_collectives(groups.world, groups.rank, entered)
+    try:
+        serve(config, groups, report)
+    finally:
+        set_collectives(None, 0, None)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -183,10 +194,9 @@ def serve_torchrun_rank(config: EngineConfig) -> None:
     rendezvous = Rendezvous(
         "env://", config.tensor_parallel_size, world_backend(device), config.distributed_timeout
     )
-    groups = join(rendezvous, None)
-    set_collectives(groups.world, groups.rank, None)
     try:
-        serve(config, groups, lambda text: logger.error("rank %d: %s", groups.rank, text))
+        _serve_in_groups(
+            config, join(rendezvous, None), None, lambda text: logger.error("worker: %s", text)
+        )
     finally:
-        set_collectives(None, 0, None)
         leave()
