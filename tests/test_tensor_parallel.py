@@ -217,14 +217,18 @@ def test_bench_runs_each_mode_on_n_ranks_and_on_one(tmp_path, capsys) -> None:
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "== hybrid (tensor parallel 2, measured;" in printed
-    assert "Step broadcast (rank 0 sends each step's inputs" in printed
+    assert "Step broadcast (rank 0 to the other ranks): posting it" in printed
+    assert "the slowest worker had it" in printed
     assert "hybrid: tensor parallel 2 / 1: " in printed
     results = json.loads(json_path.read_text())["results"]
     assert set(results) == {"hybrid", "hybrid tp1"}
     sharded, one_rank = results["hybrid"], results["hybrid tp1"]
     assert (sharded["tensor_parallel_size"], one_rank["tensor_parallel_size"]) == (2, 1)
     assert 0 < sharded["broadcast_share"] < 1 and one_rank["broadcast_share"] is None
+    assert 0 < sharded["broadcast_latency_share"] < 1
+    assert one_rank["broadcast_latency_share"] is None
     assert len(sharded["steps"]["broadcast_time_s"]) == sharded["num_steps"]
+    assert len(sharded["steps"]["broadcast_latency_s"]) == sharded["num_steps"]
     assert sharded["steps"]["running"] == one_rank["steps"]["running"]  # the same schedule
 
 

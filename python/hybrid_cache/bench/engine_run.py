@@ -90,12 +90,14 @@ class ForwardTimer(_Timer):
 
 
 class BroadcastTimer(_Timer):
-    """Accumulates the wall time of a tensor-parallel executor's `send` (the step's inputs
-    from rank 0 to the other ranks; an instance attribute wrapping the method)."""
+    """Accumulates the wall time of a tensor-parallel executor's `send` (rank 0 posting the
+    step's inputs to the other ranks; an instance attribute wrapping the method), and reads
+    the broadcast's latency: how long after the posting the slowest worker had the step."""
 
     def __init__(self, executor: Any) -> None:
         super().__init__(_no_sync)
         self._executor = executor
+        self._latency_seen = executor.broadcast_latency_s() or 0.0
         method = executor.send
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -106,6 +108,12 @@ class BroadcastTimer(_Timer):
                 self.total_s += time.perf_counter() - started
 
         executor.send = timed
+
+    def take_latency(self) -> float:
+        """The broadcasts' latency since the last call (0 where it is not measured)."""
+        total = self._executor.broadcast_latency_s() or 0.0
+        latency, self._latency_seen = total - self._latency_seen, total
+        return latency
 
     def remove(self) -> None:
         self._executor.__dict__.pop("send", None)
@@ -208,6 +216,7 @@ class ModeRun:
         result.logits_time_s.append(self._logits_timer.take())
         if self._broadcast_timer is not None:
             result.broadcast_time_s.append(self._broadcast_timer.take())
+            result.broadcast_latency_s.append(self._broadcast_timer.take_latency())
         for request in finished:
             if request.error is not None:
                 raise BenchConfigError(f"request {request.request_id} failed: {request.error}")

@@ -78,9 +78,10 @@ def format_mode(result: RunResult) -> list[str]:
     if broadcast is not None:
         largest = max(result.running_per_step)
         lines.append(
-            f"Step broadcast (rank 0 sends each step's inputs to the other ranks): "
-            f"{broadcast:.1%} of step time, {result.broadcast_share(largest):.1%} at {largest} "
-            f"requests; median {statistics.median(result.broadcast_time_s) * 1e6:.0f} us a step"
+            f"Step broadcast (rank 0 to the other ranks): posting it {broadcast:.1%} of step "
+            f"time ({result.broadcast_share(largest):.1%} at {largest} requests, median "
+            f"{statistics.median(result.broadcast_time_s) * 1e6:.0f} us)"
+            + format_latency(result, largest)
         )
     if result.reuse is not None:
         lines.append(format_reuse(result))
@@ -101,6 +102,18 @@ MISS_REASONS = (
     ("prefix_miss_never_cached", "never cached"),
     ("prefix_miss_alignment", "alignment and last token"),
 )
+
+
+def format_latency(result: RunResult, largest: int) -> str:
+    """`; the workers had it ...`: the broadcast's latency, where it was measured."""
+    share = result.broadcast_share(latency=True)
+    if share is None or not any(result.broadcast_latency_s):
+        return ""
+    return (
+        f"; the slowest worker had it {statistics.median(result.broadcast_latency_s) * 1e6:.0f} "
+        f"us after (median), {share:.1%} of step time "
+        f"({result.broadcast_share(largest, latency=True):.1%} at {largest} requests)"
+    )
 
 
 def format_misses(result: RunResult) -> str:

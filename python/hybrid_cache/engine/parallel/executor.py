@@ -82,6 +82,7 @@ class TensorParallelExecutor:
         errors: Any,
         rendezvous_file: Optional[str],
         num_threads: Optional[int] = None,
+        clock: Optional[torch.Tensor] = None,
     ) -> None:
         self.config = config
         self.size = groups.size
@@ -92,7 +93,8 @@ class TensorParallelExecutor:
         self.errors = errors
         self.reports: dict[int, str] = {}  # per rank: the traceback it reported
         self.failure: Optional[TensorParallelError] = None
-        self.sender = StepSender(groups, bounded_wait(self.timeout))
+        self.clock = None if clock is None else clock.numpy()
+        self.sender = StepSender(groups, bounded_wait(self.timeout), self.clock)
         self._state = _Shutdown(processes, rendezvous_file, num_threads)
         # Runs on `shutdown()`, when the executor is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, self._state.run, self.sender)
@@ -130,6 +132,7 @@ class TensorParallelExecutor:
             torch.set_num_threads(max(1, threads // size))
         context = mp.get_context("spawn")
         entered = torch.zeros(size, dtype=torch.int64).share_memory_()
+        clock = torch.zeros(size, dtype=torch.float64).share_memory_()
         errors = context.SimpleQueue()
         processes = []
         try:
@@ -139,6 +142,7 @@ class TensorParallelExecutor:
                     rendezvous,
                     rank,
                     entered,
+                    clock,
                     errors,
                     os.getpid(),
                     torch.get_num_threads(),
@@ -153,7 +157,7 @@ class TensorParallelExecutor:
             _Shutdown(processes, path, threads).run(None)
             raise
         set_collectives(groups.world, 0, entered.numpy())
-        return cls(config, groups, processes, entered, errors, path, threads)
+        return cls(config, groups, processes, entered, errors, path, threads, clock)
 
     @property
     def groups(self) -> RankGroups:
@@ -291,6 +295,11 @@ class TensorParallelExecutor:
                 "the tensor-parallel engine was shut down (LLM.shutdown()); build a new LLM"
             )
         self._finalizer()
+
+    def broadcast_latency_s(self) -> Optional[float]:
+        """Seconds, summed over the steps so far, from rank 0 posting a step to the slowest
+        worker having it (None under torchrun, where the ranks share no memory)."""
+        return None if self.clock is None else float(self.clock[1:].max())
 
     @property
     def alive(self) -> bool:

@@ -12,8 +12,10 @@ stopped.
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -39,11 +41,15 @@ class StepSender:
     A step's broadcast is posted and not waited for: rank 0 goes on to its own forward while
     the message travels (the workers' first all-reduce of the step waits for it anyway). The
     next `send` (or `stop`) first waits for the previous broadcast, with `wait` (the caller's
-    bound), before reusing its buffer."""
+    bound), before reusing its buffer. `clock` (shared memory, optional): rank 0 writes each
+    step's posting time in entry 0 (`StepReceiver` measures from it)."""
 
-    def __init__(self, groups: RankGroups, wait: Callable[[Any], None]) -> None:
+    def __init__(
+        self, groups: RankGroups, wait: Callable[[Any], None], clock: Optional[np.ndarray] = None
+    ) -> None:
         self.groups = groups
         self.wait = wait
+        self.clock = clock
         self.header = torch.zeros(HEADER_FIELDS + INLINE_VALUES, dtype=torch.int32)
         self.header_array = self.header.numpy()
         self.pending: list[Any] = []  # the works of the last step's broadcasts
@@ -52,6 +58,8 @@ class StepSender:
     def send(self, inputs: StepInputs) -> None:
         self.flush()
         payload = pack(inputs, self.header_array)
+        if self.clock is not None:
+            self.clock[0] = time.perf_counter()  # CLOCK_MONOTONIC: one clock for the host
         self._post(self.header, self.groups.idle)
         if len(payload) > INLINE_VALUES:
             self.payload = torch.from_numpy(payload)
@@ -81,10 +89,13 @@ class StepSender:
 
 
 class StepReceiver:
-    """A worker's side: `receive()` waits for the next step (None: the driver stopped)."""
+    """A worker's side: `receive()` waits for the next step (None: the driver stopped).
+    `clock` (shared memory, optional): entry `rank` accumulates how long after rank 0 posted
+    each step this rank had it (the broadcast's latency)."""
 
-    def __init__(self, groups: RankGroups) -> None:
+    def __init__(self, groups: RankGroups, clock: Optional[np.ndarray] = None) -> None:
         self.groups = groups
+        self.clock = clock
         self.header = torch.zeros(HEADER_FIELDS + INLINE_VALUES, dtype=torch.int32)
         self.header_array = self.header.numpy()
 
@@ -99,11 +110,15 @@ class StepReceiver:
         assert header[0] == OP_STEP, f"unknown step operation {header[0]}"
         length = payload_length(header)
         if length <= INLINE_VALUES:
-            return unpack(header, header[HEADER_FIELDS:])
-        payload = torch.empty(length, dtype=torch.int32)
-        count_collective()
-        dist.broadcast(payload, 0, group=self.groups.control)
-        return unpack(header, payload.numpy())
+            inputs = unpack(header, header[HEADER_FIELDS:])
+        else:
+            payload = torch.empty(length, dtype=torch.int32)
+            count_collective()
+            dist.broadcast(payload, 0, group=self.groups.control)
+            inputs = unpack(header, payload.numpy())
+        if self.clock is not None:
+            self.clock[self.groups.rank] += time.perf_counter() - self.clock[0]
+        return inputs
 
 
 # ---------------------------------------------------------------------------------------------

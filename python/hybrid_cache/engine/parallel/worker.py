@@ -22,6 +22,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -68,6 +69,7 @@ class WorkerArgs:
     rendezvous: Rendezvous
     rank: int
     entered: Optional[torch.Tensor]  # shared [N] int64: collectives entered per rank
+    clock: Optional[torch.Tensor]  # shared [N] float64: `StepSender`'s and `StepReceiver`'s
     errors: Any  # a multiprocessing SimpleQueue of (rank, traceback text)
     parent_pid: int
     num_threads: int
@@ -102,9 +104,15 @@ class ShardRunner:
             self.model(input_ids.to(self.device), positions.to(self.device))
 
 
-def serve(config: EngineConfig, groups: RankGroups, report: Callable[[str], None]) -> None:
+def serve(
+    config: EngineConfig,
+    groups: RankGroups,
+    report: Callable[[str], None],
+    clock: Optional[np.ndarray] = None,
+) -> None:
     """Runs this worker rank until the driver stops (see the module docstring). A failure in
-    setup is reported (`report`) and ends the worker after the status exchange."""
+    setup is reported (`report`) and ends the worker after the status exchange; `clock`: the
+    shared step-latency clock (`StepReceiver`)."""
     rank, size = groups.rank, groups.size
     spec = config.model_spec()
     device = rank_device(resolve_device(config.device), rank, size, local_rank())
@@ -132,7 +140,7 @@ def serve(config: EngineConfig, groups: RankGroups, report: Callable[[str], None
     )
     if not all(exchange_status(groups, runner is not None)):
         return
-    receiver = StepReceiver(groups)
+    receiver = StepReceiver(groups, clock)
     while (inputs := receiver.receive()) is not None:
         runner.run(inputs)
 
@@ -150,12 +158,15 @@ def worker_main(args: WorkerArgs) -> None:
     torch.set_num_threads(args.num_threads)
     _watch_parent(args.parent_pid)
     entered = None if args.entered is None else args.entered.numpy()
+    clock = None if args.clock is None else args.clock.numpy()
 
     def report(text: str) -> None:
         args.errors.put((args.rank, text))
 
     try:
-        _serve_in_groups(args.config, join(args.rendezvous, args.rank), entered, report)
+        groups = join(args.rendezvous, args.rank)
+        _serve_in_groups(args.config, groups, entered, report, clock)
+        del groups
     except BaseException:
         report(traceback.format_exc())
         os._exit(1)
@@ -164,13 +175,17 @@ def worker_main(args: WorkerArgs) -> None:
 
 
 def _serve_in_groups(
-    config: EngineConfig, groups: RankGroups, entered: Any, report: Callable[[str], None]
+    config: EngineConfig,
+    groups: RankGroups,
+    entered: Any,
+    report: Callable[[str], None],
+    clock: Optional[np.ndarray] = None,
 ) -> None:
     """`serve` with `all_reduce` on `groups`; no reference to them outlives the call (the
     caller destroys them next)."""
     set_collectives(groups.world, groups.rank, entered)
     try:
-        serve(config, groups, report)
+        serve(config, groups, report, clock)
     finally:
         set_collectives(None, 0, None)
 
