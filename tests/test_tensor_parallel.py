@@ -11,6 +11,7 @@ its share of the KV heads), so both runs schedule alike and preempt alike.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ import torch
 from hybrid_cache.cli import main
 from hybrid_cache.config import load_model_spec
 from hybrid_cache.engine import LLM, SamplingParams
+from hybrid_cache.engine import llm as llm_module
 from hybrid_cache.engine.engine_config import EngineConfig
 from hybrid_cache.errors import WorkerFailedError
 from hybrid_cache.planner import plan_kv_cache, report_plan
@@ -234,6 +236,7 @@ def test_bench_runs_each_mode_on_n_ranks_and_on_one(tmp_path, capsys) -> None:
 
 TORCHRUN_SCRIPT = """
 from hybrid_cache.engine import LLM, SamplingParams
+from hybrid_cache.engine import llm as llm_module
 
 llm = LLM("tiny-gemma2", tensor_parallel_size=2, kv_cache_memory="2MiB", max_model_len=64)
 out = llm.generate([[1, 2, 3, 4], [9, 8]], SamplingParams(max_tokens=6), use_tqdm=False)
@@ -261,3 +264,19 @@ def test_torchrun_starts_every_rank_from_one_script(tmp_path) -> None:
             [[1, 2, 3, 4], [9, 8]], SamplingParams(max_tokens=6), use_tqdm=False
         )
     assert printed[0] == f"TOKENS {[list(o.outputs[0].token_ids) for o in out]}"
+
+
+def test_a_driver_failing_in_setup_stops_its_workers(monkeypatch) -> None:
+    """Rank 0 fails after the workers loaded (here: building its engine): the `LLM` raises that
+    error at once, its workers are gone and the process group with them."""
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("rank 0 could not build its engine")
+
+    monkeypatch.setattr(llm_module.LLMEngine, "from_model", fail)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 0 could not build its engine"):
+        LLM("tiny-llama", tensor_parallel_size=2, kv_cache_memory="2MiB", max_model_len=64)
+    assert time.monotonic() - started < 30
+    assert multiprocessing.active_children() == []
+    assert not torch.distributed.is_initialized()

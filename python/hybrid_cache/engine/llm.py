@@ -57,7 +57,11 @@ from hybrid_cache.engine.llm_engine import Finished, LLMEngine
 from hybrid_cache.engine.memory import check_kv_cache_fits, kv_cache_budget
 from hybrid_cache.engine.output_builder import request_output
 from hybrid_cache.engine.outputs import EngineStats, RequestOutput, StepStats
-from hybrid_cache.engine.parallel.executor import TensorParallelExecutor, is_torchrun_worker
+from hybrid_cache.engine.parallel.executor import (
+    READY,
+    TensorParallelExecutor,
+    is_torchrun_worker,
+)
 from hybrid_cache.engine.parallel.process_group import local_rank
 from hybrid_cache.engine.parallel.worker import serve_torchrun_rank
 from hybrid_cache.engine.prompts import (
@@ -169,7 +173,7 @@ class LLM:
             parallel=parallel,
         )
         if parallel is not None:
-            parallel.confirm("ready")
+            parallel.confirm(READY)
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel worker processes (a no-op on one rank); the engine cannot

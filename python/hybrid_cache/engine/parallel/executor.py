@@ -61,6 +61,9 @@ from hybrid_cache.planner import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
+# The last setup stage; until every rank reached it, shutting down kills the workers (they wait
+# in a setup exchange, not for a step).
+READY = "ready"
 # How long a stopped worker gets to exit before it is terminated, then killed.
 STOP_GRACE_S = 5.0
 # After a failed collective, how long a worker that lost its connection may take to be reaped
@@ -174,6 +177,8 @@ class TensorParallelExecutor:
         with self.collectives():
             statuses = exchange_status(self.groups, ok, self._wait_setup)
         failed = [rank for rank, status in enumerate(statuses) if not status and rank > 0]
+        if not failed and stage == READY:
+            self._state.ready = True  # from now on the workers wait for steps (or a stop)
         if failed:
             rank = failed[0]
             raise self._fail(
@@ -215,6 +220,14 @@ class TensorParallelExecutor:
             raise self._fail(error) from None
         except RuntimeError as error:  # gloo and NCCL report timeouts and lost peers so
             raise self._fail(self._diagnose(error)) from error
+        except BaseException:  # interrupted mid-step: the ranks no longer agree on the step
+            self._fail(
+                EngineShutDownError(
+                    "a tensor-parallel step was interrupted; the workers are stopped: build a "
+                    "new LLM"
+                )
+            )
+            raise
 
     # -- failure -----------------------------------------------------------------------------
 
@@ -307,8 +320,8 @@ class TensorParallelExecutor:
 
 
 class _Shutdown:
-    """Stops the workers once: the stop message (when `sender` is given and they are alive),
-    then terminate, then kill (at once, after a failure); then the groups are destroyed, the rendezvous file removed and
+    """Stops the workers once: the stop message (when `sender` is given, setup finished and they
+    are alive), then terminate, then kill (at once otherwise); then the groups are destroyed, the rendezvous file removed and
     this process's torch threads restored (`num_threads`, when the executor changed them)."""
 
     def __init__(
@@ -317,6 +330,7 @@ class _Shutdown:
         self.processes = processes
         self.rendezvous_file = rendezvous_file
         self.num_threads = num_threads
+        self.ready = False  # set once every rank finished setup (`confirm(READY)`)
         self.done = False
 
     def run(self, sender: Optional[StepSender]) -> None:
@@ -324,7 +338,8 @@ class _Shutdown:
             return
         self.done = True
         stopped = False
-        if sender is not None and all(p.exitcode is None for p in self.processes):
+        alive = all(p.exitcode is None for p in self.processes)
+        if sender is not None and self.ready and alive:
             with contextlib.suppress(Exception):
                 sender.stop()
                 stopped = True
