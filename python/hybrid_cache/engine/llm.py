@@ -95,12 +95,16 @@ class LLM:
         `max_model_len`, `block_size`, `kv_cache_mode`, `kv_group_layout`, `max_num_seqs`,
         `max_num_batched_tokens`, `enable_prefix_caching`, `scheduling_policy`, `hf_overrides`,
         `generation_config`, `load_format`, `dtype`, `device`, `seed`, `attention_backend`,
-        `gpu_memory_utilization`, `enforce_eager`; see there for their defaults), or with an
-        `EngineConfig`, the fields to replace. Every argument is checked before any work: a bad
-        one raises a typed `EngineConfigError` (or `PlanError`, `MemorySizeError`,
-        `ConfigError`) naming it; a device the machine lacks is a `DeviceUnavailableError`, a
-        budget the device cannot give a `KVCacheMemoryError`, a budget below one
-        `max_model_len` request a `BudgetTooSmallError`."""
+        `gpu_memory_utilization`, `enforce_eager`, `tensor_parallel_size`,
+        `distributed_timeout`; see there for their defaults), or with an `EngineConfig`, the
+        fields to replace. Every argument is checked before any work: a bad one raises a typed
+        `EngineConfigError` (or `PlanError`, `MemorySizeError`, `ConfigError`) naming it; a
+        device the machine lacks is a `DeviceUnavailableError`, a budget the device cannot
+        give a `KVCacheMemoryError`, a budget below one `max_model_len` request a
+        `BudgetTooSmallError`, a `tensor_parallel_size` that does not shard the model (or
+        more ranks than GPUs) a `TensorParallelConfigError`. With `tensor_parallel_size` N > 1
+        the worker processes start here (`engine/parallel/`); a rank that fails to start, and
+        later one that dies or hangs, raises `WorkerFailedError`; `shutdown()` stops them."""
         self.config: EngineConfig = EngineConfig.of(model, **kwargs)
         config = self.config
         if config.tensor_parallel_size > 1 and is_torchrun_worker():
