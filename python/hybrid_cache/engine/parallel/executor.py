@@ -121,6 +121,7 @@ class TensorParallelExecutor:
                 )
             rendezvous = Rendezvous("env://", size, backend, config.distributed_timeout)
             groups = join(rendezvous, None)
+            set_collectives(groups.world, 0, None)
             return cls(config, groups, [], None, None, None)
         handle, path = tempfile.mkstemp(prefix="hybrid-cache-rendezvous-")
         os.close(handle)
