@@ -33,7 +33,7 @@ def no_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the error")
 
-    monkeypatch.setattr(llm_module, "load_model", refuse)
+    monkeypatch.setattr(llm_module, "load_engine_model", refuse)
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:1"])
@@ -117,7 +117,7 @@ def suggestions(error: BudgetTooSmallError) -> tuple[str, int]:
 def test_a_budget_below_one_max_model_len_request(monkeypatch, preset):
     options = dict(max_model_len=256, block_size=4, max_num_batched_tokens=32, device="cpu")
     with monkeypatch.context() as patch:
-        patch.setattr(llm_module, "load_model", lambda *a, **k: pytest.fail("loaded first"))
+        patch.setattr(llm_module, "load_engine_model", lambda *a, **k: pytest.fail("loaded first"))
         with pytest.raises(BudgetTooSmallError) as caught:
             LLM(preset, kv_cache_memory="96KiB", **options)
     message = str(caught.value)

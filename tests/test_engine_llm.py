@@ -424,7 +424,7 @@ def test_generate_command_checks_its_flags_before_the_model_loads(
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the flags were checked")
 
-    monkeypatch.setattr(llm_module, "load_model", no_loading)
+    monkeypatch.setattr(llm_module, "load_engine_model", no_loading)
     code = main(["generate", "--model=tiny-gemma3", "--kv-cache-memory=1MiB", *flags])
     assert code == 1
     assert message in capsys.readouterr().err

@@ -13,6 +13,7 @@ transformers itself is not imported: planning must work on a machine without it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Union
 from hybrid_cache.errors import (
     ConfigError,
     ModelNotLocalError,
+    TensorParallelConfigError,
     UnknownArchitectureError,
     UnknownModelError,
 )
@@ -92,7 +94,8 @@ class ModelSpec:
     filled in for every field of the architecture's table that config.json leaves out (published
     configs omit them: gemma-3-4b-it states 6 text fields); `defaulted_fields` names those.
     `tie_word_embeddings`: `lm_head` is the input embedding (the wrapper's own field for a
-    multimodal wrapper, as transformers ties)."""
+    multimodal wrapper, as transformers ties). `tensor_parallel_size`: 1, or N for the spec of
+    one rank of N (`per_rank`): its layers hold that rank's share of the KV heads."""
 
     name: str
     architecture: str
@@ -109,6 +112,7 @@ class ModelSpec:
     text_config: dict[str, Any] = field(compare=False, hash=False, repr=False)
     tie_word_embeddings: bool = False
     defaulted_fields: tuple[str, ...] = field(default=(), compare=False)
+    tensor_parallel_size: int = 1
 
     @property
     def text_architecture(self) -> str:
@@ -122,6 +126,57 @@ class ModelSpec:
         quantization = self.hf_config.get("quantization_config") or {}
         method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
         return None if method is None else str(method)
+
+    def per_rank(self, tensor_parallel_size: int) -> ModelSpec:
+        """The spec of one rank of `tensor_parallel_size` (the planner's input under tensor
+        parallelism): each layer keeps `per_rank_kv_heads` KV heads, so a rank's page, and the
+        bytes of a token on one device, are 1/N of the model's (or 1/kv_heads when the heads
+        are replicated). `self` for 1. Call `check_tensor_parallel` first."""
+        if tensor_parallel_size == 1:
+            return self
+        layers = tuple(
+            dataclasses.replace(
+                layer, num_kv_heads=per_rank_kv_heads(layer.num_kv_heads, tensor_parallel_size)
+            )
+            for layer in self.layers
+        )
+        return dataclasses.replace(self, layers=layers, tensor_parallel_size=tensor_parallel_size)
+
+
+def per_rank_kv_heads(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads one rank holds: `num_kv_heads / N`, or 1 when there are fewer KV heads than
+    ranks (each head replicated on `N / num_kv_heads` ranks, as vLLM does)."""
+    return max(1, num_kv_heads // tensor_parallel_size)
+
+
+def tensor_parallel_problems(spec: ModelSpec, tensor_parallel_size: int) -> list[str]:
+    """Why `spec` cannot be sharded over `tensor_parallel_size` ranks (empty when it can): the
+    query heads must split evenly, the KV heads split evenly or replicate evenly, and the MLP
+    width (gpt-oss: each expert's) split evenly."""
+    size = tensor_parallel_size
+    problems = []
+    if spec.num_attention_heads % size:
+        problems.append(f"num_attention_heads {spec.num_attention_heads}")
+    for kv_heads in sorted({layer.num_kv_heads for layer in spec.layers}):
+        if kv_heads % size and size % kv_heads:
+            problems.append(f"num_key_value_heads {kv_heads} (nor is N a multiple of it)")
+    intermediate = spec.text_config.get("intermediate_size")
+    if isinstance(intermediate, int) and intermediate % size:
+        problems.append(f"intermediate_size {intermediate}")
+    return problems
+
+
+def check_tensor_parallel(spec: ModelSpec, tensor_parallel_size: int, hint: str = "") -> None:
+    """`TensorParallelConfigError` when `spec` cannot be sharded over `tensor_parallel_size`
+    ranks, listing the sizes that can (`hint`: how the caller names the argument)."""
+    problems = tensor_parallel_problems(spec, tensor_parallel_size)
+    if not problems:
+        return
+    fits = [size for size in range(1, 65) if not tensor_parallel_problems(spec, size)]
+    raise TensorParallelConfigError(
+        f"--tensor-parallel-size {tensor_parallel_size} does not divide {spec.name}'s "
+        f"{', '.join(problems)}{hint}; sizes that shard it: {', '.join(map(str, fits))}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

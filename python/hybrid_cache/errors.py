@@ -106,6 +106,32 @@ class KVCacheMemoryError(EngineConfigError):
     free; the message says how much there is."""
 
 
+class TensorParallelConfigError(EngineConfigError):
+    """`--tensor-parallel-size` cannot shard this model on this machine (it must divide the
+    attention heads and MLP width; CUDA needs one GPU per rank); the message lists what fits."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-parallel worker processes (`engine/parallel/`).
+
+
+class TensorParallelError(HybridCacheError, RuntimeError):
+    """A tensor-parallel engine cannot go on: a rank died, hung past the collective timeout,
+    failed to start, or the engine was shut down. `rank` names the rank (None: unknown)."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class WorkerFailedError(TensorParallelError):
+    """A worker rank died, raised, or did not answer a collective within the timeout."""
+
+
+class EngineShutDownError(TensorParallelError):
+    """The tensor-parallel engine was shut down (`LLM.shutdown()`); build a new `LLM`."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Models (`models/loader.py`), attention (`attention/`) and the Triton kernels (`kernels/`).
 
@@ -277,6 +303,7 @@ __all__ = [
     "EngineConfigError",
     "EngineDeadError",
     "EngineOverloadedError",
+    "EngineShutDownError",
     "HybridCacheError",
     "InsufficientKVCacheError",
     "InvalidArgumentError",
@@ -301,6 +328,8 @@ __all__ = [
     "RequestBodyTooLargeError",
     "RequestTooLargeError",
     "ServerConfigError",
+    "TensorParallelConfigError",
+    "TensorParallelError",
     "TooManyRequestsError",
     "UnknownArchitectureError",
     "UnknownAttentionBackendError",
@@ -313,4 +342,5 @@ __all__ = [
     "UnsupportedWeightFormatError",
     "WeightMismatchError",
     "WindowTooLargeError",
+    "WorkerFailedError",
 ]

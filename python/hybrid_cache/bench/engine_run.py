@@ -89,6 +89,36 @@ class ForwardTimer(_Timer):
             handle.remove()
 
 
+class BroadcastTimer(_Timer):
+    """Accumulates the wall time of a tensor-parallel executor's `send` (rank 0 posting the
+    step's inputs to the other ranks; an instance attribute wrapping the method), and reads
+    the broadcast's latency: how long after the posting the slowest worker had the step."""
+
+    def __init__(self, executor: Any) -> None:
+        super().__init__(_no_sync)
+        self._executor = executor
+        self._latency_seen = executor.broadcast_latency_s() or 0.0
+        method = executor.send
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.total_s += time.perf_counter() - started
+
+        executor.send = timed
+
+    def take_latency(self) -> float:
+        """The broadcasts' latency since the last call (0 where it is not measured)."""
+        total = self._executor.broadcast_latency_s() or 0.0
+        latency, self._latency_seen = total - self._latency_seen, total
+        return latency
+
+    def remove(self) -> None:
+        self._executor.__dict__.pop("send", None)
+
+
 class LogitsTimer(_Timer):
     """Accumulates the wall time of the model's `compute_logits` calls (an instance attribute
     wrapping the method, removed by `remove`)."""
@@ -156,9 +186,12 @@ class ModeRun:
         sync = synchronizer(llm.device)
         self._timer = ForwardTimer(llm.model, sync)
         self._logits_timer = LogitsTimer(llm.model, sync)
+        parallel = getattr(llm, "parallel", None)
+        self._broadcast_timer = None if parallel is None else BroadcastTimer(parallel)
         self.result = RunResult.starting(
             mode, False, llm.layout.num_blocks, group_names(llm.layout)
         )
+        self.result.tensor_parallel_size = settings.tensor_parallel_size
         self.result.warm_up_s = warm_up_s
 
     def _add_prompts(self) -> None:
@@ -185,6 +218,9 @@ class ModeRun:
         result.step_time_s.append(step_s)
         result.forward_time_s.append(self._timer.take())
         result.logits_time_s.append(self._logits_timer.take())
+        if self._broadcast_timer is not None:
+            result.broadcast_time_s.append(self._broadcast_timer.take())
+            result.broadcast_latency_s.append(self._broadcast_timer.take_latency())
         for request in finished:
             if request.error is not None:
                 raise BenchConfigError(f"request {request.request_id} failed: {request.error}")
@@ -199,9 +235,13 @@ class ModeRun:
         return step_s
 
     def close(self) -> None:
-        """Removes the timing hooks (the model is as it was)."""
+        """Removes the timing hooks (the model is as it was) and stops the engine's worker
+        processes, if it has any."""
         self._timer.remove()
         self._logits_timer.remove()
+        if self._broadcast_timer is not None:
+            self._broadcast_timer.remove()
+            self._llm.shutdown()
 
     def finish(self, elapsed_s: float, cpu_time_s: float) -> RunResult:
         """The figures, with the run's time as measured by the caller."""

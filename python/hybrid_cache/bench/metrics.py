@@ -75,6 +75,11 @@ class RunResult:
     forward_time_s: list[float] = field(default_factory=list)
     # The LM head's share of each step (`model.compute_logits`): model compute, outside forward.
     logits_time_s: list[float] = field(default_factory=list)
+    # Ranks the model ran on; under tensor parallelism, per step: rank 0's time posting the
+    # step's inputs to the other ranks, and how long after the posting the slowest had them.
+    tensor_parallel_size: int = 1
+    broadcast_time_s: list[float] = field(default_factory=list)
+    broadcast_latency_s: list[float] = field(default_factory=list)
     # Generated tokens per request, in prompt order (real engine only; not in the JSON).
     output_token_ids: list[list[int]] = field(default_factory=list)
     # The multi-turn workload's reusable-token hit rates (None for the random workload).
@@ -147,6 +152,21 @@ class RunResult:
         if not steps or step_total <= 0:
             return None
         return 1.0 - sum(model for _, model in steps) / step_total
+
+    def broadcast_share(self, min_running: int = 0, latency: bool = False) -> float | None:
+        """Share of step time rank 0 spent posting the steps' inputs to the other ranks (or,
+        `latency`, the time until the slowest worker had them), over the steps with at least
+        `min_running` requests; None on one rank."""
+        series = self.broadcast_latency_s if latency else self.broadcast_time_s
+        if not series:
+            return None
+        steps = [
+            (step, sent)
+            for step, sent, running in zip(self.step_time_s, series, self.running_per_step)
+            if running >= min_running
+        ]
+        step_total = sum(step for step, _ in steps)
+        return None if step_total <= 0 else sum(sent for _, sent in steps) / step_total
 
     def decode_step_cost(self) -> Optional[tuple[float, float]]:
         """Least-squares fit of pure decode steps (one token per request):
@@ -232,6 +252,15 @@ class RunResult:
                 max(self.running_per_step, default=0), lm_head_is_model=False
             ),
             "decode_step_cost_s": self.decode_step_cost(),
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "broadcast_share": self.broadcast_share(),
+            "broadcast_share_at_max_running": self.broadcast_share(
+                max(self.running_per_step, default=0)
+            ),
+            "broadcast_latency_share": self.broadcast_share(latency=True),
+            "broadcast_latency_share_at_max_running": self.broadcast_share(
+                max(self.running_per_step, default=0), latency=True
+            ),
             "reuse": None if self.reuse is None else self.reuse.to_dict(),
             "cache_counters": self.cache_counters,
         }
@@ -247,5 +276,7 @@ class RunResult:
                 "step_time_s": self.step_time_s,
                 "forward_time_s": self.forward_time_s,
                 "logits_time_s": self.logits_time_s,
+                "broadcast_time_s": self.broadcast_time_s,
+                "broadcast_latency_s": self.broadcast_latency_s,
             },
         }

@@ -10,6 +10,9 @@ from typing import Any, Optional
 from hybrid_cache.bench.metrics import RunResult
 from hybrid_cache.bench.settings import BenchSettings
 
+# The label of a mode's one-rank baseline in a tensor-parallel run ("hybrid" + this).
+TP1_SUFFIX = " tp1"
+
 
 def ratios(results: Mapping[str, RunResult]) -> Optional[dict[str, Optional[float]]]:
     """Hybrid over uniform, when both ran: throughput, mean concurrency and steps."""
@@ -41,8 +44,10 @@ def format_mode(result: RunResult) -> list[str]:
         )
     )
     kind = "simulated" if result.simulated else "measured"
+    ranks = result.tensor_parallel_size
+    where = f"tensor parallel {ranks}, " if ranks > 1 else ""
     lines = [
-        f"== {result.mode} ({kind}; {result.num_blocks - 1} usable blocks) ==",
+        f"== {result.mode} ({where}{kind}; {result.num_blocks - 1} usable blocks) ==",
         result.throughput_line(),
         f"Steps: {result.num_steps}, mean running requests: {result.mean_running:.2f}, "
         f"preemptions: {result.num_preemptions}, "
@@ -69,6 +74,15 @@ def format_mode(result: RunResult) -> list[str]:
             f"all steps, {at_largest:.1%} of steps with {largest} requests "
             f"({head_as_engine:.1%} counting the LM head as engine time)"
         )
+    broadcast = result.broadcast_share()
+    if broadcast is not None:
+        largest = max(result.running_per_step)
+        lines.append(
+            f"Step broadcast (rank 0 to the other ranks): posting it {broadcast:.1%} of step "
+            f"time ({result.broadcast_share(largest):.1%} at {largest} requests, median "
+            f"{statistics.median(result.broadcast_time_s) * 1e6:.0f} us)"
+            + format_latency(result, largest)
+        )
     if result.reuse is not None:
         lines.append(format_reuse(result))
     misses = format_misses(result)
@@ -88,6 +102,18 @@ MISS_REASONS = (
     ("prefix_miss_never_cached", "never cached"),
     ("prefix_miss_alignment", "alignment and last token"),
 )
+
+
+def format_latency(result: RunResult, largest: int) -> str:
+    """`; the workers had it ...`: the broadcast's latency, where it was measured."""
+    share = result.broadcast_share(latency=True)
+    if share is None or not any(result.broadcast_latency_s):
+        return ""
+    return (
+        f"; the slowest worker had it {statistics.median(result.broadcast_latency_s) * 1e6:.0f} "
+        f"us after (median), {share:.1%} of step time "
+        f"({result.broadcast_share(largest, latency=True):.1%} at {largest} requests)"
+    )
 
 
 def format_misses(result: RunResult) -> str:
@@ -176,6 +202,13 @@ def format_report(
         lines.append(f"(each mode: the fastest of {repeat} alternating runs)")
     for result in results.values():
         lines.extend(format_mode(result))
+    for label, result in results.items():
+        baseline = results.get(f"{label}{TP1_SUFFIX}")
+        if baseline is not None and baseline.total_tokens_per_s:
+            lines.append(
+                f"{label}: tensor parallel {result.tensor_parallel_size} / 1: "
+                f"{result.total_tokens_per_s / baseline.total_tokens_per_s:.2f}x total tokens/s"
+            )
     ratio = ratios(results)
     if ratio is not None:
         by_cpu = ratio["total_tokens_per_cpu_s"]

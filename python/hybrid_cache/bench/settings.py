@@ -12,6 +12,7 @@ from hybrid_cache.bench.errors import BenchConfigError
 from hybrid_cache.bench.multi_turn import MultiTurnFeed, MultiTurnShape
 from hybrid_cache.bench.workload import RandomFeed, make_prompts
 from hybrid_cache.engine.engine_config import (
+    DEFAULT_DISTRIBUTED_TIMEOUT_S,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_SEQS,
     EngineConfig,
@@ -62,6 +63,8 @@ class BenchSettings:
     device: Any = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    distributed_timeout: float = DEFAULT_DISTRIBUTED_TIMEOUT_S
     multi_turn: Optional[MultiTurnShape] = None
     # What every request asks of the sampler besides greedy tokens (the real engine only).
     logprobs: Optional[int] = None

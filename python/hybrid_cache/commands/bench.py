@@ -4,6 +4,8 @@
         --kv-cache-memory 30.5MiB --num-threads 1 --plot bench.png --output-json bench.json
     hybrid-cache bench --simulate --model gemma-2-27b --input-len 6144 --output-len 1024 \
         --num-prompts 50 --kv-cache-mode both
+    hybrid-cache bench --model tiny-gemma3 --input-len 64 --output-len 64 --num-prompts 64 \
+        --kv-cache-mode hybrid --num-threads 1 --tensor-parallel-size 2   # and on one rank
     hybrid-cache bench --model tiny-gemma3 --workload multi-turn --num-sessions 12 \
         --num-turns 4 --system-len 64 --turn-input-len 96 --output-len 32 \
         --kv-cache-memory 2MiB,3MiB,4MiB --plot reuse.png
@@ -237,30 +239,48 @@ def run_modes(args: argparse.Namespace, settings: Any) -> tuple[dict[str, Any], 
     """Each mode `--repeat` times, alternating in ABBA order (hybrid, uniform, uniform, hybrid,
     ...) so both see the same background load and neither always runs first after a pause, or
     (`--interleave`) both side by side each repeat, leading by turns; keeps each mode's fastest
-    run, and every run's seconds (in each mode's run order)."""
+    run, and every run's seconds (in each mode's run order). With `--tensor-parallel-size` N > 1
+    every mode also runs on one rank ("<mode> tp1"), next to its N-rank run."""
     results: dict[str, Any] = {}
-    elapsed_all: dict[str, list] = {mode: [] for mode in modes_of(args)}
+    runs_of = labelled_runs(settings, modes_of(args))
+    elapsed_all: dict[str, list] = {label: [] for label in runs_of}
     for repeat in range(args.repeat):
-        modes = modes_of(args)
-        modes = modes if repeat % 2 == 0 else tuple(reversed(modes))
+        labels = list(runs_of) if repeat % 2 == 0 else list(reversed(runs_of))
         if args.interleave:
-            expected = {mode: times[-1] for mode, times in elapsed_all.items() if times}
-            runs = run_side_by_side(settings, modes, expected)
+            expected = {label: times[-1] for label, times in elapsed_all.items() if times}
+            runs = run_side_by_side({label: runs_of[label] for label in labels}, expected)
         else:
-            runs = {mode: run_mode(args, settings, mode) for mode in modes}
-        for mode, result in runs.items():
-            elapsed_all[mode].append(result.elapsed_s)
-            if mode not in results or result.elapsed_s < results[mode].elapsed_s:
-                results[mode] = result
+            runs = {label: run_mode(args, *runs_of[label]) for label in labels}
+        for label, result in runs.items():
+            elapsed_all[label].append(result.elapsed_s)
+            if label not in results or result.elapsed_s < results[label].elapsed_s:
+                results[label] = result
     return results, elapsed_all
 
 
-def run_side_by_side(settings: Any, modes: tuple, expected: dict[str, float]) -> dict[str, Any]:
-    from hybrid_cache.bench.interleaved import run_interleaved
+def labelled_runs(settings: Any, modes: tuple[str, ...]) -> dict[str, tuple[Any, str]]:
+    """The runs of one repeat by label: (settings, mode) per mode and, under tensor
+    parallelism, the same mode on one rank."""
+    import dataclasses
 
-    progress = make_progress(f"bench {' + '.join(modes)} (interleaved)", settings, len(modes))
+    from hybrid_cache.bench.report import TP1_SUFFIX
+
+    runs = {mode: (settings, mode) for mode in modes}
+    if settings is not None and settings.tensor_parallel_size > 1:
+        one_rank = dataclasses.replace(settings, tensor_parallel_size=1)
+        runs.update({f"{mode}{TP1_SUFFIX}": (one_rank, mode) for mode in modes})
+    return runs
+
+
+def run_side_by_side(
+    runs: dict[str, tuple[Any, str]], expected: dict[str, float]
+) -> dict[str, Any]:
+    from hybrid_cache.bench.interleaved import run_labelled
+
+    settings = next(iter(runs.values()))[0]
+    progress = make_progress(f"bench {' + '.join(runs)} (interleaved)", settings, len(runs))
     try:
-        return run_interleaved(settings, modes, expected or None, progress)
+        return run_labelled(runs, expected or None, progress)
     finally:
         progress.close()
 
@@ -316,10 +336,16 @@ def check_flags(args: argparse.Namespace) -> None:
         raise BenchConfigError("--compare-hf runs real models; it cannot be used with --simulate")
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         raise BenchConfigError(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
-    if args.interleave and (args.simulate or args.kv_cache_mode != "both"):
+    two_runs = args.kv_cache_mode == "both" or (args.tensor_parallel_size or 1) > 1
+    if args.interleave and (args.simulate or not two_runs):
         raise BenchConfigError(
-            "--interleave runs the hybrid and the uniform engine side by side: it needs "
-            "--kv-cache-mode both and the real engine (not --simulate)"
+            "--interleave runs engines side by side: it needs --kv-cache-mode both (or "
+            "--tensor-parallel-size N > 1, run next to one rank) and the real engine (not "
+            "--simulate)"
+        )
+    if args.simulate and args.tensor_parallel_size > 1:
+        raise BenchConfigError(
+            "--simulate models one device: drop --tensor-parallel-size (or --simulate)"
         )
     if args.simulate and (args.stop or args.logprobs is not None):
         raise BenchConfigError("--stop and --logprobs need the real engine, not --simulate")

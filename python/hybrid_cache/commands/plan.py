@@ -1,5 +1,7 @@
 """`hybrid-cache plan`: KV capacity and concurrency of a model on a memory budget, hybrid vs
-uniform, without loading weights. Answers "how many requests fit?" before anyone buys a GPU."""
+uniform, without loading weights. Answers "how many requests fit?" before anyone buys a GPU.
+With `--tensor-parallel-size N` the budget is one device's and the figures are one rank's: each
+rank holds 1/N of the KV heads (or one replicated head), so the same budget holds more tokens."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
-from hybrid_cache.config import ModelSpec
+from hybrid_cache.config import ModelSpec, check_tensor_parallel
 from hybrid_cache.engine.engine_config import (
     BOTH_MODES,
     REQUIRED,
@@ -69,7 +71,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
-    model = config.model_spec()
+    full_model = config.model_spec()
+    ranks = config.tensor_parallel_size
+    check_tensor_parallel(full_model, ranks)
+    model = full_model.per_rank(ranks)
     options = config.plan_options(
         config.kv_cache_memory,
         config.resolved_max_model_len(model),
@@ -114,6 +119,7 @@ def _as_text(
         f"budget   {format_memory_size(options.kv_cache_memory)} of {any_layout.kv_cache_dtype} "
         f"KV, block size {options.block_size}, max_model_len {length}, "
         f"max_num_batched_tokens {options.max_num_batched_tokens}",
+        *_rank_lines(model),
         "",
     ]
     rows = [
@@ -155,6 +161,17 @@ def _as_text(
     return "\n".join(lines)
 
 
+def _rank_lines(model: ModelSpec) -> list[str]:
+    """Under tensor parallelism: what one rank holds (the figures below are one rank's)."""
+    if model.tensor_parallel_size == 1:
+        return []
+    heads = sorted({layer.num_kv_heads for layer in model.layers})
+    return [
+        f"ranks    {model.tensor_parallel_size} (tensor parallel): {'/'.join(map(str, heads))} "
+        "KV heads per rank; the budget is one device's and every figure below one rank's"
+    ]
+
+
 def _group_sizes(layout: KVCacheLayout) -> str:
     """`layers_per_group`, or each group's layer count where groups share pages per type."""
     if all(group.layers_per_page == 1 for group in layout.groups):
@@ -172,6 +189,8 @@ def _as_json(
             "num_layers": model.num_layers,
             "dtype": model.dtype,
             "layer_kinds": [layer.kind for layer in model.layers],
+            "tensor_parallel_size": model.tensor_parallel_size,
+            "kv_heads_per_rank": [layer.num_kv_heads for layer in model.layers],
         },
         "options": asdict(options),
     }

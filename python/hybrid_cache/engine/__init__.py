@@ -20,6 +20,7 @@ One job per file:
     request.py        per-request state;  sampling_params.py, outputs.py, errors.py, memory.py
     output_builder.py a finished request -> RequestOutput
     host_memory.py    the CPU KV pool on transparent huge pages;  tokenizer.py
+    parallel/         tensor parallelism: worker processes, the step broadcast, failures
 
 A request's life (every transition that drops blocks goes through `KVCacheManager.free`):
 

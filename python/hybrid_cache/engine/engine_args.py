@@ -1,19 +1,30 @@
-"""What `LLM` derives from its (already validated) `EngineConfig`: the device, the dtype, the
-end-of-sequence ids, the check that one `max_model_len` request fits the plan, and the plan
-summary the engine logs."""
+"""What `LLM` (and each tensor-parallel worker) derives from its (already validated)
+`EngineConfig`: the device (a rank's device), the dtype, the model, the end-of-sequence ids, the
+check that one `max_model_len` request fits the plan, and the plan summary the engine logs."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Iterable, Union
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Union
 
 import torch
+from torch import nn
 
 from hybrid_cache.config import ModelSpec, normalize_dtype
-from hybrid_cache.errors import BudgetTooSmallError, DeviceUnavailableError
+from hybrid_cache.errors import (
+    BudgetTooSmallError,
+    DeviceUnavailableError,
+    TensorParallelConfigError,
+)
+from hybrid_cache.models import load_model
+from hybrid_cache.models.parallel_layers import NO_SHARD, TensorShard
 from hybrid_cache.planner import KVCacheLayout, report_plan
 from hybrid_cache.sizes import format_memory_size
+
+if TYPE_CHECKING:
+    from hybrid_cache.engine.engine_config import EngineConfig
 
 logger = logging.getLogger("hybrid_cache.engine.llm")
 
@@ -51,6 +62,55 @@ def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
             f"cuda:{count - 1} (LLM argument device)"
         )
     return resolved
+
+
+def rank_device(
+    device: torch.device, rank: int, tensor_parallel_size: int, local_rank: int | None = None
+) -> torch.device:
+    """The device of tensor-parallel `rank`: the CPU for every rank, or on CUDA the `rank`-th
+    GPU from `device`'s index (`TensorParallelConfigError` when the machine has too few); under
+    torchrun (`local_rank` given) the GPU of the rank's index on its host."""
+    if device.type != "cuda" or tensor_parallel_size == 1:
+        return device
+    if local_rank is not None:
+        return torch.device("cuda", local_rank)
+    first = device.index or 0
+    count = torch.cuda.device_count()
+    if first + tensor_parallel_size > count:
+        raise TensorParallelConfigError(
+            f"--tensor-parallel-size {tensor_parallel_size} needs one GPU per rank, "
+            f"cuda:{first} to cuda:{first + tensor_parallel_size - 1}, and this machine has "
+            f"{count}; lower it (LLM argument tensor_parallel_size) or run on --device cpu"
+        )
+    return torch.device("cuda", first + rank)
+
+
+def needs_profile(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the KV budget comes from a profile run (CUDA without `kv_cache_memory`)."""
+    return config.kv_cache_memory is None and device.type == "cuda"
+
+
+def load_engine_model(
+    config: EngineConfig,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: TensorShard = NO_SHARD,
+) -> nn.Module:
+    """The model of `config` (its `shard`): the folder's weights, or seeded random ones for
+    `load_format="dummy"` and for a preset (which has none; logged on rank 0)."""
+    is_folder = Path(config.model).is_dir()
+    if config.load_format == "auto" and not is_folder and shard.rank == 0:
+        logger.info("%s is a preset without weights: using random (dummy) weights", config.model)
+    return load_model(
+        config.model if is_folder else None,
+        spec=spec,
+        load_format=config.load_format if is_folder else "dummy",
+        dtype=dtype,
+        device=device,
+        seed=config.seed,
+        shard=shard,
+    )
 
 
 def resolve_dtype(

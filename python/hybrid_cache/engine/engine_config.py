@@ -57,6 +57,9 @@ LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "lpm")
 # `--kv-cache-mode both` (plan, bench) runs each mode; a config holds one.
 BOTH_MODES = "both"
+# Seconds a tensor-parallel collective (the step broadcast, an all-reduce) may wait for a rank
+# before the engine ends with `WorkerFailedError` naming it (`engine/parallel/`).
+DEFAULT_DISTRIBUTED_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,9 @@ class EngineConfig:
     from (`generation_config.py`); `tokenizer`: a tokenizer folder instead of the model
     folder's (a preset then takes text prompts); `enforce_eager`: run every step eagerly
     (every step does today: CUDA graphs for pure-decode steps are not built yet, so the flag
-    is checked and kept)."""
+    is checked and kept); `tensor_parallel_size`: ranks the model is sharded over (worker
+    processes joined by torch.distributed, `engine/parallel/`), `distributed_timeout`: seconds
+    a collective waits for a rank before the engine fails naming it."""
 
     model: str
     # The model.
@@ -114,6 +119,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False
+    # Tensor parallelism.
+    tensor_parallel_size: int = 1
+    distributed_timeout: float = DEFAULT_DISTRIBUTED_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
@@ -229,6 +237,18 @@ class EngineConfig:
                 f"--gpu-memory-utilization must be in (0, 1], got {utilization!r}"
                 f"{_hint('gpu_memory_utilization')}"
             )
+        check_positive_int(
+            self.tensor_parallel_size,
+            "--tensor-parallel-size",
+            EngineConfigError,
+            _hint("tensor_parallel_size"),
+        )
+        timeout = self.distributed_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise EngineConfigError(
+                f"--distributed-timeout must be a positive number of seconds, got {timeout!r}"
+                f"{_hint('distributed_timeout')}"
+            )
 
     @classmethod
     def of(cls, model: Union[str, os.PathLike, EngineConfig], **kwargs: Any) -> EngineConfig:
@@ -287,6 +307,7 @@ PLAN_FIELDS: tuple[str, ...] = (
     "kv_cache_mode",
     "kv_group_layout",
     "max_num_batched_tokens",
+    "tensor_parallel_size",
 )
 
 
@@ -418,6 +439,20 @@ def add_engine_arguments(
         action="store_true",
         default=defaults.get("enforce_eager", False),
         help="run every step eagerly (no CUDA graphs; every step runs eagerly today)",
+    )
+    add(
+        "tensor_parallel_size",
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        help="ranks (processes; GPUs on CUDA) the model is sharded over; plan: the KV bytes "
+        "and concurrency of one rank",
+    )
+    add(
+        "distributed_timeout",
+        type=float,
+        help="seconds a tensor-parallel collective waits for a rank before the engine fails "
+        "naming it",
     )
 
 

@@ -13,6 +13,7 @@ from hybrid_cache.errors import (
     BudgetTooSmallError,
     DeviceUnavailableError,
     EngineConfigError,
+    EngineShutDownError,
     InsufficientKVCacheError,
     InvalidRequestError,
     InvalidRequestsError,
@@ -20,13 +21,17 @@ from hybrid_cache.errors import (
     KVCacheMemoryError,
     NoTokenizerError,
     PromptTooLongError,
+    TensorParallelConfigError,
+    TensorParallelError,
     UnsupportedSamplingParamsError,
+    WorkerFailedError,
 )
 
 __all__ = [
     "BudgetTooSmallError",
     "DeviceUnavailableError",
     "EngineConfigError",
+    "EngineShutDownError",
     "InsufficientKVCacheError",
     "InvalidRequestError",
     "InvalidRequestsError",
@@ -34,5 +39,8 @@ __all__ = [
     "KVCacheMemoryError",
     "NoTokenizerError",
     "PromptTooLongError",
+    "TensorParallelConfigError",
+    "TensorParallelError",
     "UnsupportedSamplingParamsError",
+    "WorkerFailedError",
 ]

@@ -32,11 +32,14 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from hybrid_cache.config import ModelSpec
+from hybrid_cache.config import ModelSpec, check_tensor_parallel
 from hybrid_cache.engine.engine_args import (
     check_one_request_fits,
     eos_token_ids,
+    load_engine_model,
     log_plan,
+    needs_profile,
+    rank_device,
     resolve_device,
     resolve_dtype,
 )
@@ -56,6 +59,13 @@ from hybrid_cache.engine.llm_engine import Finished, LLMEngine
 from hybrid_cache.engine.memory import check_kv_cache_fits, kv_cache_budget
 from hybrid_cache.engine.output_builder import request_output
 from hybrid_cache.engine.outputs import EngineStats, RequestOutput, StepStats
+from hybrid_cache.engine.parallel.executor import (
+    READY,
+    TensorParallelExecutor,
+    is_torchrun_worker,
+)
+from hybrid_cache.engine.parallel.process_group import local_rank
+from hybrid_cache.engine.parallel.worker import serve_torchrun_rank
 from hybrid_cache.engine.prompts import (
     render_chat,
     resolve_chat_template,
@@ -65,11 +75,12 @@ from hybrid_cache.engine.prompts import (
 )
 from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.engine.tokenizer import load_tokenizer
-from hybrid_cache.models import load_model
+from hybrid_cache.models.parallel_layers import NO_SHARD
 from hybrid_cache.planner import KVCacheLayout, plan_kv_cache
 
 logger = logging.getLogger(__name__)
 
+TP_HINT = " (LLM argument tensor_parallel_size)"
 Prompt = Union[str, Sequence[int], Mapping[str, Any]]
 Message = Mapping[str, Any]
 # A checked batch: per prompt, its request (validated, not yet queued) and its text.
@@ -86,18 +97,31 @@ class LLM:
         `max_model_len`, `block_size`, `kv_cache_mode`, `kv_group_layout`, `max_num_seqs`,
         `max_num_batched_tokens`, `enable_prefix_caching`, `scheduling_policy`, `hf_overrides`,
         `generation_config`, `load_format`, `dtype`, `device`, `seed`, `attention_backend`,
-        `gpu_memory_utilization`, `enforce_eager`; see there for their defaults), or with an
-        `EngineConfig`, the fields to replace. Every argument is checked before any work: a bad
-        one raises a typed `EngineConfigError` (or `PlanError`, `MemorySizeError`,
-        `ConfigError`) naming it; a device the machine lacks is a `DeviceUnavailableError`, a
-        budget the device cannot give a `KVCacheMemoryError`, a budget below one
-        `max_model_len` request a `BudgetTooSmallError`."""
+        `gpu_memory_utilization`, `enforce_eager`, `tensor_parallel_size`,
+        `distributed_timeout`; see there for their defaults), or with an `EngineConfig`, the
+        fields to replace. Every argument is checked before any work: a bad one raises a typed
+        `EngineConfigError` (or `PlanError`, `MemorySizeError`, `ConfigError`) naming it; a
+        device the machine lacks is a `DeviceUnavailableError`, a budget the device cannot
+        give a `KVCacheMemoryError`, a budget below one `max_model_len` request a
+        `BudgetTooSmallError`, a `tensor_parallel_size` that does not shard the model (or
+        more ranks than GPUs) a `TensorParallelConfigError`. With `tensor_parallel_size` N > 1
+        the worker processes start here (`engine/parallel/`); a rank that fails to start, and
+        later one that dies or hangs, raises `WorkerFailedError`; `shutdown()` stops them."""
         self.config: EngineConfig = EngineConfig.of(model, **kwargs)
         config = self.config
+        if config.tensor_parallel_size > 1 and is_torchrun_worker():
+            serve_torchrun_rank(config)  # returns when rank 0 shuts down
+            raise SystemExit(0)
         # Every step runs eagerly today (no CUDA graphs yet); kept so callers can pass it.
         self.enforce_eager: bool = config.enforce_eager
         self.device: torch.device = resolve_device(config.device)
         self.spec: ModelSpec = config.model_spec()
+        tensor_parallel_size = config.tensor_parallel_size
+        if tensor_parallel_size > 1:
+            check_tensor_parallel(self.spec, tensor_parallel_size, TP_HINT)
+            self.device = rank_device(self.device, 0, tensor_parallel_size, local_rank())
+        # The KV cache is planned per rank: each rank holds its share of the KV heads.
+        self.kv_spec: ModelSpec = self.spec.per_rank(tensor_parallel_size)
         self.dtype: torch.dtype = resolve_dtype(config.dtype, self.spec, self.device)
         self.max_model_len: int = config.resolved_max_model_len(self.spec)
         self.generation_defaults: GenerationDefaults = read_generation_defaults(
@@ -105,29 +129,48 @@ class LLM:
         )
         # A budget that needs no profile run is planned and checked before the weights load.
         layout = None
-        if config.kv_cache_memory is not None or self.device.type != "cuda":
+        if not needs_profile(config, self.device):
             layout = self.plan_layout(self.kv_budget(None))
+        self.parallel: Optional[TensorParallelExecutor] = None
+        if tensor_parallel_size > 1:
+            self.parallel = TensorParallelExecutor.start(config, self.device)
+        try:
+            self._build(layout)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.request_counter: itertools.count[int] = itertools.count()
+        # Everything alive now (the model, the imported libraries: hundreds of thousands of
+        # objects) lives as long as the engine: out of the garbage collector's full passes,
+        # which would otherwise walk all of it whenever a step makes many objects (a
+        # `Logprob` per token and position). The engine's objects hold no reference cycles,
+        # so a dropped `LLM` is still freed (by reference counting). vLLM does the same.
+        gc.freeze()
+        atexit.register(gc.unfreeze)  # the last collection at exit sees everything again
+
+    def _build(self, layout: Optional[KVCacheLayout]) -> None:
+        """Loads the model (this rank's shard), plans the KV cache where the budget needed the
+        model, and starts the engine; under tensor parallelism each stage in step with the
+        workers (`engine/parallel/worker.py` mirrors it)."""
+        config, parallel = self.config, self.parallel
+        shard = NO_SHARD if parallel is None else parallel.shard
+        self.model = load_engine_model(config, self.spec, self.dtype, self.device, shard)
+        if parallel is not None:
+            parallel.confirm("loaded")
         is_folder = Path(config.model).is_dir()
-        if config.load_format == "auto" and not is_folder:
-            logger.info(
-                "%s is a preset without weights: using random (dummy) weights", config.model
-            )
-        self.model = load_model(
-            config.model if is_folder else None,
-            spec=self.spec,
-            load_format=config.load_format if is_folder else "dummy",
-            dtype=self.dtype,
-            device=self.device,
-            seed=config.seed,
-        )
         tokenizer_folder = config.tokenizer or (config.model if is_folder else None)
         self.tokenizer = None if tokenizer_folder is None else load_tokenizer(tokenizer_folder)
         if layout is None:
-            layout = self.plan_layout(self.kv_budget(self.model))
+            budget = self.kv_budget(self.model)
+            if parallel is not None:
+                budget = parallel.agree_budget(budget)
+            layout = self.plan_layout(budget)
         else:  # again, now that the weights hold their share of the memory
             check_kv_cache_fits(layout.tensor_bytes * layout.layers_per_group, self.device)
+        if parallel is not None:
+            parallel.share_layout(layout)
         self.layout: KVCacheLayout = layout
-        log_plan(self.layout, self.spec)
+        log_plan(self.layout, self.kv_spec)
         log_generation_defaults(self.generation_defaults, config.generation_config)
         self.engine: LLMEngine = LLMEngine.from_model(
             self.model,
@@ -142,15 +185,22 @@ class LLM:
             seed=config.seed,
             attention_backend=config.attention_backend,
             tokenizer=self.tokenizer,
+            parallel=parallel,
         )
-        self.request_counter: itertools.count[int] = itertools.count()
-        # Everything alive now (the model, the imported libraries: hundreds of thousands of
-        # objects) lives as long as the engine: out of the garbage collector's full passes,
-        # which would otherwise walk all of it whenever a step makes many objects (a
-        # `Logprob` per token and position). The engine's objects hold no reference cycles,
-        # so a dropped `LLM` is still freed (by reference counting). vLLM does the same.
-        gc.freeze()
-        atexit.register(gc.unfreeze)  # the last collection at exit sees everything again
+        if parallel is not None:
+            parallel.confirm(READY)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel worker processes (a no-op on one rank); the engine cannot
+        run steps after it. Also runs at interpreter exit, and on leaving a `with LLM(...)`."""
+        if getattr(self, "parallel", None) is not None:
+            self.parallel.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
 
     def kv_budget(self, model: Optional[torch.nn.Module]) -> int:
         """Bytes for the KV cache (`memory.kv_cache_budget`; `model` is needed only to profile
@@ -171,8 +221,8 @@ class LLM:
         options = self.config.plan_options(
             budget, self.max_model_len, kv_cache_dtype=str(self.dtype).removeprefix("torch.")
         )
-        layout = plan_kv_cache(self.spec, options, mode=self.config.kv_cache_mode)
-        check_one_request_fits(layout, self.spec, budget)
+        layout = plan_kv_cache(self.kv_spec, options, mode=self.config.kv_cache_mode)
+        check_one_request_fits(layout, self.kv_spec, budget)
         check_kv_cache_fits(layout.tensor_bytes * layout.layers_per_group, self.device)
         return layout
 

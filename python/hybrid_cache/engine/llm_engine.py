@@ -28,7 +28,7 @@ from hybrid_cache.engine.errors import (
     UnsupportedSamplingParamsError,
 )
 from hybrid_cache.engine.kv_cache import KVCacheManager, num_kv_tokens
-from hybrid_cache.engine.model_runner import ModelRunner
+from hybrid_cache.engine.model_runner import ModelRunner, StepBroadcaster
 from hybrid_cache.engine.outputs import EngineStats, PrefixMisses, StepStats
 from hybrid_cache.engine.parallel_sampling import (
     SampleGroup,
@@ -111,11 +111,15 @@ class LLMEngine:
         seed: int = 0,
         attention_backend: str = "auto",
         tokenizer: Optional[Any] = None,
+        parallel: Optional[StepBroadcaster] = None,
     ) -> LLMEngine:
-        """An engine whose steps run `model` (a `ModelRunner`, with its KV tensors)."""
+        """An engine whose steps run `model` (a `ModelRunner`, with its KV tensors; `parallel`:
+        rank 0's executor of a tensor-parallel engine, which sends each step to the others)."""
 
         def make_runner(kv_cache: KVCacheManager, sampler: Sampler) -> ModelRunner:
-            return ModelRunner(model, kv_cache, layout, dtype, device, sampler, attention_backend)
+            return ModelRunner(
+                model, kv_cache, layout, dtype, device, sampler, attention_backend, parallel
+            )
 
         return cls(layout, limits, vocab_size, eos_token_ids, make_runner, seed, tokenizer)
 

@@ -24,6 +24,7 @@ import logging
 import operator
 from collections.abc import Sequence
 from dataclasses import fields
+from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ from hybrid_cache.attention.selector import (
 from hybrid_cache.engine import host_memory
 from hybrid_cache.engine.kv_cache import KVCacheManager
 from hybrid_cache.engine.logprobs import token_logprobs
+from hybrid_cache.engine.parallel.step_inputs import StepInputs, gather_step_inputs, step_batch
 from hybrid_cache.engine.request import Request
 from hybrid_cache.engine.sampler import Sampler
 from hybrid_cache.engine.scheduler import SchedulerOutput
@@ -54,6 +56,18 @@ logger = logging.getLogger(__name__)
 
 # Prompt positions whose logits one `compute_logits` call computes for prompt logprobs.
 PROMPT_LOGPROBS_CHUNK = 512
+
+
+class StepBroadcaster(Protocol):
+    """What a tensor-parallel runner needs of its executor (`engine/parallel/executor.py`)."""
+
+    def send(self, inputs: StepInputs) -> None:
+        """Sends the step to every other rank."""
+        ...
+
+    def collectives(self) -> Any:
+        """A context in which a failed collective becomes a `WorkerFailedError`."""
+        ...
 
 
 def allocate_kv_caches(
@@ -102,8 +116,45 @@ def _layer_view(
     return view[:, 0], view[:, 1]
 
 
+def bind_model(
+    model: nn.Module,
+    layout: KVCacheLayout,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str = "auto",
+) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Readies `model` for `layout`: each attention layer told its group (checked), each
+    group's backend selected, the KV tensors allocated; returns `allocate_kv_caches`'s
+    (slot tensors, per-layer views). What every tensor-parallel rank does alike."""
+    block_sizes = [group.block_size for group in layout.groups]
+    layer_indices = [layer.layer_index for layer in attention_layers(model)]
+    assign_layer_groups(
+        model,
+        [layout.layer_slot(index)[0] for index in layer_indices],
+        layout.group_attention(),
+        layout.full_accepts_reach,
+    )
+    # Per group: "auto" picks the fastest backend that can run it (see attention/selector.py).
+    select_attention_backends(model, attention_backend, device, block_sizes, dtype=dtype)
+    logger.info(describe_attention_backends(model, block_sizes))
+    return allocate_kv_caches(model, layout, dtype, device)
+
+
+def copy_blocks(
+    slot_tensors: Sequence[torch.Tensor], copies: Sequence[tuple[int, int]], device: torch.device
+) -> None:
+    """Copies page `src` into page `dst` in every slot tensor: every layer's keys and values of
+    that block, whichever group it belongs to."""
+    pairs = torch.as_tensor(copies, dtype=torch.long).to(device)
+    src, dst = pairs[:, 0], pairs[:, 1]
+    for slot in slot_tensors:
+        slot.index_copy_(0, dst, slot.index_select(0, src))
+
+
 class ModelRunner:
-    """Owns the model, its KV-cache tensors and the sampler; `execute` runs one step."""
+    """Owns the model, its KV-cache tensors and the sampler; `execute` runs one step. Under
+    tensor parallelism (`parallel`: the driver's `TensorParallelExecutor`) each step's inputs
+    go to the other ranks first, and every rank builds its batch from them."""
 
     def __init__(
         self,
@@ -114,23 +165,17 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler,
         attention_backend: str = "auto",
+        parallel: Optional[StepBroadcaster] = None,
     ) -> None:
         self.model: nn.Module = model
         self.kv_cache: KVCacheManager = kv_cache
         self.device: torch.device = device
         self.sampler: Sampler = sampler
+        self.parallel: Optional[StepBroadcaster] = parallel
         self.block_sizes: list[int] = [group.block_size for group in kv_cache.groups]
-        layer_indices = [layer.layer_index for layer in attention_layers(model)]
-        assign_layer_groups(
-            model,
-            [layout.layer_slot(index)[0] for index in layer_indices],
-            layout.group_attention(),
-            layout.full_accepts_reach,
+        self.slot_tensors, self.kv_caches = bind_model(
+            model, layout, dtype, device, attention_backend
         )
-        # Per group: "auto" picks the fastest backend that can run it (see attention/selector.py).
-        select_attention_backends(model, attention_backend, device, self.block_sizes, dtype=dtype)
-        logger.info(describe_attention_backends(model, self.block_sizes))
-        self.slot_tensors, self.kv_caches = allocate_kv_caches(model, layout, dtype, device)
         # The core's grouped block table as numpy (shared memory): gathers rows faster.
         self.block_table_array: np.ndarray = kv_cache.block_table.numpy()
         self.one_block_size: bool = len(set(self.block_sizes)) == 1
@@ -144,6 +189,8 @@ class ModelRunner:
         """Runs the scheduled tokens; returns the sampled token of each request that samples.
         Logprobs (sampled tokens', prompt tokens') are recorded on the requests that ask."""
         scheduled = output.scheduled
+        if self.parallel is not None:
+            return self._execute_parallel(output)
         if output.block_copies:
             self.copy_blocks(output.block_copies)
         if not scheduled:
@@ -157,15 +204,61 @@ class ModelRunner:
             requests, list(map(_ROW, scheduled)), num_computed, query_lens
         )
         metadata = metadata_to(metadata, self.device)
-        samples = list(map(_SAMPLES, scheduled))
-        sample_indices = list(itertools.compress(range(len(samples)), samples))
-        sampling = list(itertools.compress(requests, samples))
-        request_ids = list(map(_REQUEST_ID, sampling))
-        params = list(map(_SAMPLING_PARAMS, sampling))
-
+        columns = _sampling_columns(scheduled, requests)
         with set_forward_context(metadata, self.kv_caches):
             hidden = self.model(input_ids.to(self.device), positions.to(self.device))
+        return self._sample(hidden, requests, num_computed, query_lens, columns)
 
+    def _execute_parallel(self, output: SchedulerOutput) -> dict[str, int]:
+        """`execute` on rank 0 of a tensor-parallel engine: the step's inputs go to every rank,
+        then all run the forward (its all-reduces join them) and rank 0 samples. A rank that
+        dies or stops answering ends the step with the executor's `WorkerFailedError`."""
+        scheduled = output.scheduled
+        requests = list(map(_REQUEST, scheduled))
+        num_computed = list(map(_NUM_COMPUTED, scheduled))
+        query_lens = list(map(_NUM_NEW_TOKENS, scheduled))
+        if scheduled:
+            token_ids = (
+                list(map(operator.getitem, map(_ALL_TOKEN_IDS, requests), num_computed))
+                if sum(query_lens) == len(query_lens)
+                else _input_token_ids(requests, num_computed, query_lens)
+            )
+        else:
+            token_ids = []
+        inputs = gather_step_inputs(
+            token_ids,
+            num_computed,
+            query_lens,
+            list(map(_ROW, scheduled)),
+            self.block_table_array,
+            self.block_sizes,
+            output.block_copies,
+        )
+        parallel = self.parallel
+        with parallel.collectives():
+            parallel.send(inputs)
+            if output.block_copies:
+                self.copy_blocks(output.block_copies)
+            if not scheduled:
+                return {}
+            input_ids, metadata, positions = step_batch(inputs, self.block_sizes)
+            metadata = metadata_to(metadata, self.device)
+            columns = _sampling_columns(scheduled, requests)
+            with set_forward_context(metadata, self.kv_caches):
+                hidden = self.model(input_ids.to(self.device), positions.to(self.device))
+        return self._sample(hidden, requests, num_computed, query_lens, columns)
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        requests: list[Request],
+        num_computed: list[int],
+        query_lens: list[int],
+        columns: SamplingColumns,
+    ) -> dict[str, int]:
+        """Logprobs of the prompts that ask, then the sampled token of each request that
+        samples (from the LM head over the last hidden row of each)."""
+        sample_indices, sampling, request_ids, params = columns
         if any(map(_WANTS_PROMPT_LOGPROBS, requests)):
             self._record_prompt_logprobs(hidden, requests, num_computed, query_lens)
         if not sample_indices:
@@ -227,12 +320,8 @@ class ModelRunner:
                 )
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Copies page `src` into page `dst` in every slot tensor: every layer's keys and
-        values of that block, whichever group it belongs to."""
-        pairs = torch.tensor(copies, dtype=torch.long, device=self.device)
-        src, dst = pairs[:, 0], pairs[:, 1]
-        for slot in self.slot_tensors:
-            slot.index_copy_(0, dst, slot.index_select(0, src))
+        """Copies page `src` into page `dst` in every slot tensor (`copy_blocks`)."""
+        copy_blocks(self.slot_tensors, copies, self.device)
 
     def _prepare_inputs(
         self,
@@ -282,6 +371,23 @@ class ModelRunner:
         ends = list(itertools.accumulate(query_lens))
         sample_index = torch.tensor([ends[i] - 1 for i in sampling], device=self.device)
         return hidden[sample_index]
+
+
+# Of the requests that sample: their batch indices, requests, ids and sampling params.
+SamplingColumns = tuple[list[int], list[Request], list[str], list[Any]]
+
+
+def _sampling_columns(scheduled: Sequence[Any], requests: list[Request]) -> SamplingColumns:
+    """The sampling requests' columns, taken before the forward (while the requests are in
+    the CPU caches)."""
+    samples = list(map(_SAMPLES, scheduled))
+    sampling = list(itertools.compress(requests, samples))
+    return (
+        list(itertools.compress(range(len(samples)), samples)),
+        sampling,
+        list(map(_REQUEST_ID, sampling)),
+        list(map(_SAMPLING_PARAMS, sampling)),
+    )
 
 
 def _input_token_ids(

@@ -9,6 +9,10 @@
   gate/up interleaved in one projection (even columns gate, odd up), gate clamped above at
   `swiglu_limit`, up clamped to +-limit, out = (up + 1) * gate * sigmoid(alpha * gate).
   Expert weights are stored stacked and input-major: gate_up_proj [E, H, 2I], down_proj [E, I, H].
+- Sharded (`parallel_layers`): attention as every model's; each rank holds every expert's slice
+  [i0, i1) of the intermediate dimension (gate/up columns 2*i0..2*i1, interleaved pairs kept
+  together; down rows i0..i1), rank 0 adds the down bias, and the MoE output is summed over the
+  ranks by one all-reduce. The router is replicated.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 
 from hybrid_cache.config import ModelSpec
 from hybrid_cache.models.layers import ProjectedSelfAttention, RMSNorm
+from hybrid_cache.models.parallel_layers import all_reduce, current_shard, declare_sharded
 from hybrid_cache.models.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -54,19 +59,31 @@ class GptOssExperts(nn.Module):
         config = spec.text_config
         experts, hidden = config["num_local_experts"], spec.hidden_size
         intermediate = config["intermediate_size"]
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * intermediate))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * intermediate))
-        self.down_proj = nn.Parameter(torch.empty(experts, intermediate, hidden))
+        shard = current_shard()
+        start, stop = shard.split(intermediate)
+        local = stop - start
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * local))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * local))
+        self.down_proj = nn.Parameter(torch.empty(experts, local, hidden))
         self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
         self.alpha = config["swiglu_alpha"]
         self.limit = config["swiglu_limit"]
+        # Sharded: the partial outputs are summed over the ranks; the bias is added once.
+        self.reduce = shard.size > 1
+        self.add_down_bias = shard.rank == 0
+        if self.reduce:
+            gate_up = (2 * start, 2 * stop)
+            declare_sharded(self, "gate_up_proj", 2, gate_up, 2 * intermediate)
+            declare_sharded(self, "gate_up_proj_bias", 1, gate_up, 2 * intermediate)
+            declare_sharded(self, "down_proj", 1, (start, stop), intermediate)
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = x @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
         gate = gate_up[..., 0::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
-        return ((up + 1) * glu) @ self.down_proj[expert] + self.down_proj_bias[expert]
+        out = ((up + 1) * glu) @ self.down_proj[expert]
+        return out + self.down_proj_bias[expert] if self.add_down_bias else out
 
     def forward(
         self, hidden: torch.Tensor, top_experts: torch.Tensor, top_weights: torch.Tensor
@@ -77,7 +94,7 @@ class GptOssExperts(nn.Module):
             token_index, slot = torch.nonzero(top_experts == expert, as_tuple=True)
             out = self.expert_forward(expert, hidden[token_index])
             output.index_add_(0, token_index, out * top_weights[token_index, slot, None])
-        return output
+        return all_reduce(output) if self.reduce else output
 
 
 class GptOssMLP(nn.Module):

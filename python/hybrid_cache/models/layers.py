@@ -1,5 +1,6 @@
 """Building blocks shared by the model files: RMSNorm, gated MLPs, and the projections around
-paged attention (rotary embeddings: `rotary`)."""
+paged attention (rotary embeddings: `rotary`). Under tensor parallelism (`parallel_layers`) the
+projections hold one rank's heads and MLP columns; at one rank they are plain `nn.Linear`s."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ from torch import nn
 from hybrid_cache.attention.layer import Attention
 from hybrid_cache.config import ModelSpec
 from hybrid_cache.models import cpu_ops
+from hybrid_cache.models.parallel_layers import (
+    column_parallel_linear,
+    current_shard,
+    declare_sharded,
+    row_parallel_linear,
+)
 
 
 class RMSNorm(nn.Module):
@@ -61,15 +68,15 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 class GatedMLP(nn.Module):
     """`down(act(gate(x)) * up(x))`, the Llama/Qwen/Gemma feed-forward (HF weight names); on CPU
     float32 tensors `act(gate) * up` is one fused Rust op (`cpu_ops.gated`) for silu and
-    gelu-tanh."""
+    gelu-tanh. Sharded: gate/up column-parallel, down row-parallel (one all-reduce)."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False
     ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = column_parallel_linear(hidden_size, intermediate_size, bias)
+        self.up_proj = column_parallel_linear(hidden_size, intermediate_size, bias)
+        self.down_proj = row_parallel_linear(intermediate_size, hidden_size, bias)
         self.act = activation(act)
         self.act_name = act
 
@@ -88,7 +95,11 @@ class ProjectedSelfAttention(nn.Module):
 
     The layer's attention comes from the `ModelSpec` and nothing else: its kind, window or chunk
     from `spec.layers[layer_index]`, its kv heads and head dim likewise, and a learned sink logit
-    per query head (`self.sinks`, passed to `Attention`) when `spec.attention_sinks` (gpt-oss)."""
+    per query head (`self.sinks`, passed to `Attention`) when `spec.attention_sinks` (gpt-oss).
+
+    Sharded (`current_shard()`): a rank holds its query heads (q rows, their sinks, o columns)
+    and the KV heads they read (`TensorShard.kv_heads`: split, or replicated when there are
+    fewer KV heads than ranks); scale and softcap are per head, so unchanged."""
 
     def __init__(
         self,
@@ -105,19 +116,27 @@ class ProjectedSelfAttention(nn.Module):
         super().__init__()
         layer = spec.layers[layer_index]
         hidden = spec.hidden_size
-        self.num_heads = spec.num_attention_heads
-        self.num_kv_heads = layer.num_kv_heads
-        self.head_dim = layer.head_dim_k
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        shard = current_shard()
+        head_dim = self.head_dim = layer.head_dim_k
+        q_heads = shard.split(spec.num_attention_heads)
+        kv_heads = shard.kv_heads(layer.num_kv_heads)
+        self.num_heads = q_heads[1] - q_heads[0]
+        self.num_kv_heads = kv_heads[1] - kv_heads[0]
+        q_rows = (q_heads[0] * head_dim, q_heads[1] * head_dim)
+        kv_rows = (kv_heads[0] * head_dim, kv_heads[1] * head_dim)
+        q_width, kv_width = spec.num_attention_heads * head_dim, layer.num_kv_heads * head_dim
+        self.q_proj = column_parallel_linear(hidden, q_width, qkv_bias, q_rows)
+        self.k_proj = column_parallel_linear(hidden, kv_width, qkv_bias, kv_rows)
+        self.v_proj = column_parallel_linear(hidden, kv_width, qkv_bias, kv_rows)
+        self.o_proj = row_parallel_linear(q_width, hidden, o_bias, q_rows)
         self.qk_norm = qk_norm
         if qk_norm:
             eps = spec.text_config["rms_norm_eps"]
             self.q_norm = RMSNorm(self.head_dim, eps, offset=qk_norm_offset)
             self.k_norm = RMSNorm(self.head_dim, eps, offset=qk_norm_offset)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if spec.attention_sinks else None
+        if self.sinks is not None and shard.size > 1:
+            declare_sharded(self, "sinks", 0, q_heads, spec.num_attention_heads)
         self.attn = Attention(
             layer_index,
             self.num_heads,

@@ -1,0 +1,151 @@
+"""One step's inputs as every tensor-parallel rank needs them, and their wire form.
+
+Rank 0 (the driver: scheduler, allocator, sampler) gathers a step into a `StepInputs`: the
+input token ids, each scheduled sequence's computed-token count and query length, its rows of
+every group's block table (the columns the step can reach) and the step's block copies. Every
+rank, rank 0 included, then builds the same attention metadata from it (`step_batch`), so the
+ranks cannot disagree on a slot or a position.
+
+On the wire a step is int32: a header of `HEADER_FIELDS` values, then the payload
+
+    input_ids [T] | num_computed [n] | query_lens [n] (absent in a decode step) |
+    block tables [G, n, C] | block copies [K, 2]
+
+sent inside the header message when it fits `inline` values (one broadcast per step), else
+in a second broadcast (`step_broadcast.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from hybrid_cache.attention import AttentionMetadata, build_attention_metadata
+from hybrid_cache.attention.metadata import build_decode_metadata
+
+# Header: operation, n, T, G, C, K, decode flag, payload length.
+HEADER_FIELDS = 8
+OP_STEP = 1
+OP_STOP = 2
+
+
+@dataclass
+class StepInputs:
+    """What every rank's forward needs (`decode`: every query length is 1, `query_lens` is
+    then implied). `block_tables` [groups, seqs, columns] int32; `block_copies` [K, 2]."""
+
+    input_ids: np.ndarray
+    num_computed: np.ndarray
+    query_lens: Optional[np.ndarray]
+    block_tables: np.ndarray
+    block_copies: np.ndarray
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.num_computed)
+
+    @property
+    def decode(self) -> bool:
+        return self.query_lens is None
+
+
+def gather_step_inputs(
+    token_ids: Sequence[int],
+    num_computed: Sequence[int],
+    query_lens: Sequence[int],
+    rows: Sequence[int],
+    block_table: np.ndarray,
+    block_sizes: Sequence[int],
+    block_copies: Sequence[tuple[int, int]],
+) -> StepInputs:
+    """A step from the scheduler's view: `rows` of the core's grouped `block_table`, only the
+    columns the step reaches (the smallest block size's count)."""
+    decode = len(token_ids) == len(num_computed)
+    max_seq_len = max(map(int.__add__, num_computed, query_lens)) if num_computed else 0
+    columns = -(-max_seq_len // min(block_sizes))
+    return StepInputs(
+        input_ids=np.array(token_ids, dtype=np.int64),
+        num_computed=np.array(num_computed, dtype=np.int64),
+        query_lens=None if decode else np.array(query_lens, dtype=np.int64),
+        block_tables=block_table[:, list(rows), :columns],
+        block_copies=np.array(block_copies, dtype=np.int64).reshape(-1, 2),
+    )
+
+
+def step_batch(
+    inputs: StepInputs, block_sizes: Sequence[int]
+) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """The step's input ids, attention metadata and positions (on the CPU); the same on every
+    rank for the same `inputs`."""
+    num_computed = inputs.num_computed.tolist()
+    tables = inputs.block_tables
+    if inputs.decode:
+        metadata, positions = build_decode_metadata(
+            num_computed, range(inputs.num_seqs), tables, block_sizes
+        )
+    else:
+        query_lens = inputs.query_lens.tolist()
+        max_seq_len = max(map(int.__add__, num_computed, query_lens))
+        group_tables = [
+            torch.from_numpy(tables[group, :, : -(-max_seq_len // size)])
+            for group, size in enumerate(block_sizes)
+        ]
+        metadata, positions = build_attention_metadata(
+            query_lens, num_computed, group_tables, block_sizes
+        )
+    return torch.from_numpy(inputs.input_ids), metadata, positions
+
+
+def pack(inputs: StepInputs, header: np.ndarray) -> np.ndarray:
+    """Writes the header into `header` [HEADER_FIELDS + inline] and returns the payload
+    (int32), written after the header too when it fits there."""
+    n, num_tokens = inputs.num_seqs, len(inputs.input_ids)
+    groups, _, columns = inputs.block_tables.shape
+    parts = [inputs.input_ids, inputs.num_computed]
+    if not inputs.decode:
+        parts.append(inputs.query_lens)
+    parts += [inputs.block_tables.reshape(-1), inputs.block_copies.reshape(-1)]
+    length = sum(map(len, parts))
+    header[:HEADER_FIELDS] = (
+        OP_STEP,
+        n,
+        num_tokens,
+        groups,
+        columns,
+        len(inputs.block_copies),
+        int(inputs.decode),
+        length,
+    )
+    inline = len(header) - HEADER_FIELDS
+    payload = header[HEADER_FIELDS : HEADER_FIELDS + length] if length <= inline else None
+    if payload is None:
+        payload = np.empty(length, dtype=np.int32)
+    start = 0
+    for part in parts:
+        payload[start : start + len(part)] = part
+        start += len(part)
+    return payload
+
+
+def payload_length(header: np.ndarray) -> int:
+    return int(header[7])
+
+
+def unpack(header: np.ndarray, payload: np.ndarray) -> StepInputs:
+    """The `StepInputs` of a header and its payload (`pack`'s inverse)."""
+    _, n, num_tokens, groups, columns, copies, decode, _ = header[:HEADER_FIELDS].tolist()
+    ends = np.cumsum(
+        [num_tokens, n, 0 if decode else n, groups * n * columns, 2 * copies], dtype=np.int64
+    )
+    ids, computed, lens, tables, pairs = np.split(payload[: ends[-1]], ends[:-1])
+    return StepInputs(
+        input_ids=ids.astype(np.int64),
+        num_computed=computed.astype(np.int64),
+        query_lens=None if decode else lens.astype(np.int64),
+        block_tables=tables.reshape(groups, n, columns),
+        block_copies=pairs.astype(np.int64).reshape(-1, 2),
+    )
