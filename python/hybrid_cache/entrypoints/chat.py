@@ -15,11 +15,16 @@ from typing import Any, Callable, Optional
 
 from hybrid_cache.engine.prompts import render_chat, resolve_chat_template
 from hybrid_cache.entrypoints.async_llm import RequestStream
-from hybrid_cache.entrypoints.errors import error_of
-from hybrid_cache.entrypoints.formatting import DONE_EVENT, chat_logprobs, sse, usage
+from hybrid_cache.entrypoints.formatting import chat_logprobs, usage
 from hybrid_cache.entrypoints.protocol import ChatCompletionRequest
 from hybrid_cache.entrypoints.sampling import max_tokens_for, sampling_params
-from hybrid_cache.entrypoints.serving import ServingContext, add_all, final_output, run_all
+from hybrid_cache.entrypoints.serving import (
+    ServingContext,
+    add_all,
+    final_output,
+    run_all,
+    sse_chunks,
+)
 from hybrid_cache.entrypoints.streaming import SampleDelta
 from hybrid_cache.errors import InvalidFieldError, InvalidRequestError
 
@@ -146,14 +151,16 @@ async def create_chat_completion(
     return response
 
 
-async def stream_chat(
+def stream_chat(
     formatter: ChatFormatter, stream: RequestStream, prompt_token_ids: list[int]
 ) -> AsyncIterator[bytes]:
     body = formatter.body
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     started: set[int] = set()
     completion_tokens = cached = 0
-    try:
+
+    async def choice_lists() -> AsyncIterator[list[dict[str, Any]]]:
+        nonlocal completion_tokens, cached
         async for output in stream:
             choices = []
             for delta in output.deltas:
@@ -163,18 +170,12 @@ async def stream_chat(
                 choices.append(formatter.chunk_choice(delta, first, prompt_token_ids))
             cached = output.num_cached_tokens
             if choices:
-                chunk = formatter.envelope(choices, chunk=True)
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
-    except Exception as error:
-        yield sse(error_of(error)[1])
-        yield DONE_EVENT
-        return
-    finally:
-        stream.close()
-    if include_usage:
-        chunk = formatter.envelope([], chunk=True)
-        chunk["usage"] = usage(len(prompt_token_ids), completion_tokens, cached)
-        yield sse(chunk)
-    yield DONE_EVENT
+                yield choices
+
+    return sse_chunks(
+        choice_lists(),
+        lambda choices: formatter.envelope(choices, chunk=True),
+        include_usage,
+        lambda: usage(len(prompt_token_ids), completion_tokens, cached),
+        stream.close,
+    )

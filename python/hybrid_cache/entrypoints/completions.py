@@ -14,12 +14,9 @@ from typing import Any, Callable, Optional
 
 from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.entrypoints.async_llm import RequestStream
-from hybrid_cache.entrypoints.errors import error_of
 from hybrid_cache.entrypoints.formatting import (
-    DONE_EVENT,
     completion_logprobs,
     merge_completion_logprobs,
-    sse,
     usage,
 )
 from hybrid_cache.entrypoints.protocol import CompletionRequest
@@ -34,6 +31,7 @@ from hybrid_cache.entrypoints.serving import (
     final_output,
     merge_streams,
     run_all,
+    sse_chunks,
 )
 from hybrid_cache.entrypoints.streaming import SampleDelta, StreamOutput
 from hybrid_cache.errors import InvalidFieldError, NoTokenizerError
@@ -183,7 +181,7 @@ async def create_completion(
     return response
 
 
-async def stream_completion(
+def stream_completion(
     formatter: CompletionFormatter,
     prepared: list[PreparedPrompt],
     streams: list[RequestStream],
@@ -192,7 +190,9 @@ async def stream_completion(
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     started: set[int] = set()
     completion_tokens = cached = 0
-    try:
+
+    async def choice_lists() -> AsyncIterator[list[dict[str, Any]]]:
+        nonlocal completion_tokens, cached
         async for prompt_index, output in merge_streams(streams):
             prompt = prepared[prompt_index]
             choices = []
@@ -206,19 +206,17 @@ async def stream_completion(
             if output.finished:
                 cached += output.num_cached_tokens
             if choices:
-                chunk = formatter.envelope(choices)
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
-    except Exception as error:
-        yield sse(error_of(error)[1])
-        yield DONE_EVENT
-        return
-    finally:
+                yield choices
+
+    def close() -> None:
         for stream in streams:
             stream.close()
-    if include_usage:
-        chunk = formatter.envelope([])
-        chunk["usage"] = usage(sum(len(p.token_ids) for p in prepared), completion_tokens, cached)
-        yield sse(chunk)
-    yield DONE_EVENT
+
+    num_prompt_tokens = sum(len(p.token_ids) for p in prepared)
+    return sse_chunks(
+        choice_lists(),
+        formatter.envelope,
+        include_usage,
+        lambda: usage(num_prompt_tokens, completion_tokens, cached),
+        close,
+    )

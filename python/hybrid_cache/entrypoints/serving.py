@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional, TypeVar
 
 from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.entrypoints.async_llm import AsyncLLM, RequestStream
-from hybrid_cache.entrypoints.formatting import TokenTexts
+from hybrid_cache.entrypoints.errors import error_of
+from hybrid_cache.entrypoints.formatting import DONE_EVENT, TokenTexts, sse
 from hybrid_cache.entrypoints.protocol import SamplingFields
 from hybrid_cache.entrypoints.streaming import StreamOutput
 from hybrid_cache.errors import (
@@ -146,3 +147,33 @@ async def merge_streams(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def sse_chunks(
+    choice_lists: AsyncIterator[list[dict[str, Any]]],
+    envelope: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    include_usage: bool,
+    final_usage: Callable[[], dict[str, Any]],
+    close: Callable[[], None],
+) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed response: a chunk per list of choices (`"usage":
+    null` in it when the client asked for usage), an error event and `[DONE]` if the stream
+    fails, else the usage chunk (read from `final_usage` at the end) and `[DONE]`. `close`
+    runs however it ends, a client that went away included."""
+    try:
+        async for choices in choice_lists:
+            chunk = envelope(choices)
+            if include_usage:
+                chunk["usage"] = None
+            yield sse(chunk)
+    except Exception as error:
+        yield sse(error_of(error)[1])
+        yield DONE_EVENT
+        return
+    finally:
+        close()
+    if include_usage:
+        chunk = envelope([])
+        chunk["usage"] = final_usage()
+        yield sse(chunk)
+    yield DONE_EVENT
