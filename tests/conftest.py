@@ -17,3 +17,16 @@ def serve_model_folder(tmp_path_factory):
     from serve_model import save_serve_model
 
     return save_serve_model(tmp_path_factory.mktemp("serve-model"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread while a module's tests run (`pytestmark =
+    pytest.mark.usefixtures("one_torch_thread")`): the CPU here is shared, and more threads
+    make these tiny matmuls slower, not faster."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

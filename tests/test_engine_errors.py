@@ -34,13 +34,7 @@ MAX_MODEL_LEN = 64
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # The CPU here is shared: more threads make these tiny matmuls much slower, not faster.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

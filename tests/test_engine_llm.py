@@ -19,23 +19,17 @@ from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.planner import PlanOptions, plan_kv_cache
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(
-    not hasattr(_core, "Coordinator"), reason="the Rust Coordinator binding is not built"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not hasattr(_core, "Coordinator"), reason="the Rust Coordinator binding is not built"
+    ),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 NUM_NEW_TOKENS = 16
 WINDOW = 8
 PROMPT_LENGTHS = (5, 19, 30)
 GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # The CPU here is shared: more threads make these tiny matmuls much slower, not faster.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def hf_model(architecture: str):

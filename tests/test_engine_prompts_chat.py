@@ -21,9 +21,12 @@ from hybrid_cache.engine.llm import LLM
 from hybrid_cache.engine.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(
-    not hasattr(_core, "Coordinator"), reason="the Rust Coordinator binding is not built"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not hasattr(_core, "Coordinator"), reason="the Rust Coordinator binding is not built"
+    ),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 NUM_NEW_TOKENS = 6
 GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -31,14 +34,6 @@ CONVERSATION = [
     {"role": "system", "content": "the dog"},
     {"role": "user", "content": "the cat sat on the mat"},
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -18,20 +18,15 @@ from hybrid_cache.engine.sampling_params import SamplingParams
 from tiny_tokenizers import metaspace_bpe
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(
-    not hasattr(_core, "Coordinator"), reason="the Rust Coordinator binding is not built"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not hasattr(_core, "Coordinator"), reason="the Rust Coordinator binding is not built"
+    ),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 BLOCK = 4
 PROMPT = [5, 17, 33, 9, 71, 12, 48, 90, 23, 7, 64, 101, 3, 88, 41, 19, 120, 56, 30, 77, 8, 99, 15]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 class Tiny:

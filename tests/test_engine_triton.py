@@ -28,13 +28,7 @@ NUM_NEW_TOKENS = 6
 PROMPTS = [[3, 17, 99, 4, 250, 31, 8, 77, 12, 5, 140, 66, 9], [42, 7, 300], [11, 2, 480, 95, 23]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # The CPU here is shared: more threads make these tiny matmuls slower, not faster.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def small_model(preset: str, overrides: dict, weight_scale: float, qk_scale: float):

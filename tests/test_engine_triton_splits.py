@@ -19,13 +19,7 @@ from hybrid_cache.attention.triton_backend import compile_kernel_variants
 from hybrid_cache.kernels import paged_attention
 from test_engine_triton import BLOCK_SIZE, NUM_NEW_TOKENS, PROMPTS, WINDOW, small_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,6 @@ import inspect
 import logging
 
 import pytest
-import torch
 from chat_model import EOS, IM_END, save_chat_model, write_generation_config
 from hybrid_cache import _core
 from hybrid_cache.engine.engine_config import EngineConfig
@@ -19,9 +18,12 @@ from hybrid_cache.engine.sampling_params import SamplingParams
 from hybrid_cache.errors import ConfigError, EngineConfigError
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(
-    not hasattr(_core, "Coordinator"), reason="the Rust Coordinator binding is not built"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not hasattr(_core, "Coordinator"), reason="the Rust Coordinator binding is not built"
+    ),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 SAMPLING_FIELDS = set(inspect.signature(SamplingParams).parameters)
 # A Qwen2.5-Instruct-like file: the end-of-turn token only here, recommended sampling values.
@@ -36,14 +38,6 @@ QWEN_LIKE = dict(
     max_new_tokens=12,
 )
 OPTIONS = dict(kv_cache_memory="1MiB", max_model_len=128, block_size=4)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
