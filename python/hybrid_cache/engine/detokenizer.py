@@ -106,21 +106,9 @@ class IncrementalDetokenizer:
         """Adds one token; returns the stop string its text completes, if any (only looked
         for when `check_stop`). A match cuts the text before the stop string, or after it
         with `include_stop_str_in_output`."""
-        if self.stream is not None:  # `add_tokens` of one token, inlined: it runs per token
-            self.token_ids.append(token_id)
-            delta = self.stream.step(self.backend, token_id)
-            if delta is None:
-                self.num_unflushed += 1
-                return None
-            self.num_unflushed = 0
-            if not delta:
-                return None
-            self.pieces.append(delta)
-            self.num_chars += len(delta)
-        else:
-            delta = self.add_tokens((token_id,))
-            if not delta:
-                return None
+        delta = self.add_tokens((token_id,))
+        if not delta:
+            return None
         window = self.tail + delta
         start = self.num_chars - len(window)  # the window's first character in the text
         self.tail = window[-self.tail_chars :] if self.tail_chars else ""
