@@ -7,6 +7,7 @@ chosen token first, then the top k) and turned into vLLM's form, one dict token 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
@@ -56,8 +57,8 @@ def token_logprobs(
     return rows
 
 
-# Each token's own text, per tokenizer (kept with it, so its id is not reused): decoded once.
-_token_texts: dict[int, tuple[Any, dict[int, str]]] = {}
+# Each token's own text, per tokenizer, decoded once (forgotten with the tokenizer).
+_token_texts: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
 
 
 def logprob_dicts(
@@ -69,7 +70,7 @@ def logprob_dicts(
     rows = list(rows)
     texts: dict[int, str] = {}
     if tokenizer is not None:
-        texts = _token_texts.setdefault(id(tokenizer), (tokenizer, {}))[1]
+        texts = _token_texts.setdefault(tokenizer, {})
         unique = sorted({token for ids, _, _ in rows for token in ids} - texts.keys())
         if unique:
             texts.update(zip(unique, tokenizer.batch_decode([[token] for token in unique])))
