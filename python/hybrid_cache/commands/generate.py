@@ -207,7 +207,7 @@ def sampling_params_from_args(args: argparse.Namespace, config: EngineConfig) ->
     values["seed"] = args.seed if values["temperature"] > 0 else None
     values["ignore_eos"] = args.ignore_eos
     if args.stop:
-        if not has_tokenizer_files(config.tokenizer or config.model):
+        if not has_tokenizer_files(config.tokenizer_source):
             raise NoTokenizerError(
                 f"--stop matches text, and {config.model} has no tokenizer: use a model folder "
                 "with tokenizer files, or --tokenizer"
@@ -225,7 +225,7 @@ def build_prompts(args: argparse.Namespace, config: EngineConfig) -> list[Any]:
         )
     if args.chat_template is not None and not args.chat:
         raise InvalidRequestError("--chat-template applies with --chat only")
-    if args.prompt and not has_tokenizer_files(config.tokenizer or config.model):
+    if args.prompt and not has_tokenizer_files(config.tokenizer_source):
         raise NoTokenizerError(
             f"--prompt{' with --chat' if args.chat else ''} is text, and {config.model} has no "
             "tokenizer (a preset, or a folder without tokenizer files): use --prompt-token-ids"

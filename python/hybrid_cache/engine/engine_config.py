@@ -268,6 +268,12 @@ class EngineConfig:
         """The model's `ModelSpec` (its config with `hf_overrides` merged)."""
         return load_model_spec(self.model, self.hf_overrides)
 
+    @property
+    def tokenizer_source(self) -> str:
+        """Where the tokenizer is read from: `tokenizer`, else the model folder (a preset has
+        no tokenizer files, so none)."""
+        return self.tokenizer or self.model
+
     def resolved_max_model_len(self, spec: ModelSpec) -> int:
         return self.max_model_len or spec.max_position_embeddings
 

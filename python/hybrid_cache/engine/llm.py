@@ -27,7 +27,6 @@ import itertools
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -157,9 +156,7 @@ class LLM:
         self.model = load_engine_model(config, self.spec, self.dtype, self.device, shard)
         if parallel is not None:
             parallel.confirm("loaded")
-        is_folder = Path(config.model).is_dir()
-        tokenizer_folder = config.tokenizer or (config.model if is_folder else None)
-        self.tokenizer = None if tokenizer_folder is None else load_tokenizer(tokenizer_folder)
+        self.tokenizer = load_tokenizer(config.tokenizer_source)
         if layout is None:
             budget = self.kv_budget(self.model)
             if parallel is not None:
