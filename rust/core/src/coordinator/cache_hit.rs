@@ -177,10 +177,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             let keys = self.keys.keys(chains, group);
             let manager = self.managers[group].as_ref();
             let block_size = manager.block_size();
-            let mut is_cached = |index: usize| {
-                index < keys.num_full() && pool.cached_block(keys.full(index)).is_some()
-            };
-            let run = manager.longest_hit_blocks(keys.num_full(), &mut is_cached);
+            let run = cached_run(pool, manager, keys, keys.num_full());
             (run + 1) * block_size <= max_hit
         })
     }
@@ -321,6 +318,19 @@ impl<P: BlockAllocator> EndLookup<'_, P> {
     }
 }
 
+/// The blocks (at most `max_blocks`) a group's hit can take whole: the manager's longest hit
+/// over the group's cached full blocks.
+fn cached_run<P: BlockAllocator>(
+    pool: &P,
+    manager: &dyn AttentionManager,
+    keys: GroupKeys<'_>,
+    max_blocks: usize,
+) -> usize {
+    let mut is_cached =
+        |index: usize| index < keys.num_full() && pool.cached_block(keys.full(index)).is_some();
+    manager.longest_hit_blocks(max_blocks, &mut is_cached)
+}
+
 /// The longest hit (tokens, at most `max_tokens`) one group accepts.
 fn longest_group_hit<P: BlockAllocator>(
     lookup: &EndLookup<'_, P>,
@@ -330,9 +340,7 @@ fn longest_group_hit<P: BlockAllocator>(
 ) -> usize {
     let pool = lookup.pool;
     let block_size = manager.block_size();
-    let mut is_cached =
-        |index: usize| index < keys.num_full() && pool.cached_block(keys.full(index)).is_some();
-    let blocks = manager.longest_hit_blocks(max_tokens / block_size, &mut is_cached);
+    let blocks = cached_run(pool, manager, keys, max_tokens / block_size);
     let mut tokens = blocks * block_size;
     if keys.units > 1 && tokens < max_tokens {
         let unit = block_size / keys.units;
