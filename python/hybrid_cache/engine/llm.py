@@ -78,6 +78,8 @@ from hybrid_cache.models.parallel_layers import NO_SHARD
 from hybrid_cache.planner import KVCacheLayout, plan_kv_cache
 
 logger = logging.getLogger(__name__)
+# What `LLM` freezes is unfrozen at exit, so the last collection sees everything again.
+atexit.register(gc.unfreeze)
 
 TP_HINT = " (LLM argument tensor_parallel_size)"
 Prompt = Union[str, Sequence[int], Mapping[str, Any]]
@@ -145,7 +147,6 @@ class LLM:
         # `Logprob` per token and position). The engine's objects hold no reference cycles,
         # so a dropped `LLM` is still freed (by reference counting). vLLM does the same.
         gc.freeze()
-        atexit.register(gc.unfreeze)  # the last collection at exit sees everything again
 
     def _build(self, layout: Optional[KVCacheLayout]) -> None:
         """Loads the model (this rank's shard), plans the KV cache where the budget needed the

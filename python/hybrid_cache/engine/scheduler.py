@@ -406,6 +406,8 @@ class Scheduler:
         """While `blocked` (the next in line) waits for blocks, the waiting requests holding
         their hit start, in arrival order, where the blocks for their new tokens fit: they
         need no block the pool could give `blocked` beyond those."""
+        if not self.held:
+            return  # no scan of the waiting queue on the steps of a run without holds
         waiting_held = [r for r in self.waiting if r.request_id in self.held and r is not blocked]
         for request in waiting_held:
             if token_budget <= 0 or len(self.running) >= self.max_num_seqs:
