@@ -102,7 +102,12 @@ class Coordinator:
         enable_prefix_caching: bool = True,
         hash_algo: Literal["xxh3", "sha256"] = "xxh3",
         hash_seed: int = 0,
-    ) -> None: ...
+        tail_replay_tokens: Optional[int] = None,
+    ) -> None:
+        """`tail_replay_tokens` (R): let a hit replay a lost window tail, keeping the
+        full-attention blocks up to their hit point F and starting the windowed groups over at
+        F - R (rounded down to the hit alignment) when that is later than every group's common
+        hit; R is the sum of W - 1 over the windowed layers. None: no replay."""
     @property
     def num_groups(self) -> int: ...
     @property
@@ -138,6 +143,9 @@ class Coordinator:
     def find_cache_hit(self, request_id: int) -> int:
         """Longest prefix (tokens) every group can hit; multiple of the lcm of block sizes and at
         most len(tokens) - 1. Stored as the request's pending hit; nothing is touched."""
+    def replay_frontier(self, request_id: int) -> int:
+        """F of the tail replay the request's hit took (0 without one): until its computed
+        tokens reach F, full-attention KV below F must be read, never written."""
     def pending_hit_tokens(self, request_id: int) -> int:
         """Tokens of the pending hit (0 when none): the first `allocate` starts there or at 0."""
     def allocate(self, request_id: int, num_computed_tokens: int, num_new_tokens: int) -> bool:
@@ -198,7 +206,8 @@ class Coordinator:
         prefix_miss_evicted, prefix_miss_alignment (the last token and the tokens past the last
         multiple of the hit alignment); per group (lists): prefix_alone_hits_per_group (what the
         group alone would have hit) and prefix_shortened_per_group (of that, what other groups
-        cut)."""
+        cut); tail replays: prefix_replays (lookups), prefix_replay_tokens (tokens they
+        recompute below F), prefix_replay_gain (tokens they hit beyond the common hit)."""
 
 def paged_attention_cpu(
     q: npt.NDArray[np.float32],

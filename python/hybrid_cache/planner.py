@@ -167,6 +167,21 @@ class KVCacheLayout:
         """The coordinator's `GroupSpec` of each group, in group-id order."""
         return [group.core_spec() for group in self.groups]
 
+    def tail_replay_tokens(self) -> Optional[int]:
+        """R of a tail replay: the tokens before a full-attention hit point that the windowed
+        layers recompute to rebuild their windows there exactly. Layer l's keys depend on the
+        tokens its window W_l reaches through the windowed layers below it, so the sum of
+        W_l - 1 over the windowed layers suffices. None where replay does not apply: no
+        full-attention or no sliding-window group, or a chunked-local group."""
+        kinds = {group.kind for group in self.groups}
+        if "full" not in kinds or "sliding_window" not in kinds or "chunked_local" in kinds:
+            return None
+        return sum(
+            len(group.layer_indices) * (group.window - 1)
+            for group in self.groups
+            if group.kind == "sliding_window" and group.window is not None
+        )
+
     def group_attention(self) -> list[tuple[AttentionKind, Optional[int]]]:
         """(kind, window or chunk) per group, in group-id order (`assign_layer_groups`)."""
         return [(group.kind, group.reach) for group in self.groups]

@@ -98,6 +98,8 @@ class Attention(nn.Module):
         k_cache, v_cache = context.kv_caches[self.layer_index]
         group = context.metadata.groups[self.group_id]
         backend = get_attention_backend(self.backend)
+        if group.write_rows is not None:  # a tail replay: cached KV is read, not rewritten
+            k, v = k[group.write_rows], v[group.write_rows]
         backend.write_kv(k_cache, v_cache, k, v, group.slot_mapping)
         params = self.params.with_sinks(sinks)
         if params is not self.params:  # the model's sinks tensor: once, on the first call

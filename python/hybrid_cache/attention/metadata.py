@@ -18,7 +18,7 @@ row and must never be read or written; every backend gathers only visible blocks
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -35,6 +35,10 @@ class GroupMetadata:
     block_table: torch.Tensor  # [num_seqs, max_blocks] int32, rows of the scheduled requests
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each new token's K/V is written
     block_size: int
+    # The step's tokens whose K/V is written, [written] int64, when not all are (a tail replay:
+    # full-attention KV below the replay's frontier is read from the cache, not rewritten);
+    # `slot_mapping` then holds the slots of those tokens only.
+    write_rows: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -136,13 +140,16 @@ def build_attention_metadata(
     num_computed_tokens: Sequence[int] | torch.Tensor,
     block_tables: Sequence[torch.Tensor],
     block_sizes: Sequence[int],
+    write_from: Optional[Sequence[int]] = None,
+    read_only_groups: Sequence[int] = (),
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata and token positions for one step.
 
     `query_lens[i]` tokens of sequence `i` are computed this step on top of its
     `num_computed_tokens[i]` cached ones; `block_tables[g]` is group g's table, one row per
     sequence in the same order. Everything but the tables and slot mappings (on their
-    tables' device) is on the CPU.
+    tables' device) is on the CPU. `write_from[i]` (a tail replay's frontier, 0 for none):
+    the groups in `read_only_groups` write no K/V for sequence i's positions below it.
     """
     query_lens = np.asarray(query_lens, dtype=np.int32)
     num_seqs = len(query_lens)
@@ -157,6 +164,14 @@ def build_attention_metadata(
         GroupMetadata(block_table=table, slot_mapping=slots, block_size=size)
         for table, slots, size in zip(block_tables, slot_mappings, block_sizes)
     ]
+    if write_from is not None and read_only_groups:
+        written = positions >= np.asarray(write_from, dtype=np.int64)[seq_of_token]
+        if not written.all():
+            rows = torch.from_numpy(np.flatnonzero(written))
+            for index in read_only_groups:
+                group = groups[index]
+                group.write_rows = _on_device(rows, group.slot_mapping.device)
+                group.slot_mapping = group.slot_mapping[group.write_rows]
     metadata = AttentionMetadata(
         query_start_loc=torch.from_numpy(query_start_loc),
         seq_lens=torch.from_numpy(seq_lens),

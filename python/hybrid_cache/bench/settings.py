@@ -53,6 +53,7 @@ class BenchSettings:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     hold_waiting_prefixes: bool = True
+    tail_replay: bool = True
     tokenizer: Optional[str] = None
     load_format: str = "dummy"
     hf_overrides: dict[str, Any] = field(default_factory=dict)

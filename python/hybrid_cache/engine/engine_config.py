@@ -72,6 +72,7 @@ class SchedulerLimits:
     enable_prefix_caching: bool
     scheduling_policy: str = "fcfs"
     hold_waiting_prefixes: bool = True
+    tail_replay: bool = True
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ class EngineConfig:
     name (checked by the selector, which knows the registered backends); `scheduling_policy`:
     "fcfs" or "lpm" (`scheduler.py`); `hold_waiting_prefixes`: a request takes its prefix-cache
     hit when it arrives, so admissions before it cannot evict it (`scheduler.py`);
+    `tail_replay`: a prefix hit whose windowed blocks were evicted keeps its full-attention
+    blocks and recomputes only the windows (docs/PREFIX_CACHING.md, "Tail replay");
     `generation_config`: "auto" (the model folder's `generation_config.json`: EOS ids and
     default sampling values), "vllm" (the engine's sampling defaults) or a folder to read it
     from (`generation_config.py`); `tokenizer`: a tokenizer folder instead of the model
@@ -112,6 +115,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     hold_waiting_prefixes: bool = True
+    tail_replay: bool = True
     # The runtime.
     dtype: Union[str, torch.dtype] = "auto"
     device: Union[str, torch.device, None] = None
@@ -207,6 +211,7 @@ class EngineConfig:
             EngineConfigError,
             _hint("hold_waiting_prefixes"),
         )
+        check_bool(self.tail_replay, "--tail-replay", EngineConfigError, _hint("tail_replay"))
         check_bool(
             self.enforce_eager,
             "--enforce-eager: enforce_eager",
@@ -299,6 +304,7 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             scheduling_policy=self.scheduling_policy,
             hold_waiting_prefixes=self.hold_waiting_prefixes,
+            tail_replay=self.tail_replay,
         )
 
 
@@ -426,6 +432,14 @@ def add_engine_arguments(
         default=defaults.get("hold_waiting_prefixes", True),
         help="a request takes its prefix-cache hit on arrival, so admissions before it cannot "
         "evict it (released, newest first, when running requests need the blocks)",
+    )
+    add(
+        "tail_replay",
+        "--tail-replay",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.get("tail_replay", True),
+        help="when a prefix hit's windowed blocks were evicted, keep its full-attention blocks "
+        "and recompute only the tokens the windows need (exact; taken when it saves tokens)",
     )
     if not plan_only:
         parser.add_argument(

@@ -11,6 +11,7 @@ import itertools
 import operator
 import warnings
 from collections.abc import Sequence
+from typing import Optional
 
 import numpy as np
 import torch
@@ -35,8 +36,10 @@ class KVCacheManager:
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
         hash_seed: int = 0,
+        tail_replay: bool = True,
     ) -> KVCacheManager:
-        """A manager for the planner's layout (its groups, in group-id order, and pool size)."""
+        """A manager for the planner's layout (its groups, in group-id order, and pool size);
+        with `tail_replay`, hits may replay a lost window tail where the layout allows it."""
         return cls(
             layout.num_blocks,
             layout.core_specs(),
@@ -45,6 +48,7 @@ class KVCacheManager:
             max_num_batched_tokens,
             enable_prefix_caching,
             hash_seed,
+            tail_replay_tokens=layout.tail_replay_tokens() if tail_replay else None,
         )
 
     def __init__(
@@ -56,8 +60,13 @@ class KVCacheManager:
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
         hash_seed: int = 0,
+        tail_replay_tokens: Optional[int] = None,
     ) -> None:
         self.groups: list[_core.GroupSpec] = list(groups)
+        # R of the core's tail replay (None: off); see `replay_frontier`.
+        self.tail_replay_tokens: Optional[int] = (
+            tail_replay_tokens if enable_prefix_caching else None
+        )
         self.enable_prefix_caching: bool = enable_prefix_caching
         self.coordinator: _core.Coordinator = _core.Coordinator(
             num_blocks,
@@ -67,6 +76,7 @@ class KVCacheManager:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             hash_seed=hash_seed,
+            tail_replay_tokens=self.tail_replay_tokens,
         )
         self.core_ids: dict[str, int] = {}
         self.rows: dict[str, int] = {}
@@ -133,6 +143,14 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return 0
         return self.coordinator.find_cache_hit(self.core_ids[request.request_id])
+
+    def replay_frontier(self, request: Request) -> int:
+        """Where the tail replay the request's hit took ends (0 without one): until its
+        computed tokens reach it, the runner must not write full-attention KV for positions
+        below it (they hold the cached KV the replay reads)."""
+        if self.tail_replay_tokens is None:
+            return 0
+        return self.coordinator.replay_frontier(self.core_ids[request.request_id])
 
     def probe_cache_hit(self, request: Request) -> int:
         """The prefix-cache hit the request would get if it were admitted now (0 when caching

@@ -78,6 +78,7 @@ class LLMEngine:
             max_num_batched_tokens=limits.max_num_batched_tokens,
             enable_prefix_caching=limits.enable_prefix_caching,
             hash_seed=seed,
+            tail_replay=limits.tail_replay,
         )
         self.scheduler: Scheduler = Scheduler(
             self.kv_cache,
@@ -321,6 +322,9 @@ class LLMEngine:
             stats.prefix_shortened_tokens_per_group = list(
                 core.get("prefix_shortened_per_group", [])
             )
+            stats.num_tail_replays = core.get("prefix_replays", 0)
+            stats.num_tail_replay_tokens = core.get("prefix_replay_tokens", 0)
+            stats.num_tail_replay_gain_tokens = core.get("prefix_replay_gain", 0)
         stats.max_used_blocks_per_group = [
             max(a, b) for a, b in zip(stats.max_used_blocks_per_group, used)
         ]

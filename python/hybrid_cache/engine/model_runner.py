@@ -179,6 +179,10 @@ class ModelRunner:
         # The core's grouped block table as numpy (shared memory): gathers rows faster.
         self.block_table_array: np.ndarray = kv_cache.block_table.numpy()
         self.one_block_size: bool = len(set(self.block_sizes)) == 1
+        # Groups a tail replay reads below its frontier without writing (full attention).
+        self.full_groups: tuple[int, ...] = tuple(
+            index for index, group in enumerate(kv_cache.groups) if group.kind == "full"
+        )
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -217,6 +221,8 @@ class ModelRunner:
         requests = list(map(_REQUEST, scheduled))
         num_computed = list(map(_NUM_COMPUTED, scheduled))
         query_lens = list(map(_NUM_NEW_TOKENS, scheduled))
+        frontiers = list(map(_REPLAY_FRONTIER, requests))
+        replaying = any(map(operator.gt, frontiers, num_computed))
         if scheduled:
             token_ids = (
                 list(map(operator.getitem, map(_ALL_TOKEN_IDS, requests), num_computed))
@@ -233,6 +239,7 @@ class ModelRunner:
             self.block_table_array,
             self.block_sizes,
             output.block_copies,
+            write_from=frontiers if replaying else None,
         )
         parallel = self.parallel
         with parallel.collectives():
@@ -241,7 +248,7 @@ class ModelRunner:
                 self.copy_blocks(output.block_copies)
             if not scheduled:
                 return {}
-            input_ids, metadata, positions = step_batch(inputs, self.block_sizes)
+            input_ids, metadata, positions = step_batch(inputs, self.block_sizes, self.full_groups)
             metadata = metadata_to(metadata, self.device)
             columns = _sampling_columns(scheduled, requests)
             with set_forward_context(metadata, self.kv_caches):
@@ -331,7 +338,10 @@ class ModelRunner:
         query_lens: list[int],
     ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The step's input ids, attention metadata and positions (on the CPU)."""
-        if sum(query_lens) == len(query_lens):  # one token each (decode): no slices, no sums
+        frontiers = list(map(_REPLAY_FRONTIER, requests))
+        replaying = any(map(operator.gt, frontiers, num_computed))
+        if sum(query_lens) == len(query_lens) and not replaying:
+            # One token each (decode): no slices, no sums.
             token_ids = list(map(operator.getitem, map(_ALL_TOKEN_IDS, requests), num_computed))
             metadata, positions = build_decode_metadata(
                 num_computed, rows, self.block_table_array, self.block_sizes
@@ -342,7 +352,12 @@ class ModelRunner:
                 rows, max(map(operator.add, num_computed, query_lens))
             )
             metadata, positions = build_attention_metadata(
-                query_lens, num_computed, block_tables, self.block_sizes
+                query_lens,
+                num_computed,
+                block_tables,
+                self.block_sizes,
+                write_from=frontiers if replaying else None,
+                read_only_groups=self.full_groups,
             )
         return torch.from_numpy(np.array(token_ids, dtype=np.int64)), metadata, positions
 
@@ -408,6 +423,7 @@ _ROW = operator.attrgetter("row")
 _NUM_COMPUTED = operator.attrgetter("num_computed_tokens")
 _NUM_NEW_TOKENS = operator.attrgetter("num_new_tokens")
 _SAMPLES = operator.attrgetter("samples")
+_REPLAY_FRONTIER = operator.attrgetter("replay_frontier")
 _ALL_TOKEN_IDS = operator.attrgetter("all_token_ids")
 _REQUEST_ID = operator.attrgetter("request_id")
 _SAMPLING_PARAMS = operator.attrgetter("sampling_params")

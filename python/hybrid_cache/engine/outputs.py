@@ -152,6 +152,12 @@ class EngineStats:
     # the other groups cut (a windowed group's missing tail shortens every group's hit).
     prefix_alone_hit_tokens_per_group: list[int] = field(default_factory=list)
     prefix_shortened_tokens_per_group: list[int] = field(default_factory=list)
+    # Tail replays (a hit whose windowed blocks were gone, taken with the full-attention blocks
+    # and the windows recomputed): lookups that took one, the tokens they recompute below the
+    # full-attention hit point, and the hit tokens they gained over the plain hit.
+    num_tail_replays: int = 0
+    num_tail_replay_tokens: int = 0
+    num_tail_replay_gain_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

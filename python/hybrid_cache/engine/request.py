@@ -81,6 +81,9 @@ class Request:
         self.finish_reason: Optional[FinishReason] = None
         self.error: Optional[Exception] = None  # set when finish_reason is ERROR
         self.num_computed_tokens: int = 0
+        # Where the tail replay of its current hit ends (0: none): full-attention KV below it is
+        # read from the cache, never written (`KVCacheManager.replay_frontier`).
+        self.replay_frontier: int = 0
         # Figures: prompt tokens served from the prefix cache at first scheduling, preemptions.
         self.num_cached_tokens: int = 0
         self.num_preemptions: int = 0

@@ -434,6 +434,7 @@ class Scheduler:
             request.has_been_scheduled = True
             request.first_scheduled_time = time.time()
         request.num_computed_tokens = num_hit_tokens
+        request.replay_frontier = self.kv_cache.replay_frontier(request) if num_hit_tokens else 0
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         output.scheduled.append(ScheduledRequest(request, row, num_hit_tokens, num_new_tokens))

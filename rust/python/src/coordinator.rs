@@ -169,7 +169,7 @@ impl PyCoordinator {
     #[new]
     #[pyo3(signature = (
         num_blocks, groups, max_num_reqs, max_model_len, max_num_batched_tokens,
-        enable_prefix_caching=true, hash_algo="xxh3", hash_seed=0
+        enable_prefix_caching=true, hash_algo="xxh3", hash_seed=0, tail_replay_tokens=None
     ))]
     #[allow(clippy::too_many_arguments)] // mirrors the Python signature in _core.pyi
     fn new(
@@ -181,6 +181,7 @@ impl PyCoordinator {
         enable_prefix_caching: bool,
         hash_algo: &str,
         hash_seed: u64,
+        tail_replay_tokens: Option<i64>,
     ) -> PyResult<Self> {
         let hash = match hash_algo {
             "xxh3" => HashAlgo::Xxh3,
@@ -201,7 +202,11 @@ impl PyCoordinator {
             hash,
             hash_seed,
         };
-        let inner = Coordinator::new(config).map_err(to_py)?;
+        let mut inner = Coordinator::new(config).map_err(to_py)?;
+        let replay = tail_replay_tokens
+            .map(|tokens| size("tail_replay_tokens", tokens))
+            .transpose()?;
+        inner.set_tail_replay(replay).map_err(to_py)?;
         Ok(PyCoordinator { inner })
     }
 
@@ -305,6 +310,11 @@ impl PyCoordinator {
     fn find_cache_hit(&mut self, request_id: i64) -> PyResult<usize> {
         let request_id = crate::convert::request_id(request_id)?;
         self.inner.find_cache_hit(request_id).map_err(to_py)
+    }
+
+    fn replay_frontier(&self, request_id: i64) -> PyResult<usize> {
+        let request_id = crate::convert::request_id(request_id)?;
+        self.inner.replay_frontier(request_id).map_err(to_py)
     }
 
     fn pending_hit_tokens(&self, request_id: i64) -> PyResult<usize> {
@@ -439,6 +449,9 @@ impl PyCoordinator {
         dict.set_item("prefix_miss_alignment", hits.miss_alignment)?;
         dict.set_item("prefix_alone_hits_per_group", hits.alone.clone())?;
         dict.set_item("prefix_shortened_per_group", hits.shortened.clone())?;
+        dict.set_item("prefix_replays", hits.replays)?;
+        dict.set_item("prefix_replay_tokens", hits.replay_tokens)?;
+        dict.set_item("prefix_replay_gain", hits.replay_gain)?;
         Ok(dict)
     }
 }

@@ -9,7 +9,7 @@ ranks cannot disagree on a slot or a position.
 On the wire a step is int32: a header of `HEADER_FIELDS` values, then the payload
 
     input_ids [T] | num_computed [n] | query_lens [n] (absent in a decode step) |
-    block tables [G, n, C] | block copies [K, 2]
+    write_from [n] (only while a tail replay runs) | block tables [G, n, C] | block copies [K, 2]
 
 sent inside the header message when it fits `inline` values (one broadcast per step), else
 in a second broadcast (`step_broadcast.py`).
@@ -27,8 +27,8 @@ import torch
 from hybrid_cache.attention import AttentionMetadata, build_attention_metadata
 from hybrid_cache.attention.metadata import build_decode_metadata
 
-# Header: operation, n, T, G, C, K, decode flag, payload length.
-HEADER_FIELDS = 8
+# Header: operation, n, T, G, C, K, decode flag, payload length, write_from flag.
+HEADER_FIELDS = 9
 OP_STEP = 1
 OP_STOP = 2
 
@@ -36,13 +36,16 @@ OP_STOP = 2
 @dataclass
 class StepInputs:
     """What every rank's forward needs (`decode`: every query length is 1, `query_lens` is
-    then implied). `block_tables` [groups, seqs, columns] int32; `block_copies` [K, 2]."""
+    then implied). `block_tables` [groups, seqs, columns] int32; `block_copies` [K, 2];
+    `write_from` [seqs]: tail-replay frontiers (full-attention KV below them is not written),
+    None when no sequence replays."""
 
     input_ids: np.ndarray
     num_computed: np.ndarray
     query_lens: Optional[np.ndarray]
     block_tables: np.ndarray
     block_copies: np.ndarray
+    write_from: Optional[np.ndarray] = None
 
     @property
     def num_seqs(self) -> int:
@@ -61,10 +64,12 @@ def gather_step_inputs(
     block_table: np.ndarray,
     block_sizes: Sequence[int],
     block_copies: Sequence[tuple[int, int]],
+    write_from: Optional[Sequence[int]] = None,
 ) -> StepInputs:
     """A step from the scheduler's view: `rows` of the core's grouped `block_table`, only the
-    columns the step reaches (the smallest block size's count)."""
-    decode = len(token_ids) == len(num_computed)
+    columns the step reaches (the smallest block size's count); `write_from`: the sequences'
+    tail-replay frontiers when one of them replays (None otherwise)."""
+    decode = len(token_ids) == len(num_computed) and write_from is None
     max_seq_len = max(map(int.__add__, num_computed, query_lens)) if num_computed else 0
     columns = -(-max_seq_len // min(block_sizes))
     return StepInputs(
@@ -73,14 +78,16 @@ def gather_step_inputs(
         query_lens=None if decode else np.array(query_lens, dtype=np.int64),
         block_tables=block_table[:, list(rows), :columns],
         block_copies=np.array(block_copies, dtype=np.int64).reshape(-1, 2),
+        write_from=None if write_from is None else np.array(write_from, dtype=np.int64),
     )
 
 
 def step_batch(
-    inputs: StepInputs, block_sizes: Sequence[int]
+    inputs: StepInputs, block_sizes: Sequence[int], read_only_groups: Sequence[int] = ()
 ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
     """The step's input ids, attention metadata and positions (on the CPU); the same on every
-    rank for the same `inputs`."""
+    rank for the same `inputs`. `read_only_groups`: the full-attention groups, which write no
+    K/V below a tail replay's frontier."""
     num_computed = inputs.num_computed.tolist()
     tables = inputs.block_tables
     if inputs.decode:
@@ -94,8 +101,14 @@ def step_batch(
             torch.from_numpy(tables[group, :, : -(-max_seq_len // size)])
             for group, size in enumerate(block_sizes)
         ]
+        write_from = None if inputs.write_from is None else inputs.write_from.tolist()
         metadata, positions = build_attention_metadata(
-            query_lens, num_computed, group_tables, block_sizes
+            query_lens,
+            num_computed,
+            group_tables,
+            block_sizes,
+            write_from=write_from,
+            read_only_groups=read_only_groups,
         )
     return torch.from_numpy(inputs.input_ids), metadata, positions
 
@@ -108,6 +121,8 @@ def pack(inputs: StepInputs, header: np.ndarray) -> np.ndarray:
     parts = [inputs.input_ids, inputs.num_computed]
     if not inputs.decode:
         parts.append(inputs.query_lens)
+    if inputs.write_from is not None:
+        parts.append(inputs.write_from)
     parts += [inputs.block_tables.reshape(-1), inputs.block_copies.reshape(-1)]
     length = sum(map(len, parts))
     header[:HEADER_FIELDS] = (
@@ -119,6 +134,7 @@ def pack(inputs: StepInputs, header: np.ndarray) -> np.ndarray:
         len(inputs.block_copies),
         int(inputs.decode),
         length,
+        int(inputs.write_from is not None),
     )
     inline = len(header) - HEADER_FIELDS
     payload = header[HEADER_FIELDS : HEADER_FIELDS + length] if length <= inline else None
@@ -137,15 +153,16 @@ def payload_length(header: np.ndarray) -> int:
 
 def unpack(header: np.ndarray, payload: np.ndarray) -> StepInputs:
     """The `StepInputs` of a header and its payload (`pack`'s inverse)."""
-    _, n, num_tokens, groups, columns, copies, decode, _ = header[:HEADER_FIELDS].tolist()
-    ends = np.cumsum(
-        [num_tokens, n, 0 if decode else n, groups * n * columns, 2 * copies], dtype=np.int64
-    )
-    ids, computed, lens, tables, pairs = np.split(payload[: ends[-1]], ends[:-1])
+    fields = header[:HEADER_FIELDS].tolist()
+    _, n, num_tokens, groups, columns, copies, decode, _, replaying = fields
+    sizes = [num_tokens, n, 0 if decode else n, n if replaying else 0]
+    ends = np.cumsum(sizes + [groups * n * columns, 2 * copies], dtype=np.int64)
+    ids, computed, lens, write_from, tables, pairs = np.split(payload[: ends[-1]], ends[:-1])
     return StepInputs(
         input_ids=ids.astype(np.int64),
         num_computed=computed.astype(np.int64),
         query_lens=None if decode else lens.astype(np.int64),
         block_tables=tables.reshape(groups, n, columns),
         block_copies=pairs.astype(np.int64).reshape(-1, 2),
+        write_from=write_from.astype(np.int64) if replaying else None,
     )

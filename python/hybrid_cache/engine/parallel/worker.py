@@ -89,6 +89,7 @@ class ShardRunner:
         self.model = model
         self.device = device
         self.block_sizes = [group.block_size for group in layout.groups]
+        self.full_groups = [group.group_id for group in layout.groups if group.kind == "full"]
         self.slot_tensors, self.kv_caches = bind_model(
             model, layout, dtype, device, attention_backend
         )
@@ -99,7 +100,7 @@ class ShardRunner:
             copy_blocks(self.slot_tensors, inputs.block_copies, self.device)
         if inputs.num_seqs == 0:
             return
-        input_ids, metadata, positions = step_batch(inputs, self.block_sizes)
+        input_ids, metadata, positions = step_batch(inputs, self.block_sizes, self.full_groups)
         with set_forward_context(metadata_to(metadata, self.device), self.kv_caches):
             self.model(input_ids.to(self.device), positions.to(self.device))
 

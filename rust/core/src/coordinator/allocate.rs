@@ -21,7 +21,7 @@ use super::eviction_order::release_tier;
 use super::hit_stats::SeenKeys;
 use super::keys::GroupKeys;
 use super::request::{HitEnd, PendingHit, RequestState};
-use super::CoordinatorConfig;
+use super::{AttentionKind, CoordinatorConfig};
 use super::{BlockCopy, Coordinator, PrefixEntry, RowRef};
 use crate::allocator::{BlockAllocator, FreeTier};
 use crate::error::CoreError;
@@ -118,7 +118,14 @@ impl<P: BlockAllocator> Coordinator<P> {
             return Ok(true);
         }
 
-        // 1. Plan.
+        // 1. Plan. A tail replay's full-attention rows cover its frontier from the start (the
+        // block its hit ends inside included), whatever this step computes.
+        let frontier = hit.as_ref().map_or(0, |hit| hit.frontier);
+        let groups = &self.config.groups;
+        let cover = |group: usize| match groups[group].kind {
+            AttentionKind::Full => total.max(frontier),
+            _ => total,
+        };
         let mut num_new = 0;
         let mut hit_blocks_now_free = 0;
         let mut released_to_free = 0;
@@ -164,7 +171,7 @@ impl<P: BlockAllocator> Coordinator<P> {
                     blocks.blocks.len()
                 }
             };
-            num_new += manager.num_new_blocks(row_len, total);
+            num_new += manager.num_new_blocks(row_len, cover(group));
         }
         let needed = num_new + hit_blocks_now_free;
         if needed > 0 && needed > self.pool.num_free_blocks() + released_to_free {
@@ -180,11 +187,18 @@ impl<P: BlockAllocator> Coordinator<P> {
                 return Ok(false);
             }
             state.hit_tokens = hit.num_tokens;
+            state.replay_frontier = hit.frontier;
             for (group, blocks) in state.groups.iter_mut().enumerate() {
+                let manager = self.managers[group].as_ref();
                 blocks.blocks.clone_from(&hit.rows[group]);
-                blocks.num_released = self.managers[group].num_released_blocks(computed);
+                blocks.num_released = manager.num_released_blocks(computed);
                 // A taken block is not cached: it is cached again once full.
                 blocks.num_cached = hit.rows[group].len() - usize::from(hit.takes(group));
+                if hit.frontier > 0 && groups[group].kind != AttentionKind::Full {
+                    // A replay's windowed KV below the frontier is recomputed from a partial
+                    // window, wrong for some layers: never cached.
+                    blocks.num_cached = blocks.num_cached.max(hit.frontier / manager.block_size());
+                }
                 self.num_references[group] += blocks.num_held();
             }
         }
@@ -259,7 +273,7 @@ impl<P: BlockAllocator> Coordinator<P> {
         let mut new_blocks = scratch.iter();
         for (group, manager) in self.managers.iter().enumerate() {
             let blocks = &mut state.groups[group];
-            let count = manager.num_new_blocks(blocks.blocks.len(), total);
+            let count = manager.num_new_blocks(blocks.blocks.len(), cover(group));
             let old_len = blocks.blocks.len();
             blocks.blocks.extend(new_blocks.by_ref().take(count));
             self.num_references[group] += count;

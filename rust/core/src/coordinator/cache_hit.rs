@@ -39,7 +39,7 @@ use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::hashing::ExtraKeys;
 use crate::manager::{hit_row, AttentionManager};
-use crate::types::{BlockHash, BlockId, CacheKey, GroupId};
+use crate::types::{BlockHash, BlockId, CacheKey, GroupId, NULL_BLOCK};
 
 /// Blocks of the longest hash chain a probe hashes in its first round.
 const PROBE_FIRST_BLOCKS: usize = 4;
@@ -69,20 +69,27 @@ impl<P: BlockAllocator> Coordinator<P> {
         let num_tokens = state.tokens.len();
         // Lent out while the lookup reads the coordinator; given back below.
         let chains = std::mem::take(&mut state.hash_chains);
-        let CommonHit {
-            max_hit,
-            mut hit,
-            alone,
-            limiting,
-        } = self.common_hit(&chains, num_tokens);
+        let common = self.common_hit(&chains, num_tokens);
+        let (max_hit, alone, limiting) = (common.max_hit, &common.alone, common.limiting);
+        let mut hit = common.tokens();
+        let frontier = common.replay.map_or(0, |replay| replay.frontier);
         let lookup = self.end_lookup();
         let keys_of = |group: usize| self.keys.keys(&chains, group);
         let mut rows = Vec::with_capacity(self.managers.len());
         let mut ends = Vec::with_capacity(self.managers.len());
         for (group, manager) in self.managers.iter().enumerate() {
+            let full = self.config.groups[group].kind == AttentionKind::Full;
+            if frontier > 0 && !full {
+                // A replay starts this windowed group over at the hit: nothing before it is
+                // kept, its window there is taken as new blocks (recomputed).
+                rows.push(vec![NULL_BLOCK; manager.num_released_blocks(hit)]);
+                ends.push(None);
+                continue;
+            }
+            let group_hit = if frontier > 0 { frontier } else { hit };
             // The fixed point only accepts cached blocks; a pool shared with another thread
             // may have evicted one since, which makes the whole hit a miss.
-            match group_hit_row(&lookup, manager.as_ref(), keys_of(group), hit) {
+            match group_hit_row(&lookup, manager.as_ref(), keys_of(group), group_hit) {
                 Some((row, end)) => {
                     rows.push(row);
                     ends.push(end);
@@ -99,13 +106,15 @@ impl<P: BlockAllocator> Coordinator<P> {
             .hashes
             .get(next_unit)
             .is_some_and(|&hash| self.seen_keys.contains(limiting as GroupId, hash));
+        let replay = common.replay.filter(|_| hit > 0);
         self.hit_stats.record(Lookup {
             num_tokens,
             max_hit,
             hit,
-            alone: &alone,
+            alone,
             prefix_cached: alone[limiting],
             next_was_cached,
+            replay: replay.map(|replay| (common.hit, replay.frontier)),
         });
         let state = self.requests.get_mut(&request_id).expect("checked above");
         state.hash_chains = chains;
@@ -114,6 +123,7 @@ impl<P: BlockAllocator> Coordinator<P> {
                 num_tokens: hit,
                 rows,
                 ends,
+                frontier: replay.map_or(0, |replay| replay.frontier),
             });
         }
         Ok(hit)
@@ -155,7 +165,7 @@ impl<P: BlockAllocator> Coordinator<P> {
         loop {
             extend_chains(&self.hasher, sizes, &tokens[..prefix], extra, &mut chains);
             if prefix == tokens.len() || self.full_run_ends_before(&full_groups, &chains, prefix) {
-                return Ok(self.common_hit(&chains, prefix).hit);
+                return Ok(self.common_hit(&chains, prefix).tokens());
             }
             prefix = (PROBE_GROWTH * prefix).min(tokens.len());
         }
@@ -223,13 +233,60 @@ impl<P: BlockAllocator> Coordinator<P> {
         // again), and a full-attention group keyed by its own blocks accepts any shorter length
         // (its cached run starts at block 0): neither is looked up again.
         let mut accepted_at = longest;
+        let full_accepted_at = self.tail_replay_tokens.map(|_| accepted_at.clone());
+        hit = self.settle(
+            &lookup,
+            chains,
+            &self.hit_order,
+            hit,
+            &alone,
+            &mut accepted_at,
+        );
+        let replay = self.tail_replay_tokens.and_then(|replay_tokens| {
+            let mut accepted_at = full_accepted_at.expect("cloned when replaying");
+            let full: Vec<usize> = self
+                .hit_order
+                .iter()
+                .copied()
+                .filter(|&group| self.config.groups[group].kind == AttentionKind::Full)
+                .collect();
+            let start = full.iter().map(|&group| alone[group]).min()?;
+            let frontier = self.settle(&lookup, chains, &full, start, &alone, &mut accepted_at);
+            let replay_start = frontier.saturating_sub(replay_tokens) / alignment * alignment;
+            (replay_start > hit).then_some(Replay {
+                start: replay_start,
+                frontier,
+            })
+        });
+        CommonHit {
+            max_hit,
+            hit,
+            alone,
+            limiting,
+            replay,
+        }
+    }
+
+    /// The fixed point over `groups` from `hit`: each group accepts the length or shortens it
+    /// (rounded down to the alignment), until a pass shortens nothing. `accepted_at[g]` is a
+    /// length group `g` is known to accept (its last answer), so it is not asked again there.
+    fn settle(
+        &self,
+        lookup: &EndLookup<'_, P>,
+        chains: &[Vec<BlockHash>],
+        groups: &[usize],
+        mut hit: usize,
+        alone: &[usize],
+        accepted_at: &mut [usize],
+    ) -> usize {
+        let alignment = self.hit_alignment;
         loop {
             let mut shortened = false;
-            for &group in &self.hit_order {
+            for &group in groups {
                 if hit == 0 {
                     break;
                 }
-                let keys = keys_of(group);
+                let keys = self.keys.keys(chains, group);
                 let plain_full = keys.units == 1
                     && self.config.groups[group].kind == AttentionKind::Full
                     && hit <= alone[group];
@@ -237,7 +294,7 @@ impl<P: BlockAllocator> Coordinator<P> {
                     continue;
                 }
                 let manager = self.managers[group].as_ref();
-                let answer = longest_group_hit(&lookup, manager, keys, hit);
+                let answer = longest_group_hit(lookup, manager, keys, hit);
                 accepted_at[group] = answer;
                 let accepted = answer / alignment * alignment;
                 if accepted < hit {
@@ -246,14 +303,8 @@ impl<P: BlockAllocator> Coordinator<P> {
                 }
             }
             if !shortened || hit == 0 {
-                break;
+                return hit;
             }
-        }
-        CommonHit {
-            max_hit,
-            hit,
-            alone,
-            limiting,
         }
     }
 }
@@ -271,9 +322,27 @@ impl<P: BlockAllocator> Coordinator<P> {
 /// What `common_hit` found.
 struct CommonHit {
     max_hit: usize,
+    /// The longest prefix every group hits.
     hit: usize,
     alone: Vec<usize>,
     limiting: usize,
+    /// A tail replay that starts later than `hit` (only when replay is on).
+    replay: Option<Replay>,
+}
+
+impl CommonHit {
+    /// Tokens the request need not compute: the replay's start, else the hit.
+    fn tokens(&self) -> usize {
+        self.replay.map_or(self.hit, |replay| replay.start)
+    }
+}
+
+/// A tail replay: the full-attention groups hit `frontier` tokens, the windowed ones start over
+/// at `start` (see the module docs).
+#[derive(Clone, Copy, Debug)]
+struct Replay {
+    start: usize,
+    frontier: usize,
 }
 
 impl<P: BlockAllocator> Coordinator<P> {

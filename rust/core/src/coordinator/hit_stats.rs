@@ -16,7 +16,9 @@
 //! ```
 //!
 //! Per group: `alone` sums `a_g`, `shortened` sums `a_g - h` (the hit this group lost to the
-//! others). "Was it ever cached" is a Bloom filter over the keys this coordinator cached: no
+//! others). A tail replay's hit `h` is where it starts the windowed groups over; `replays`
+//! counts those lookups, `replay_tokens` sums what they recompute below the full-attention hit
+//! point (`F - h`) and `replay_gain` the tokens they hit beyond the plain hit. "Was it ever cached" is a Bloom filter over the keys this coordinator cached: no
 //! false "never cached", some false "evicted" (under 1% while the filter is at most 1/16 full;
 //! it is cleared when fuller, after which keys cached before count as never cached).
 
@@ -37,6 +39,12 @@ pub struct HitStats {
     pub alone: Vec<u64>,
     /// Per group: tokens it alone would have hit beyond the hit taken.
     pub shortened: Vec<u64>,
+    /// Lookups answered with a tail replay.
+    pub replays: u64,
+    /// Tokens those replays recompute below their full-attention hit point.
+    pub replay_tokens: u64,
+    /// Tokens those replays hit beyond the hit every group had.
+    pub replay_gain: u64,
 }
 
 /// One lookup's figures, as `HitStats::record` takes them.
@@ -50,6 +58,9 @@ pub(super) struct Lookup<'a> {
     pub prefix_cached: usize,
     /// Whether the unit after `prefix_cached` was ever cached.
     pub next_was_cached: bool,
+    /// For a tail replay (`hit` is its start): the hit every group had, and the full-attention
+    /// hit point.
+    pub replay: Option<(usize, usize)>,
 }
 
 impl HitStats {
@@ -74,6 +85,11 @@ impl HitStats {
             self.miss_never_cached += uncached;
         }
         self.miss_alignment += (lookup.num_tokens - lookup.max_hit) as u64;
+        if let Some((plain_hit, frontier)) = lookup.replay {
+            self.replays += 1;
+            self.replay_tokens += (frontier - lookup.hit) as u64;
+            self.replay_gain += (lookup.hit - plain_hit) as u64;
+        }
         for (group, &alone) in lookup.alone.iter().enumerate() {
             self.alone[group] += alone as u64;
             self.shortened[group] += alone.saturating_sub(hit) as u64;
@@ -165,6 +181,7 @@ mod tests {
             alone: &[32, 40],
             prefix_cached: 32,
             next_was_cached: true,
+            replay: None,
         });
         assert_eq!(stats.hits, 16);
         assert_eq!(stats.miss_window_tail, 16);

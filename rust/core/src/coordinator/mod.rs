@@ -29,6 +29,13 @@
 //!                  (optional)          ^ append_token_ids before each decode step
 //!   free_request (finish, abort or preemption)
 //! ```
+//!
+//! Tail replay (`set_tail_replay`, off by default): when the full-attention groups hit `F`
+//! tokens but a windowed group's blocks for a hit point there are gone, a hit may instead start
+//! the windowed groups over at `S = F - R` (rounded down to the hit alignment), `R` being the
+//! tokens the windowed layers need recomputed to rebuild their windows at `F` exactly; the
+//! full-attention groups keep their blocks up to `F`. See `cache_hit` for the rule and the
+//! caller's duty (full-attention KV below `F` is read, never written).
 
 mod allocate;
 mod cache_hit;
@@ -125,6 +132,8 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     /// current epoch are computed by the step being scheduled, after the copies run, so they
     /// are no copy source yet.
     copy_epoch: u64,
+    /// `R` of a tail replay (`set_tail_replay`); `None`: hits never replay.
+    tail_replay_tokens: Option<usize>,
 }
 
 /// A cached full block one of whose keys a hit may end at (see `Coordinator::prefix_index`).
@@ -205,6 +214,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             prefix_index: HashMap::new(),
             prefix_index_limit,
             copy_epoch: 0,
+            tail_replay_tokens: None,
         })
     }
 
@@ -296,6 +306,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             hit_tokens: 0,
             last_batch: 0,
             copy_sources: Vec::new(),
+            replay_frontier: 0,
         };
         self.requests.insert(request.request_id, state);
         Ok(row)
@@ -467,6 +478,43 @@ impl<P: BlockAllocator> Coordinator<P> {
     pub fn take_block_copies(&mut self) -> Vec<BlockCopy> {
         self.copy_epoch += 1;
         std::mem::take(&mut self.block_copies)
+    }
+
+    /// Lets cache hits replay a lost window tail: `replay_tokens` is `R`, the tokens before the
+    /// full-attention hit point that the windowed layers must recompute to rebuild their
+    /// windows there (for sliding windows `W_l` of the windowed layers in model order, the sum
+    /// of `W_l - 1`); `None` turns replay off. Refused for a model without both a
+    /// full-attention and a sliding-window group, or with a chunked-local group (its layers
+    /// would need a different rule).
+    pub fn set_tail_replay(&mut self, replay_tokens: Option<usize>) -> Result<(), CoreError> {
+        if let Some(tokens) = replay_tokens {
+            let kinds = || self.config.groups.iter().map(|spec| spec.kind);
+            let has_full = kinds().any(|kind| kind == AttentionKind::Full);
+            let has_window =
+                kinds().any(|kind| matches!(kind, AttentionKind::SlidingWindow { .. }));
+            let has_chunk = kinds().any(|kind| matches!(kind, AttentionKind::ChunkedLocal { .. }));
+            if !has_full || !has_window || has_chunk {
+                return Err(CoreError::InvalidArgument(
+                    "tail replay needs full-attention and sliding-window groups and no \
+                     chunked-local group; turn it off for this model"
+                        .into(),
+                ));
+            }
+            if tokens == 0 {
+                return Err(CoreError::InvalidArgument(
+                    "tail replay tokens must be at least 1 (the windows' W - 1 summed)".into(),
+                ));
+            }
+        }
+        self.tail_replay_tokens = replay_tokens;
+        Ok(())
+    }
+
+    /// The full-attention hit point of the tail replay the request's hit took (0 without one):
+    /// until its computed tokens reach it, the caller must not write full-attention KV for
+    /// positions below it (those slots hold the cached KV the replay reads).
+    pub fn replay_frontier(&self, request_id: u64) -> Result<usize, CoreError> {
+        Ok(self.request(request_id)?.replay_frontier)
     }
 
     pub fn stats(&self) -> CoordinatorStats {

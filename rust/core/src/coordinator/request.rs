@@ -28,6 +28,8 @@ pub struct RequestState {
     /// Sources of the block copies its hit asked for, held until its next `allocate` (the
     /// step that needed the copies has run by then) or its free.
     pub copy_sources: Vec<BlockId>,
+    /// The full-attention hit point of the tail replay its hit took (0 without one).
+    pub replay_frontier: usize,
 }
 
 /// A cache hit found but not yet taken.
@@ -38,6 +40,9 @@ pub struct PendingHit {
     pub rows: Vec<Vec<BlockId>>,
     /// Per group, how the hit ends when it ends inside a block (groups keyed by sub-blocks).
     pub ends: Vec<Option<HitEnd>>,
+    /// A tail replay's full-attention hit point `F > num_tokens` (0 for a plain hit): the
+    /// full-attention rows hold `F` tokens, the windowed rows start over at `num_tokens`.
+    pub frontier: usize,
 }
 
 impl PendingHit {

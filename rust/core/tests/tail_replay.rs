@@ -1,0 +1,209 @@
+//! Tail replay: a hit that keeps the full-attention blocks up to `F` and starts the windowed
+//! groups over at `F - R`, when a windowed group's blocks for a hit point near `F` are gone.
+
+use hybrid_cache_core::{
+    AllocateStep, AttentionKind, Coordinator, CoordinatorConfig, CoreError, ExtraKeys, GroupSpec,
+    HashAlgo, NewRequest, NULL_BLOCK,
+};
+
+const FULL: usize = 0;
+const WINDOW: usize = 1;
+
+/// Full attention and a window of 5 (one windowed layer: R = 4), blocks of 4 tokens, 33 usable
+/// blocks.
+fn coordinator(replay_tokens: Option<usize>) -> Coordinator {
+    let groups = vec![
+        GroupSpec {
+            kind: AttentionKind::Full,
+            block_size: 4,
+        },
+        GroupSpec {
+            kind: AttentionKind::SlidingWindow { window: 5 },
+            block_size: 4,
+        },
+    ];
+    let mut c = Coordinator::new(CoordinatorConfig {
+        num_blocks: 34,
+        groups,
+        max_num_reqs: 4,
+        max_model_len: 256,
+        max_num_batched_tokens: 64,
+        enable_prefix_caching: true,
+        hash: HashAlgo::Xxh3,
+        hash_seed: 0,
+    })
+    .unwrap();
+    c.set_tail_replay(replay_tokens).unwrap();
+    c
+}
+
+fn add(c: &mut Coordinator, request_id: u64, tokens: &[u32]) {
+    c.add_request(NewRequest {
+        request_id,
+        prompt_token_ids: tokens,
+        max_total_tokens: None,
+        extra: ExtraKeys::default(),
+    })
+    .unwrap();
+}
+
+fn allocate(c: &mut Coordinator, request_id: u64, computed: usize, new: usize) -> bool {
+    c.allocate(AllocateStep {
+        request_id,
+        num_computed_tokens: computed,
+        num_new_tokens: new,
+    })
+    .unwrap()
+}
+
+/// Request 1 computes 64 tokens in chunks of 16 (the window releases its early blocks to the
+/// `Low` tier) and is freed; request 2 takes 32 unrelated tokens at once, which evicts the one
+/// keyless block and the 15 `Low` windowed blocks, and is freed. What stays cached: request 1's
+/// full-attention blocks and its last windowed block. Returns request 1's full-attention row.
+fn lose_the_window(c: &mut Coordinator) -> Vec<u32> {
+    add(c, 1, &tokens(100, 64));
+    for computed in (0..64).step_by(16) {
+        assert!(allocate(c, 1, computed, 16));
+    }
+    let full_row = c.request_blocks(1, FULL).unwrap().to_vec();
+    c.free_request(1).unwrap();
+    add(c, 2, &tokens(5000, 32));
+    assert!(allocate(c, 2, 0, 32));
+    c.free_request(2).unwrap();
+    full_row
+}
+
+fn tokens(first: u32, count: u32) -> Vec<u32> {
+    (first..first + count).collect()
+}
+
+/// The first 40 tokens of request 1, then 20 new ones.
+fn branch() -> Vec<u32> {
+    let mut prompt = tokens(100, 40);
+    prompt.extend(tokens(9000, 20));
+    prompt
+}
+
+#[test]
+fn a_lost_window_tail_is_replayed_from_f_minus_r() {
+    let mut c = coordinator(Some(4));
+    let full_row = lose_the_window(&mut c);
+    let prompt = branch();
+    // Full attention hits 40; the windowed block [36, 40) is gone, so every group hits 0; a
+    // replay starts the window over at 40 - 4 = 36.
+    assert_eq!(
+        c.probe_cache_hit(&prompt, &ExtraKeys::default()).unwrap(),
+        36
+    );
+    add(&mut c, 3, &prompt);
+    assert_eq!(c.find_cache_hit(3).unwrap(), 36);
+    assert!(allocate(&mut c, 3, 36, 24));
+    assert_eq!(c.replay_frontier(3).unwrap(), 40);
+    // The full-attention row holds request 1's blocks up to the frontier, then new ones.
+    let row = c.request_blocks(3, FULL).unwrap();
+    assert_eq!(row.len(), 15);
+    assert_eq!(&row[..10], &full_row[..10]);
+    // The windowed row: nothing before the window of 36, new blocks from [32, 36) on.
+    let window_row = c.request_blocks(3, WINDOW).unwrap();
+    assert_eq!(window_row.len(), 15);
+    assert!(window_row[..8].iter().all(|&block| block == NULL_BLOCK));
+    assert!(window_row[8..].iter().all(|&block| block != NULL_BLOCK));
+    let stats = c.stats().hits;
+    assert_eq!(
+        (stats.replays, stats.replay_tokens, stats.replay_gain),
+        (1, 4, 36)
+    );
+}
+
+#[test]
+fn replayed_windowed_blocks_below_the_frontier_are_never_cached() {
+    let mut c = coordinator(Some(4));
+    lose_the_window(&mut c);
+    add(&mut c, 3, &branch());
+    assert_eq!(c.find_cache_hit(3).unwrap(), 36);
+    assert!(allocate(&mut c, 3, 36, 24));
+    c.free_request(3).unwrap();
+    // Request 3's windowed block [36, 40) holds KV recomputed from a partial window: a prompt
+    // branching at 40 must replay again rather than hit it.
+    let mut again = tokens(100, 40);
+    again.extend(tokens(7000, 10));
+    add(&mut c, 4, &again);
+    assert_eq!(c.find_cache_hit(4).unwrap(), 36);
+    // Past the frontier request 3's windowed blocks are right and cached: its own prompt hits
+    // up to 60 in every group, no replay.
+    let mut longer = branch();
+    longer.extend(tokens(8000, 4));
+    add(&mut c, 5, &longer);
+    assert_eq!(c.find_cache_hit(5).unwrap(), 60);
+    assert!(allocate(&mut c, 5, 60, 4));
+    assert_eq!(c.replay_frontier(5).unwrap(), 0);
+}
+
+#[test]
+fn no_replay_when_it_saves_nothing_or_is_off() {
+    // R = 40: the replay would start at 0, no better than the plain hit.
+    let mut c = coordinator(Some(40));
+    lose_the_window(&mut c);
+    add(&mut c, 3, &branch());
+    assert_eq!(c.find_cache_hit(3).unwrap(), 0);
+    assert_eq!(c.stats().hits.replays, 0);
+    let mut off = coordinator(None);
+    lose_the_window(&mut off);
+    add(&mut off, 3, &branch());
+    assert_eq!(off.find_cache_hit(3).unwrap(), 0);
+    // A request that starts at 0 instead of at its replay hit takes no replay.
+    let mut c = coordinator(Some(4));
+    lose_the_window(&mut c);
+    add(&mut c, 3, &branch());
+    assert_eq!(c.find_cache_hit(3).unwrap(), 36);
+    assert!(allocate(&mut c, 3, 0, 60));
+    assert_eq!(c.replay_frontier(3).unwrap(), 0);
+}
+
+#[test]
+fn a_replay_whose_first_chunk_ends_before_the_frontier_keeps_the_frontier_blocks() {
+    let mut c = coordinator(Some(4));
+    lose_the_window(&mut c);
+    add(&mut c, 3, &branch());
+    assert_eq!(c.find_cache_hit(3).unwrap(), 36);
+    // Two tokens: up to 38 < 40, the full-attention row still covers the frontier.
+    assert!(allocate(&mut c, 3, 36, 2));
+    assert_eq!(c.request_blocks(3, FULL).unwrap().len(), 10);
+    assert!(allocate(&mut c, 3, 38, 22));
+    assert_eq!(c.request_blocks(3, FULL).unwrap().len(), 15);
+    assert_eq!(c.replay_frontier(3).unwrap(), 40);
+}
+
+#[test]
+fn tail_replay_is_refused_where_its_rule_does_not_hold() {
+    let config = |groups: Vec<GroupSpec>| CoordinatorConfig {
+        num_blocks: 16,
+        groups,
+        max_num_reqs: 2,
+        max_model_len: 64,
+        max_num_batched_tokens: 16,
+        enable_prefix_caching: true,
+        hash: HashAlgo::Xxh3,
+        hash_seed: 0,
+    };
+    let spec = |kind| GroupSpec {
+        kind,
+        block_size: 4,
+    };
+    let full_only = vec![spec(AttentionKind::Full)];
+    let with_chunk = vec![
+        spec(AttentionKind::Full),
+        spec(AttentionKind::SlidingWindow { window: 8 }),
+        spec(AttentionKind::ChunkedLocal { chunk: 8 }),
+    ];
+    for groups in [full_only, with_chunk] {
+        let mut c = Coordinator::new(config(groups)).unwrap();
+        assert!(matches!(
+            c.set_tail_replay(Some(4)),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        c.set_tail_replay(None).unwrap();
+    }
+    let mut c = coordinator(None);
+    assert!(c.set_tail_replay(Some(0)).is_err());
+}
