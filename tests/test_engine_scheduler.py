@@ -41,6 +41,9 @@ class FakeKVCacheManager:
     def find_cache_hit(self, request: Request) -> int:
         return self.hits.get(request.request_id, 0)
 
+    def replay_frontier(self, request: Request) -> int:
+        return 0  # no tail replays: every hit is a plain one
+
     def allocate(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> bool:
         needed = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
         extra = needed - self.held[request.request_id]

@@ -4,11 +4,11 @@ need; its output equals a cold engine's, and a replay range too short or a repla
 the cached full-attention KV gives a different output (so the check can fail).
 
 Setup (tiny transformers models of `test_engine_llm`: windows of 8 tokens, blocks of 4): request
-A computes a 60-token prompt in chunks of 16, so its windowed layers release their early blocks
+A computes a 76-token prompt in chunks of 16, so its windowed layers release their early blocks
 while it runs (the free queue's `Low` tier, evicted first). Filler requests then take blocks
-until only a replay can hit the branch prompt (A's first 44 tokens, then new ones): every
-windowed block a hit point before the replay start needs is gone, A's full-attention blocks are
-all still cached.
+until the branch prompt (A's first 60 tokens, then new ones) hits by a replay: the windowed
+blocks of the hit points before the replay start are gone (enough of them for the replay to
+save more than it recomputes), A's full-attention blocks are all still cached.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
 ]
 
-SHARED = 44  # tokens of A's prompt the branch shares: the full-attention hit point F
+SHARED = 60  # tokens of A's prompt the branch shares: the full-attention hit point F
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
 FILLER_IDS = itertools.count(10**9)  # core request ids the engine never uses
 
@@ -45,15 +45,15 @@ def tiny(request, tmp_path_factory) -> TinyModel:
 
 
 def engine(tiny: TinyModel, **overrides) -> LLM:
-    """An engine whose pool holds one 72-token request at its worst case and a few blocks
+    """An engine whose pool holds one 88-token request at its worst case and a few blocks
     more, so few keyless blocks stand before A's in the free queue."""
-    pool = small_pool(tiny, largest=72)
+    pool = small_pool(tiny, largest=88)
     options = dict(max_num_batched_tokens=16, max_num_seqs=64, **pool)
     return tiny.llm(**{**options, **overrides})
 
 
 def prompts() -> tuple[list[int], list[int]]:
-    (first,) = make_prompts(71, lengths=(60,))
+    (first,) = make_prompts(71, lengths=(76,))
     (new,) = make_prompts(72, lengths=(12,))
     return first, first[:SHARED] + new
 
@@ -107,6 +107,20 @@ def test_a_replayed_prefix_gives_the_cold_engine_s_output(tiny):
     # Bit for bit on the CPU: the same KV, read in the same order.
     assert math.isclose(
         hot.outputs[0].cumulative_logprob, cold.outputs[0].cumulative_logprob, abs_tol=1e-6
+    )
+    # The next turn hits what the replay computed and cached (its windowed blocks from where
+    # every windowed layer's KV is right), plainly, and still gives the cold engine's output.
+    (more,) = make_prompts(73, lengths=(8,))
+    follow_up = branch + hot.outputs[0].token_ids + more
+    cold_next = run_branch(engine(tiny, enable_prefix_caching=False), follow_up)
+    hot_next = run_branch(llm, follow_up)
+    assert llm.stats.num_tail_replays == 1
+    assert hot_next.num_cached_tokens >= len(branch) // 4 * 4
+    assert hot_next.outputs[0].token_ids == cold_next.outputs[0].token_ids
+    assert math.isclose(
+        hot_next.outputs[0].cumulative_logprob,
+        cold_next.outputs[0].cumulative_logprob,
+        abs_tol=1e-6,
     )
     assert_all_blocks_free(llm)
 

@@ -179,10 +179,12 @@ class ModelRunner:
         # The core's grouped block table as numpy (shared memory): gathers rows faster.
         self.block_table_array: np.ndarray = kv_cache.block_table.numpy()
         self.one_block_size: bool = len(set(self.block_sizes)) == 1
-        # Groups a tail replay reads below its frontier without writing (full attention).
+        # Groups a tail replay reads below its frontier without writing (full attention), and
+        # whether the core may replay at all (else no step looks at the frontiers).
         self.full_groups: tuple[int, ...] = tuple(
             index for index, group in enumerate(kv_cache.groups) if group.kind == "full"
         )
+        self.may_replay: bool = kv_cache.tail_replay_tokens is not None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -221,8 +223,7 @@ class ModelRunner:
         requests = list(map(_REQUEST, scheduled))
         num_computed = list(map(_NUM_COMPUTED, scheduled))
         query_lens = list(map(_NUM_NEW_TOKENS, scheduled))
-        frontiers = list(map(_REPLAY_FRONTIER, requests))
-        replaying = any(map(operator.gt, frontiers, num_computed))
+        frontiers, replaying = self._replay_frontiers(requests, num_computed)
         if scheduled:
             token_ids = (
                 list(map(operator.getitem, map(_ALL_TOKEN_IDS, requests), num_computed))
@@ -338,8 +339,7 @@ class ModelRunner:
         query_lens: list[int],
     ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The step's input ids, attention metadata and positions (on the CPU)."""
-        frontiers = list(map(_REPLAY_FRONTIER, requests))
-        replaying = any(map(operator.gt, frontiers, num_computed))
+        frontiers, replaying = self._replay_frontiers(requests, num_computed)
         if sum(query_lens) == len(query_lens) and not replaying:
             # One token each (decode): no slices, no sums.
             token_ids = list(map(operator.getitem, map(_ALL_TOKEN_IDS, requests), num_computed))
@@ -360,6 +360,16 @@ class ModelRunner:
                 read_only_groups=self.full_groups,
             )
         return torch.from_numpy(np.array(token_ids, dtype=np.int64)), metadata, positions
+
+    def _replay_frontiers(
+        self, requests: list[Request], num_computed: list[int]
+    ) -> tuple[list[int], bool]:
+        """The requests' tail-replay frontiers, and whether one of them is still below its
+        own (its full-attention KV there must not be written)."""
+        if not self.may_replay:
+            return [], False
+        frontiers = list(map(_REPLAY_FRONTIER, requests))
+        return frontiers, any(map(operator.gt, frontiers, num_computed))
 
     def _gather_block_tables(self, rows: list[int], max_seq_len: int) -> list[torch.Tensor]:
         """Each group's block-table rows of the batch, only the columns the batch can touch

@@ -116,37 +116,47 @@ fn a_lost_window_tail_is_replayed_from_f_minus_r() {
 }
 
 #[test]
-fn replayed_windowed_blocks_below_the_frontier_are_never_cached() {
-    let mut c = coordinator(Some(4));
+fn a_replay_caches_its_windowed_blocks_from_where_every_layer_is_right() {
+    // R = 8: two windowed layers of W = 5. Replaying from S = 32, the lower layer's keys are
+    // right from 32, the upper one's from 36 = S + R - (W - 1): blocks from 36 on are cached.
+    let mut c = coordinator(Some(8));
     lose_the_window(&mut c);
     add(&mut c, 3, &branch());
-    assert_eq!(c.find_cache_hit(3).unwrap(), 36);
-    assert!(allocate(&mut c, 3, 36, 24));
+    assert_eq!(c.find_cache_hit(3).unwrap(), 32);
+    assert!(allocate(&mut c, 3, 32, 28));
+    assert_eq!(c.replay_frontier(3).unwrap(), 40);
     c.free_request(3).unwrap();
-    // Request 3's windowed block [36, 40) holds KV recomputed from a partial window: a prompt
-    // branching at 40 must replay again rather than hit it.
-    let mut again = tokens(100, 40);
-    again.extend(tokens(7000, 10));
-    add(&mut c, 4, &again);
-    assert_eq!(c.find_cache_hit(4).unwrap(), 36);
-    // Past the frontier request 3's windowed blocks are right and cached: its own prompt hits
-    // up to 60 in every group, no replay.
-    let mut longer = branch();
-    longer.extend(tokens(8000, 4));
-    add(&mut c, 5, &longer);
-    assert_eq!(c.find_cache_hit(5).unwrap(), 60);
-    assert!(allocate(&mut c, 5, 60, 4));
-    assert_eq!(c.replay_frontier(5).unwrap(), 0);
+    // A prompt branching at 40 needs the windowed block [36, 40): cached, a plain hit.
+    let mut at_40 = tokens(100, 40);
+    at_40.extend(tokens(7000, 10));
+    add(&mut c, 4, &at_40);
+    assert_eq!(c.find_cache_hit(4).unwrap(), 40);
+    assert!(allocate(&mut c, 4, 40, 10));
+    assert_eq!(c.replay_frontier(4).unwrap(), 0);
+    c.free_request(4).unwrap();
+    // Branching at 36 needs [32, 36), wrong for the upper layer and never cached: a replay
+    // again (from 28), not a hit of 36.
+    let mut at_36 = tokens(100, 36);
+    at_36.extend(tokens(6000, 10));
+    add(&mut c, 5, &at_36);
+    assert_eq!(c.find_cache_hit(5).unwrap(), 28);
+    assert!(allocate(&mut c, 5, 28, 18));
+    assert_eq!(c.replay_frontier(5).unwrap(), 36);
 }
 
 #[test]
-fn no_replay_when_it_saves_nothing_or_is_off() {
+fn no_replay_when_it_saves_less_than_it_recomputes_or_is_off() {
     // R = 40: the replay would start at 0, no better than the plain hit.
     let mut c = coordinator(Some(40));
     lose_the_window(&mut c);
     add(&mut c, 3, &branch());
     assert_eq!(c.find_cache_hit(3).unwrap(), 0);
     assert_eq!(c.stats().hits.replays, 0);
+    // R = 24: the replay would start at 16, recomputing 24 tokens to gain 16: not taken.
+    let mut c = coordinator(Some(24));
+    lose_the_window(&mut c);
+    add(&mut c, 3, &branch());
+    assert_eq!(c.find_cache_hit(3).unwrap(), 0);
     let mut off = coordinator(None);
     lose_the_window(&mut off);
     add(&mut off, 3, &branch());

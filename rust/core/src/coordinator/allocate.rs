@@ -195,9 +195,11 @@ impl<P: BlockAllocator> Coordinator<P> {
                 // A taken block is not cached: it is cached again once full.
                 blocks.num_cached = hit.rows[group].len() - usize::from(hit.takes(group));
                 if hit.frontier > 0 && groups[group].kind != AttentionKind::Full {
-                    // A replay's windowed KV below the frontier is recomputed from a partial
-                    // window, wrong for some layers: never cached.
-                    blocks.num_cached = blocks.num_cached.max(hit.frontier / manager.block_size());
+                    // A replay's windowed KV is recomputed from a partial window, wrong for
+                    // some layers before `replay_exact_after` tokens: never cached there.
+                    let exact_from = computed + self.replay_exact_after;
+                    let first_cached = exact_from.div_ceil(manager.block_size());
+                    blocks.num_cached = blocks.num_cached.max(first_cached);
                 }
                 self.num_references[group] += blocks.num_held();
             }

@@ -253,7 +253,11 @@ impl<P: BlockAllocator> Coordinator<P> {
             let start = full.iter().map(|&group| alone[group]).min()?;
             let frontier = self.settle(&lookup, chains, &full, start, &alone, &mut accepted_at);
             let replay_start = frontier.saturating_sub(replay_tokens) / alignment * alignment;
-            (replay_start > hit).then_some(Replay {
+            // Taken when it saves at least the tokens it recomputes below the frontier (whose
+            // windowed KV is never cached): a replay that gains a block for hundreds of
+            // recomputed tokens pins the frontier's blocks for little.
+            let gain = replay_start.saturating_sub(hit);
+            (gain > 0 && gain >= frontier - replay_start).then_some(Replay {
                 start: replay_start,
                 frontier,
             })

@@ -134,6 +134,9 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     copy_epoch: u64,
     /// `R` of a tail replay (`set_tail_replay`); `None`: hits never replay.
     tail_replay_tokens: Option<usize>,
+    /// `R - (W_min - 1)`: a replay from `S` recomputes right windowed KV from `S` plus this on
+    /// (cached from there; below it never).
+    replay_exact_after: usize,
 }
 
 /// A cached full block one of whose keys a hit may end at (see `Coordinator::prefix_index`).
@@ -215,6 +218,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             prefix_index_limit,
             copy_epoch: 0,
             tail_replay_tokens: None,
+            replay_exact_after: 0,
         })
     }
 
@@ -483,7 +487,9 @@ impl<P: BlockAllocator> Coordinator<P> {
     /// Lets cache hits replay a lost window tail: `replay_tokens` is `R`, the tokens before the
     /// full-attention hit point that the windowed layers must recompute to rebuild their
     /// windows there (for sliding windows `W_l` of the windowed layers in model order, the sum
-    /// of `W_l - 1`); `None` turns replay off. Refused for a model without both a
+    /// of `W_l - 1`); `None` turns replay off. A replay from `S` caches its windowed blocks
+    /// that start at `S + R - (W_min - 1)` or later (every windowed layer's KV is right there:
+    /// layer l's from `S` plus the `W_j - 1` of the windowed layers below it). Refused for a model without both a
     /// full-attention and a sliding-window group, or with a chunked-local group (its layers
     /// would need a different rule).
     pub fn set_tail_replay(&mut self, replay_tokens: Option<usize>) -> Result<(), CoreError> {
@@ -505,6 +511,14 @@ impl<P: BlockAllocator> Coordinator<P> {
                     "tail replay tokens must be at least 1 (the windows' W - 1 summed)".into(),
                 ));
             }
+            let smallest_window = kinds()
+                .filter_map(|kind| match kind {
+                    AttentionKind::SlidingWindow { window } => Some(window),
+                    _ => None,
+                })
+                .min()
+                .expect("checked above");
+            self.replay_exact_after = tokens.saturating_sub(smallest_window - 1);
         }
         self.tail_replay_tokens = replay_tokens;
         Ok(())
