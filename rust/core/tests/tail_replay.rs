@@ -77,6 +77,16 @@ fn tokens(first: u32, count: u32) -> Vec<u32> {
     (first..first + count).collect()
 }
 
+/// A coordinator (replay `replay_tokens`) after `lose_the_window`, with request 3 added for
+/// the branch prompt; returns it and the hit `find_cache_hit` found for request 3.
+fn branched(replay_tokens: Option<usize>) -> (Coordinator, usize) {
+    let mut c = coordinator(replay_tokens);
+    lose_the_window(&mut c);
+    add(&mut c, 3, &branch());
+    let hit = c.find_cache_hit(3).unwrap();
+    (c, hit)
+}
+
 /// The first 40 tokens of request 1, then 20 new ones.
 fn branch() -> Vec<u32> {
     let mut prompt = tokens(100, 40);
@@ -119,10 +129,8 @@ fn a_lost_window_tail_is_replayed_from_f_minus_r() {
 fn a_replay_caches_its_windowed_blocks_from_where_every_layer_is_right() {
     // R = 8: two windowed layers of W = 5. Replaying from S = 32, the lower layer's keys are
     // right from 32, the upper one's from 36 = S + R - (W - 1): blocks from 36 on are cached.
-    let mut c = coordinator(Some(8));
-    lose_the_window(&mut c);
-    add(&mut c, 3, &branch());
-    assert_eq!(c.find_cache_hit(3).unwrap(), 32);
+    let (mut c, hit) = branched(Some(8));
+    assert_eq!(hit, 32);
     assert!(allocate(&mut c, 3, 32, 28));
     assert_eq!(c.replay_frontier(3).unwrap(), 40);
     c.free_request(3).unwrap();
@@ -146,36 +154,24 @@ fn a_replay_caches_its_windowed_blocks_from_where_every_layer_is_right() {
 
 #[test]
 fn no_replay_when_it_saves_less_than_it_recomputes_or_is_off() {
-    // R = 40: the replay would start at 0, no better than the plain hit.
-    let mut c = coordinator(Some(40));
-    lose_the_window(&mut c);
-    add(&mut c, 3, &branch());
-    assert_eq!(c.find_cache_hit(3).unwrap(), 0);
-    assert_eq!(c.stats().hits.replays, 0);
-    // R = 24: the replay would start at 16, recomputing 24 tokens to gain 16: not taken.
-    let mut c = coordinator(Some(24));
-    lose_the_window(&mut c);
-    add(&mut c, 3, &branch());
-    assert_eq!(c.find_cache_hit(3).unwrap(), 0);
-    let mut off = coordinator(None);
-    lose_the_window(&mut off);
-    add(&mut off, 3, &branch());
-    assert_eq!(off.find_cache_hit(3).unwrap(), 0);
+    // R = 40: the replay would start at 0, no better than the plain hit; R = 24: it would
+    // start at 16, recomputing 24 tokens to gain 16: not taken; off: none.
+    for replay_tokens in [Some(40), Some(24), None] {
+        let (c, hit) = branched(replay_tokens);
+        assert_eq!(hit, 0, "replay {replay_tokens:?}");
+        assert_eq!(c.stats().hits.replays, 0);
+    }
     // A request that starts at 0 instead of at its replay hit takes no replay.
-    let mut c = coordinator(Some(4));
-    lose_the_window(&mut c);
-    add(&mut c, 3, &branch());
-    assert_eq!(c.find_cache_hit(3).unwrap(), 36);
+    let (mut c, hit) = branched(Some(4));
+    assert_eq!(hit, 36);
     assert!(allocate(&mut c, 3, 0, 60));
     assert_eq!(c.replay_frontier(3).unwrap(), 0);
 }
 
 #[test]
 fn a_replay_whose_first_chunk_ends_before_the_frontier_keeps_the_frontier_blocks() {
-    let mut c = coordinator(Some(4));
-    lose_the_window(&mut c);
-    add(&mut c, 3, &branch());
-    assert_eq!(c.find_cache_hit(3).unwrap(), 36);
+    let (mut c, hit) = branched(Some(4));
+    assert_eq!(hit, 36);
     // Two tokens: up to 38 < 40, the full-attention row still covers the frontier.
     assert!(allocate(&mut c, 3, 36, 2));
     assert_eq!(c.request_blocks(3, FULL).unwrap().len(), 10);
