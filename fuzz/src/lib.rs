@@ -27,7 +27,11 @@
 //!   refused when the pool really lacks blocks;
 //! - errors are the documented ones and leave everything as it was;
 //! - at the end every block is free, and each admitted request can run to completion alone
-//!   (admission never lets in a request that could deadlock).
+//!   (admission never lets in a request that could deadlock);
+//! - with tail replay on (`run_replay_ops`): a replay's full-attention blocks up to its frontier
+//!   hold the request's tokens, its windowed blocks are fresh, and the windowed blocks it
+//!   computes from a partial window are recorded as holding nobody's tokens, so a hit that ever
+//!   hands one out fails the content check.
 //!
 //! A violation panics (libFuzzer records it as a crash with the input).
 
@@ -93,6 +97,20 @@ struct Tracked {
     num_computed: usize,
     num_allocated: usize,
     pending_hit: usize,
+    /// The tail replay its hit took (`Coordinator::replay_frontier`; 0 without one) and where
+    /// it started.
+    replay_frontier: usize,
+    replay_start: usize,
+}
+
+impl Tracked {
+    /// Tokens with slots in a group: a replay's full-attention rows cover its frontier.
+    fn slots(&self, kind: AttentionKind) -> usize {
+        match kind {
+            AttentionKind::Full => self.num_allocated.max(self.replay_frontier),
+            _ => self.num_allocated,
+        }
+    }
 }
 
 /// What a full block holds: the whole prefix up to its end, plus the keys that change its KV.
@@ -117,32 +135,61 @@ struct Snapshot {
 
 /// Runs one fuzz input against a coordinator over the pool `make_pool` builds.
 pub fn run_ops<P: BlockAllocator>(data: &[u8], make_pool: impl Fn(usize) -> Result<P, CoreError>) {
+    run_ops_in(data, make_pool, false);
+}
+
+/// `run_ops` with tail replay on wherever the configuration allows it (full-attention and
+/// sliding-window groups, no chunked one): `R` is the smallest window's `W - 1` (one windowed
+/// layer), the groups' `W - 1` summed, or twice that (two layers per group), chosen by the
+/// input's first byte. Returns the
+/// lookups that took a replay.
+pub fn run_replay_ops<P: BlockAllocator>(
+    data: &[u8],
+    make_pool: impl Fn(usize) -> Result<P, CoreError>,
+) -> u64 {
+    run_ops_in(data, make_pool, true)
+}
+
+/// Runs the input; returns the lookups that took a tail replay.
+fn run_ops_in<P: BlockAllocator>(
+    data: &[u8],
+    make_pool: impl Fn(usize) -> Result<P, CoreError>,
+    replay: bool,
+) -> u64 {
     let mut input = Unstructured::new(data);
     let Ok(config) = arbitrary_config(&mut input) else {
-        return;
+        return 0;
     };
     let valid = config.validate().is_ok();
     let pool = match make_pool(config.num_blocks) {
         Ok(pool) => pool,
         Err(_) => {
             assert!(config.num_blocks < 2, "a pool of >= 2 blocks is valid");
-            return;
+            return 0;
         }
     };
-    let coordinator = match Coordinator::with_pool(config.clone(), pool) {
+    let mut coordinator = match Coordinator::with_pool(config.clone(), pool) {
         Ok(coordinator) => coordinator,
         Err(error) => {
             assert!(!valid, "a valid config was refused: {error}");
-            return;
+            return 0;
         }
     };
     assert!(valid, "an invalid config was accepted: {config:?}");
+    let replay_tokens = if replay {
+        replay_tokens(&config, data.first().copied().unwrap_or(0))
+    } else {
+        None
+    };
+    coordinator
+        .set_tail_replay(replay_tokens)
+        .expect("replay where the groups allow it");
     // `BlockPool::free_queue_order` drains and re-pushes its queue, which drops stale entries:
     // a quarter of the inputs never call it before the end, so stale entries pile up and
     // compaction runs as it would in production (the LRU checks are skipped then).
     // Read from the last byte without consuming it, so saved inputs keep their meaning.
     let observe_queue = data.last().is_none_or(|byte| byte % 4 != 0);
-    let mut harness = Harness::new(coordinator, observe_queue);
+    let mut harness = Harness::new(coordinator, observe_queue, replay_tokens);
     harness.check();
     let mut admitted: Vec<Tracked> = Vec::new();
     for _ in 0..MAX_OPS {
@@ -164,7 +211,9 @@ pub fn run_ops<P: BlockAllocator>(data: &[u8], make_pool: impl Fn(usize) -> Resu
         harness.coordinator.reset_prefix_cache(),
         "all free: reset works"
     );
-    assert_eq!(harness.coordinator.stats().pool.num_cached_blocks, 0);
+    let stats = harness.coordinator.stats();
+    assert_eq!(stats.pool.num_cached_blocks, 0);
+    stats.hits.replays
 }
 
 fn arbitrary_config(input: &mut Unstructured<'_>) -> arbitrary::Result<CoordinatorConfig> {
@@ -201,6 +250,56 @@ fn arbitrary_config(input: &mut Unstructured<'_>) -> arbitrary::Result<Coordinat
     })
 }
 
+/// `R` for `run_replay_ops`, or `None` where the groups do not allow a replay.
+fn replay_tokens(config: &CoordinatorConfig, byte: u8) -> Option<usize> {
+    let kinds = || config.groups.iter().map(|spec| spec.kind);
+    let has_full = kinds().any(|kind| kind == AttentionKind::Full);
+    let has_chunk = kinds().any(|kind| matches!(kind, AttentionKind::ChunkedLocal { .. }));
+    let windows: usize = kinds()
+        .map(|kind| match kind {
+            AttentionKind::SlidingWindow { window } => window - 1,
+            _ => 0,
+        })
+        .sum();
+    let smallest = kinds()
+        .filter_map(|kind| match kind {
+            AttentionKind::SlidingWindow { window } => Some(window - 1),
+            _ => None,
+        })
+        .min();
+    let tokens = match byte % 3 {
+        0 => smallest?, // one windowed layer: short replays, taken often
+        1 => windows,
+        _ => 2 * windows,
+    };
+    (has_full && !has_chunk && windows > 0).then_some(tokens.max(1))
+}
+
+/// `R - (W_min - 1)`: where a replay from `S` has right windowed KV again (from `S` plus it).
+fn replay_exact_offset(specs: &[GroupSpec], replay_tokens: usize) -> usize {
+    let smallest = specs
+        .iter()
+        .filter_map(|spec| match spec.kind {
+            AttentionKind::SlidingWindow { window } => Some(window),
+            _ => None,
+        })
+        .min()
+        .unwrap_or(1);
+    replay_tokens.saturating_sub(smallest - 1)
+}
+
+/// What the harness records for a windowed block a replay computed from a partial window: no
+/// request holds these "tokens", so a hit that hands the block out fails the content check.
+fn poisoned_content(group: usize, index: usize) -> Content {
+    Content {
+        group,
+        index,
+        prefix: Vec::new(),
+        lora_id: Some(u64::MAX),
+        cache_salt: None,
+    }
+}
+
 fn skipped_tokens(kind: AttentionKind, num_computed: usize) -> usize {
     match kind {
         AttentionKind::Full => 0,
@@ -226,12 +325,19 @@ pub struct Harness<P: BlockAllocator> {
     copy_sources: HashMap<u64, Vec<BlockId>>,
     /// Whether checks read `free_queue_order` (see `run_ops`).
     observe_queue: bool,
+    /// `R` of the coordinator's tail replay, if on.
+    replay_tokens: Option<usize>,
+    /// Windowed blocks a replay computed from a partial window (recorded as
+    /// `poisoned_content` until handed out fresh).
+    poisoned: HashSet<BlockId>,
 }
 
 impl<P: BlockAllocator> Harness<P> {
-    fn new(coordinator: Coordinator<P>, observe_queue: bool) -> Self {
+    fn new(coordinator: Coordinator<P>, observe_queue: bool, replay_tokens: Option<usize>) -> Self {
         let config = coordinator.config().clone();
         Harness {
+            replay_tokens,
+            poisoned: HashSet::new(),
             specs: config.groups.clone(),
             alignment: config.hit_alignment().expect("validated"),
             coordinator,
@@ -359,6 +465,8 @@ impl<P: BlockAllocator> Harness<P> {
                     num_computed: 0,
                     num_allocated: 0,
                     pending_hit: 0,
+                    replay_frontier: 0,
+                    replay_start: 0,
                 };
                 self.requests.insert(id, request.clone());
                 Some(request)
@@ -523,11 +631,21 @@ impl<P: BlockAllocator> Harness<P> {
         let mut touched_free = HashSet::new();
         let id = step.request_id;
         let request = self.requests.get_mut(&id).expect("validated");
-        let hit_tokens = if request.num_allocated == 0 && step.num_computed_tokens > 0 {
+        let first = request.num_allocated == 0;
+        let hit_tokens = if first && step.num_computed_tokens > 0 {
             step.num_computed_tokens
         } else {
             0
         };
+        if first {
+            request.replay_frontier = match hit_tokens {
+                0 => 0,
+                _ => self.coordinator.replay_frontier(id).unwrap(),
+            };
+            request.replay_start = hit_tokens;
+        }
+        let frontier = request.replay_frontier;
+        let replay_start = request.replay_start;
         let old_rows: Vec<Vec<BlockId>> = (0..self.specs.len())
             .map(|group| before.row(id, group).to_vec())
             .collect();
@@ -536,11 +654,32 @@ impl<P: BlockAllocator> Harness<P> {
         request.num_allocated = request.num_allocated.max(total);
         request.pending_hit = 0;
         let request = request.clone();
+        // A replay's windowed blocks before this index hold KV from a partial window.
+        let exact_from = match (frontier, self.replay_tokens) {
+            (1.., Some(tokens)) => Some(replay_start + replay_exact_offset(&self.specs, tokens)),
+            _ => None,
+        };
+        let mut poison = Vec::new();
         for (group, spec) in self.specs.iter().enumerate() {
             let row = self.coordinator.request_blocks(id, group).unwrap().to_vec();
+            // Where this group's hit ends: a replay keeps the full-attention blocks up to its
+            // frontier and hands the windowed groups new blocks only.
+            let hit_tokens = match (frontier, spec.kind) {
+                (0, _) => hit_tokens,
+                (_, _) if hit_tokens == 0 => 0,
+                (_, AttentionKind::Full) => frontier,
+                _ => 0,
+            };
             for (index, &block) in row.iter().enumerate() {
                 if block == NULL_BLOCK || old_rows[group].get(index) == Some(&block) {
                     continue;
+                }
+                if let (Some(exact), AttentionKind::SlidingWindow { .. }) = (exact_from, spec.kind)
+                {
+                    if index < exact.div_ceil(spec.block_size) {
+                        // Checked below as a fresh block, then poisoned.
+                        poison.push((block, group, index));
+                    }
                 }
                 assert!(
                     index >= old_rows[group].len(),
@@ -581,6 +720,7 @@ impl<P: BlockAllocator> Harness<P> {
                     );
                     self.contents.remove(&block);
                     self.partial.remove(&block);
+                    self.poisoned.remove(&block);
                     if !was_copied && before.ref_counts[block as usize] == 0 {
                         touched_free.insert(block);
                     }
@@ -599,8 +739,13 @@ impl<P: BlockAllocator> Harness<P> {
                     );
                     self.contents.remove(&block);
                     self.partial.remove(&block);
+                    self.poisoned.remove(&block);
                 }
             }
+        }
+        for (block, group, index) in poison {
+            self.contents.insert(block, poisoned_content(group, index));
+            self.poisoned.insert(block);
         }
         for &source in self.copy_sources.get(&id).into_iter().flatten() {
             if before.ref_counts[source as usize] == 0 {
@@ -673,11 +818,20 @@ impl<P: BlockAllocator> Harness<P> {
         self.sync_pending_hit(id);
         let hit_dropped = pending_before > 0 && self.requests[&id].pending_hit == 0;
         let total = step.num_computed_tokens + step.num_new_tokens;
+        // A replay's first allocate covers its frontier (below the prompt's end) in the
+        // full-attention groups.
+        let replaying = self.replay_tokens.is_some() && self.requests[&id].num_allocated == 0;
+        let prompt = self.requests[&id].tokens.len();
         // Plus one per group for a copy source the hit touches out of the free queue.
         let most_needed: usize = self
             .specs
             .iter()
-            .map(|spec| total.div_ceil(spec.block_size) + 1)
+            .map(|spec| match spec.kind {
+                AttentionKind::Full if replaying => total.max(prompt),
+                _ => total,
+            })
+            .zip(&self.specs)
+            .map(|(tokens, spec)| tokens.div_ceil(spec.block_size) + 1)
             .sum();
         let free = self.coordinator.pool().num_free_blocks();
         assert!(
@@ -907,7 +1061,7 @@ impl<P: BlockAllocator> Harness<P> {
             );
             for (group, spec) in self.specs.iter().enumerate() {
                 let blocks = self.coordinator.request_blocks(id, group).unwrap();
-                let expected_len = request.num_allocated.div_ceil(spec.block_size);
+                let expected_len = request.slots(spec.kind).div_ceil(spec.block_size);
                 assert_eq!(
                     blocks.len(),
                     expected_len,
@@ -1001,13 +1155,14 @@ impl<P: BlockAllocator> Harness<P> {
         // Sharing only through a hit: every holder of a shared block holds the same content.
         for (&block, (group, index, ids)) in &holders {
             let block_size = self.specs[*group].block_size;
+            let kind = self.specs[*group].kind;
             let contents: Vec<Content> = ids
                 .iter()
                 .map(|id| content_of(&self.requests[id], *group, *index, block_size))
                 .collect();
             let full: Vec<bool> = ids
                 .iter()
-                .map(|id| is_full(&self.requests[id], *index, block_size))
+                .map(|id| is_full(&self.requests[id], kind, *index, block_size))
                 .collect();
             if ids.len() > 1 {
                 assert!(
@@ -1015,9 +1170,12 @@ impl<P: BlockAllocator> Harness<P> {
                     "block {block} shared by requests {ids:?} that hold different tokens"
                 );
             }
+            if self.poisoned.contains(&block) {
+                continue; // a replay's partial-window KV: recorded as such, never as tokens
+            }
             if !full[0] {
                 let request = &self.requests[&ids[0]];
-                let known = request.num_allocated.min(request.tokens.len());
+                let known = request.slots(kind).min(request.tokens.len());
                 let mut content = content_of(request, *group, *index, block_size);
                 content.prefix.truncate(known);
                 self.partial.insert(block, content);
@@ -1047,8 +1205,8 @@ impl Snapshot {
 }
 
 /// Whether block `index` of the request holds only tokens that are known and have slots.
-fn is_full(request: &Tracked, index: usize, block_size: usize) -> bool {
-    (index + 1) * block_size <= request.num_allocated.min(request.tokens.len())
+fn is_full(request: &Tracked, kind: AttentionKind, index: usize, block_size: usize) -> bool {
+    (index + 1) * block_size <= request.slots(kind).min(request.tokens.len())
 }
 
 fn content_of(request: &Tracked, group: usize, index: usize, block_size: usize) -> Content {
@@ -1198,6 +1356,19 @@ mod tests {
             run_ops(&data, BlockPool::new);
             run_ops(&data, MutexPool::new);
         }
+    }
+
+    #[test]
+    fn the_real_pools_pass_the_inputs_with_tail_replay() {
+        let mut replays = 0;
+        for data in inputs(300) {
+            replays += run_replay_ops(&data, BlockPool::new);
+            run_replay_ops(&data, MutexPool::new);
+        }
+        assert!(
+            replays > 0,
+            "no input took a replay: the harness never checked one"
+        );
     }
 
     #[test]
