@@ -65,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 # How often a spawned worker checks that its driver still runs.
 PARENT_CHECK_S = 1.0
+# For tests only: "RANK:STEP" makes worker RANK raise in its STEP-th step (counted from 1), so a
+# test can check that a worker's traceback reaches rank 0's `WorkerFailedError`. Unset otherwise.
+TEST_FAULT_ENV = "HYBRID_CACHE_TEST_WORKER_FAULT"
 
 
 @dataclass
@@ -165,8 +168,21 @@ def serve(
     if not all(exchange_status(groups, runner is not None)):
         return
     receiver = StepReceiver(groups, clock)
+    fault_step, step = _test_fault_step(rank), 0
     while (inputs := receiver.receive()) is not None:
+        step += 1
+        if step == fault_step:
+            raise RuntimeError(f"test fault in rank {rank}'s step {step} ({TEST_FAULT_ENV})")
         runner.run(inputs)
+
+
+def _test_fault_step(rank: int) -> Optional[int]:
+    """The step `TEST_FAULT_ENV` makes this rank fail in (tests only; None: no fault)."""
+    value = os.environ.get(TEST_FAULT_ENV)
+    if not value:
+        return None
+    fault_rank, step = map(int, value.split(":"))
+    return step if fault_rank == rank else None
 
 
 def _attempt(report: Callable[[str], None], build: Callable[[], Any]) -> Any:
