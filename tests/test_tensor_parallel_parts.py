@@ -34,6 +34,7 @@ from hybrid_cache.models.parallel_layers import (
     padded_vocab_size,
     shard_rule,
 )
+from hybrid_cache.weight_bytes import rank_weight_bytes
 from test_checkpoint_formats import make_mxfp4_gpt_oss
 from test_models_vs_hf import make_hf_model
 from torch import nn
@@ -146,12 +147,50 @@ def test_each_rank_holds_its_share_of_the_embedding_and_lm_head(
             assert isinstance(shard.lm_head, VocabParallelLMHead)
             assert vocab_bytes(shard) == (rows * hidden * element,) * 2 + (tied,)
             held.append(shard.model.embed_tokens.rows)
+            assert_plan_counts_the_weights(spec, size, shard, True)
         assert held == [(rank * rows, (rank + 1) * rows) for rank in range(size)]
         # Replicated: every rank holds the whole vocabulary (a rank's LM head unused but 0's).
         replicated = load_model(
             spec=spec, load_format="dummy", shard=TensorShard(1, size, shard_vocab=False)
         )
         assert vocab_bytes(replicated) == (full, full, tied)
+        assert_plan_counts_the_weights(spec, size, replicated, False)
+
+
+def assert_plan_counts_the_weights(spec, size: int, shard: nn.Module, vocab_parallel: bool) -> None:
+    """The planner's per-rank weight bytes: the vocabulary's exactly what the rank holds, the
+    total within the norms and biases it leaves out."""
+    counted = rank_weight_bytes(spec, size, vocab_parallel)
+    embedding, head, tied = vocab_bytes(shard)
+    assert counted.vocab == embedding + (0 if tied else head)
+    held = sum(p.numel() * p.element_size() for p in shard.parameters())  # the tied one once
+    assert 0 <= held - counted.total < 0.05 * held  # tiny models: norms weigh a little
+
+
+def test_plan_shows_the_weights_of_one_rank(capsys) -> None:
+    argv = ["plan", "--model", "gemma-3-27b", "--kv-cache-memory", "20GiB", "--json"]
+    figures = {}
+    for flags in ([], ["-tp", "2"], ["-tp", "2", "--no-vocab-parallel"]):
+        assert main([*argv, *flags]) == 0
+        model = json.loads(capsys.readouterr().out)["model"]
+        figures[tuple(flags)] = (
+            model["weight_bytes_per_rank"],
+            model["vocab_weight_bytes_per_rank"],
+        )
+    whole, vocab = figures[()]
+    assert vocab == 262208 * 5376 * 2  # tied, bf16: 2.8 GB
+    assert 53e9 < whole < 56e9
+    sharded, sharded_vocab = figures[("-tp", "2")]
+    assert sharded_vocab == vocab // 2
+    replicated, replicated_vocab = figures[("-tp", "2", "--no-vocab-parallel")]
+    assert replicated_vocab == vocab and replicated - sharded == vocab // 2
+    assert sharded < whole / 2 + 1e8  # norms aside, half of everything
+    assert main(["plan", "--model", "tiny-llama", "--kv-cache-memory", "1MiB", "-tp", "2"]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "weights  416.00 KiB per rank besides the budget (embedding and LM head 128.00 KiB, "
+        in text
+    )
 
 
 def test_the_padded_logits_are_dropped_and_the_embedding_sums_to_the_full_one(

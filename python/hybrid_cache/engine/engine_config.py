@@ -319,6 +319,7 @@ PLAN_FIELDS: tuple[str, ...] = (
     "kv_group_layout",
     "max_num_batched_tokens",
     "tensor_parallel_size",
+    "vocab_parallel",
 )
 
 
