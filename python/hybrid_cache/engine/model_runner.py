@@ -262,9 +262,9 @@ class ModelRunner:
         return self._sample(hidden, requests, query_lens, columns, prompt_plan)
 
     def _compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """The LM head over `rows` (under tensor parallelism a collective when it is
-        vocabulary-parallel: a failed rank becomes the executor's `WorkerFailedError`)."""
-        if self.parallel is None:
+        """The LM head over `rows` (a collective when it is vocabulary-parallel: a failed rank
+        becomes the executor's `WorkerFailedError`)."""
+        if not self.vocab_parallel:
             return self.model.compute_logits(rows)
         with self.parallel.collectives():
             return self.model.compute_logits(rows)
