@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -94,10 +95,11 @@ ARCHITECTURES = {
 }
 
 
-def make_hf_model(name: str, tmp_path) -> tuple[torch.nn.Module, str]:
-    """A seeded tiny transformers model of `name`, saved to a folder; returns (model, folder)."""
+def make_hf_model(name: str, tmp_path, **fields: Any) -> tuple[torch.nn.Module, str]:
+    """A seeded tiny transformers model of `name` (config `fields` changed), saved to a folder;
+    returns (model, folder)."""
     config_class, overrides, matrix_std, embedding_std = ARCHITECTURES[name]
-    config = getattr(transformers, config_class)(**{**BASE, **overrides})
+    config = getattr(transformers, config_class)(**{**BASE, **overrides, **fields})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     peak_weights(model, matrix_std, embedding_std)

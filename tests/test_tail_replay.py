@@ -175,3 +175,27 @@ def test_the_replay_range_is_the_windows_summed(tiny):
     uniform = tiny.llm(kv_cache_mode="uniform")  # every group full: nothing to replay
     assert uniform.layout.tail_replay_tokens() is None
     assert uniform.engine.kv_cache.tail_replay_tokens is None
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> TinyModel:
+    return TinyModel("gemma3", tmp_path_factory.mktemp("replay-tp-gemma3"))
+
+
+def test_a_replay_on_two_ranks_gives_the_cold_engine_s_output(gemma3):
+    # The frontiers travel in the step inputs: every rank leaves the cached full-attention KV
+    # below them as it is. Half the budget per device: a rank's page holds half the KV heads.
+    first, branch = prompts()
+    cold = run_branch(engine(gemma3, enable_prefix_caching=False), branch)
+    one_rank = small_pool(gemma3, largest=88)["kv_cache_memory"]
+    llm = engine(gemma3, tensor_parallel_size=2, kv_cache_memory=one_rank // 2)
+    try:
+        lose_windows(llm, first, branch, replay_start(llm))
+        hot = run_branch(llm, branch)
+        assert llm.stats.num_tail_replays == 1
+        assert hot.outputs[0].token_ids == cold.outputs[0].token_ids
+        assert math.isclose(
+            hot.outputs[0].cumulative_logprob, cold.outputs[0].cumulative_logprob, abs_tol=1e-4
+        )
+    finally:
+        llm.shutdown()

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from hybrid_cache.config import load_model_spec
 from hybrid_cache.engine import LLM, SamplingParams
 from hybrid_cache.engine import llm as llm_module
 from hybrid_cache.engine.engine_config import EngineConfig
+from hybrid_cache.engine.parallel.worker import TEST_FAULT_ENV
 from hybrid_cache.errors import WorkerFailedError
 from hybrid_cache.planner import plan_kv_cache, report_plan
 from test_models_vs_hf import make_hf_model
@@ -124,10 +126,14 @@ def hf_greedy(hf_model: torch.nn.Module, prompt: list[int]) -> list[int]:
     return generated[0, len(prompt) :].tolist()
 
 
-def run_engine(folder: str, tensor_parallel_size: int) -> WorkloadRun:
+def run_engine(folder: str, tensor_parallel_size: int, **engine: Any) -> WorkloadRun:
     budget, num_blocks = budget_for(folder, tensor_parallel_size)
     with LLM(
-        folder, tensor_parallel_size=tensor_parallel_size, kv_cache_memory=budget, **ENGINE
+        folder,
+        tensor_parallel_size=tensor_parallel_size,
+        kv_cache_memory=budget,
+        **ENGINE,
+        **engine,
     ) as llm:
         assert llm.layout.num_blocks == num_blocks + 1
         workers = [] if llm.parallel is None else list(llm.parallel.processes)
@@ -146,13 +152,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "tensor_parallel_size"), CASES)
-def test_tokens_match_one_rank_and_transformers(
-    name: str, tensor_parallel_size: int, tmp_path
+def assert_same_tokens_as_one_rank_and_transformers(
+    hf_model: torch.nn.Module, folder: str, tensor_parallel_size: int, **engine: Any
 ) -> None:
-    hf_model, folder = make_hf_model(name, tmp_path)
     one_rank = run_engine(folder, 1)
-    sharded = run_engine(folder, tensor_parallel_size)
+    sharded = run_engine(folder, tensor_parallel_size, **engine)
     assert sharded.tokens == one_rank.tokens
     # The run exercised what it claims to.
     assert one_rank.stats.num_preemptions > 0, "nothing was preempted: lower SPARE_BLOCKS"
@@ -166,6 +170,74 @@ def test_tokens_match_one_rank_and_transformers(
         if request_id != ABORTED:
             assert tokens == hf_greedy(hf_model, sharded.prompts[request_id]), request_id
     assert sum(len(set(tokens)) > 1 for tokens in sharded.tokens.values()) >= 3
+
+
+@pytest.mark.parametrize(("name", "tensor_parallel_size"), CASES)
+def test_tokens_match_one_rank_and_transformers(
+    name: str, tensor_parallel_size: int, tmp_path
+) -> None:
+    """The default sharding: the embedding and the LM head vocabulary-parallel too."""
+    hf_model, folder = make_hf_model(name, tmp_path)
+    assert_same_tokens_as_one_rank_and_transformers(hf_model, folder, tensor_parallel_size)
+
+
+@pytest.mark.parametrize(
+    ("name", "vocab_size", "tensor_parallel_size"),
+    [("llama3", 255, 2), ("gemma2", 255, 2), ("gpt_oss", 254, 4)],
+)
+def test_a_vocabulary_the_ranks_do_not_divide_is_padded_and_never_sampled(
+    name: str, vocab_size: int, tensor_parallel_size: int, tmp_path
+) -> None:
+    """255 ids over 2 ranks (one padded row on rank 1; gemma2's head is the tied embedding,
+    its logits soft-capped after the gather), 254 over 4 (two on rank 3): the same tokens."""
+    hf_model, folder = make_hf_model(name, tmp_path, vocab_size=vocab_size)
+    assert_same_tokens_as_one_rank_and_transformers(hf_model, folder, tensor_parallel_size)
+
+
+def test_a_replicated_vocabulary_gives_the_same_tokens(tmp_path) -> None:
+    """`vocab_parallel=False` (`--no-vocab-parallel`): every rank holds the whole embedding and
+    LM head, and only rank 0 computes logits."""
+    hf_model, folder = make_hf_model("gemma2", tmp_path, vocab_size=255)
+    assert_same_tokens_as_one_rank_and_transformers(hf_model, folder, 2, vocab_parallel=False)
+
+
+def logprob_values(entries) -> list[dict[int, float]]:
+    return [{} if entry is None else {k: v.logprob for k, v in entry.items()} for entry in entries]
+
+
+def test_logprobs_on_a_vocabulary_parallel_head_match_one_rank(tmp_path) -> None:
+    """Prompt logprobs of a 600-token prompt (two chunks of the LM head in one step, which
+    every rank runs alike), sampled-token logprobs, and a request without either in the same
+    batch: equal to one rank's."""
+    _, folder = make_hf_model("llama3", tmp_path, max_position_embeddings=1024)
+    prompt = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompts = [prompt, [3, 1, 4, 1, 5]]
+    params = [
+        SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, prompt_logprobs=2),
+        SamplingParams(max_tokens=6, temperature=0.0),
+    ]
+    results = {}
+    for size in (1, 2):
+        with LLM(
+            folder,
+            tensor_parallel_size=size,
+            kv_cache_memory="4MiB",
+            max_model_len=640,
+            max_num_batched_tokens=640,
+            distributed_timeout=30.0,  # a rank calling the head out of step fails, not hangs
+        ) as llm:
+            results[size] = llm.generate(prompts, params, use_tqdm=False)
+    for one, two in zip(results[1], results[2]):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids
+    one, two = results[1][0], results[2][0]
+    assert len(two.prompt_logprobs) == len(prompt)
+    for ours, theirs in zip(
+        logprob_values(two.prompt_logprobs), logprob_values(one.prompt_logprobs)
+    ):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+    sampled = logprob_values(two.outputs[0].logprobs)
+    for ours, theirs in zip(sampled, logprob_values(one.outputs[0].logprobs), strict=True):
+        assert len(ours) >= 3 and ours == pytest.approx(theirs, abs=1e-4)
 
 
 @pytest.fixture
@@ -209,6 +281,79 @@ def test_a_failed_worker_ends_the_engine_naming_its_rank(small_engine: LLM, how:
     assert worker.exitcode is not None, "the failed engine stops its workers"
     with pytest.raises(WorkerFailedError):
         llm.engine.step()  # the engine stays failed
+
+
+def test_a_workers_traceback_reaches_rank_0(monkeypatch) -> None:
+    """A worker that raises in a step (the test-only fault hook, inherited by the spawned
+    worker through the environment) ends the engine with its traceback in the error."""
+    monkeypatch.setenv(TEST_FAULT_ENV, "1:5")
+    with LLM(
+        "tiny-llama",
+        tensor_parallel_size=2,
+        kv_cache_memory="2MiB",
+        max_model_len=128,
+        distributed_timeout=3.0,
+    ) as llm:
+        start_requests(llm)  # steps 1-3
+        worker = llm.parallel.processes[0]
+        started = time.monotonic()
+        with pytest.raises(WorkerFailedError) as error:
+            for _ in range(10):
+                llm.engine.step()
+        assert time.monotonic() - started < 3.0 + 2.0
+    message = str(error.value)
+    assert error.value.rank == 1
+    assert "tensor-parallel rank 1 exited with code 1" in message
+    assert "rank 1 raised:\nTraceback (most recent call last):" in message
+    assert "in serve" in message
+    assert message.endswith(f"RuntimeError: test fault in rank 1's step 5 ({TEST_FAULT_ENV})")
+    assert worker.exitcode == 1
+
+
+DRIVER_SCRIPT = """
+import time
+from hybrid_cache.engine import LLM
+
+if __name__ == "__main__":
+    llm = LLM("tiny-llama", tensor_parallel_size=2, kv_cache_memory="2MiB", max_model_len=64,
+              distributed_timeout=5.0)
+    print("WORKER", llm.parallel.processes[0].pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def process_gone(pid: int) -> bool:
+    """Whether `pid` has exited (no such process, or a zombie waiting for its reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_worker_exits_when_its_driver_is_killed(tmp_path) -> None:
+    """Rank 0 killed (SIGKILL: no shutdown runs) leaves no orphan: its worker exits by itself
+    within the collective timeout (5 s)."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER_SCRIPT)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    driver = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=environment
+    )
+    try:
+        line = driver.stdout.readline()
+        assert line.startswith("WORKER"), line
+        worker = int(line.split()[1])
+        assert not process_gone(worker)
+        driver.kill()
+        driver.wait(10)
+        deadline = time.monotonic() + 5.0
+        while not process_gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert process_gone(worker), "the worker outlived its driver"
+    finally:
+        driver.kill()
+        driver.wait(10)
 
 
 def test_bench_runs_each_mode_on_n_ranks_and_on_one(tmp_path, capsys) -> None:

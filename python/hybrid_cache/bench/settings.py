@@ -66,6 +66,7 @@ class BenchSettings:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     distributed_timeout: float = DEFAULT_DISTRIBUTED_TIMEOUT_S
+    vocab_parallel: bool = True
     multi_turn: Optional[MultiTurnShape] = None
     # What every request asks of the sampler besides greedy tokens (the real engine only).
     logprobs: Optional[int] = None

@@ -1,7 +1,9 @@
 """`hybrid-cache plan`: KV capacity and concurrency of a model on a memory budget, hybrid vs
 uniform, without loading weights. Answers "how many requests fit?" before anyone buys a GPU.
 With `--tensor-parallel-size N` the budget is one device's and the figures are one rank's: each
-rank holds 1/N of the KV heads (or one replicated head), so the same budget holds more tokens."""
+rank holds 1/N of the KV heads (or one replicated head), so the same budget holds more tokens.
+The weight bytes a rank holds beside the budget (`weight_bytes.py`: its shard, the embedding and
+LM head vocabulary-parallel unless `--no-vocab-parallel`) are shown too."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from hybrid_cache.planner import (
     report_plan,
 )
 from hybrid_cache.sizes import format_memory_size
+from hybrid_cache.weight_bytes import RankWeights, rank_weight_bytes
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")
 
@@ -75,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     ranks = config.tensor_parallel_size
     check_tensor_parallel(full_model, ranks)
     model = full_model.per_rank(ranks)
+    weights = rank_weight_bytes(full_model, ranks, config.vocab_parallel)
     options = config.plan_options(
         config.kv_cache_memory,
         config.resolved_max_model_len(model),
@@ -87,9 +91,9 @@ def run(args: argparse.Namespace) -> int:
         layout = plan_kv_cache(model, options, mode)
         plans[mode] = (layout, report_plan(layout, model))
     if args.json:
-        print(json.dumps(_as_json(model, options, plans), indent=2))
+        print(json.dumps(_as_json(model, options, plans, weights, config.vocab_parallel), indent=2))
     else:
-        print(_as_text(model, options, plans))
+        print(_as_text(model, options, plans, weights, config.vocab_parallel))
     return 0
 
 
@@ -109,7 +113,11 @@ def _format_layers(layers: tuple[int, ...]) -> str:
 
 
 def _as_text(
-    model: ModelSpec, options: PlanOptions, plans: dict[str, tuple[KVCacheLayout, PlanReport]]
+    model: ModelSpec,
+    options: PlanOptions,
+    plans: dict[str, tuple[KVCacheLayout, PlanReport]],
+    weights: RankWeights,
+    vocab_parallel: bool,
 ) -> str:
     any_layout = next(iter(plans.values()))[0]
     length = options.max_model_len
@@ -119,7 +127,7 @@ def _as_text(
         f"budget   {format_memory_size(options.kv_cache_memory)} of {any_layout.kv_cache_dtype} "
         f"KV, block size {options.block_size}, max_model_len {length}, "
         f"max_num_batched_tokens {options.max_num_batched_tokens}",
-        *_rank_lines(model),
+        *_rank_lines(model, weights, vocab_parallel),
         "",
     ]
     rows = [
@@ -161,14 +169,19 @@ def _as_text(
     return "\n".join(lines)
 
 
-def _rank_lines(model: ModelSpec) -> list[str]:
-    """Under tensor parallelism: what one rank holds (the figures below are one rank's)."""
+def _rank_lines(model: ModelSpec, weights: RankWeights, vocab_parallel: bool) -> list[str]:
+    """The weights (one rank's) and, under tensor parallelism, what one rank holds (the
+    figures below are one rank's)."""
+    vocab = f"embedding and LM head {format_memory_size(weights.vocab)}"
     if model.tensor_parallel_size == 1:
-        return []
+        return [f"weights  {format_memory_size(weights.total)} besides the budget ({vocab})"]
     heads = sorted({layer.num_kv_heads for layer in model.layers})
+    how = "vocabulary-parallel" if vocab_parallel else "replicated"
     return [
         f"ranks    {model.tensor_parallel_size} (tensor parallel): {'/'.join(map(str, heads))} "
-        "KV heads per rank; the budget is one device's and every figure below one rank's"
+        "KV heads per rank; the budget is one device's and every figure below one rank's",
+        f"weights  {format_memory_size(weights.total)} per rank besides the budget ({vocab}, "
+        f"{how})",
     ]
 
 
@@ -180,7 +193,11 @@ def _group_sizes(layout: KVCacheLayout) -> str:
 
 
 def _as_json(
-    model: ModelSpec, options: PlanOptions, plans: dict[str, tuple[KVCacheLayout, PlanReport]]
+    model: ModelSpec,
+    options: PlanOptions,
+    plans: dict[str, tuple[KVCacheLayout, PlanReport]],
+    weights: RankWeights,
+    vocab_parallel: bool,
 ) -> dict[str, Any]:
     result: dict[str, Any] = {
         "model": {
@@ -191,6 +208,9 @@ def _as_json(
             "layer_kinds": [layer.kind for layer in model.layers],
             "tensor_parallel_size": model.tensor_parallel_size,
             "kv_heads_per_rank": [layer.num_kv_heads for layer in model.layers],
+            "vocab_parallel": vocab_parallel,
+            "weight_bytes_per_rank": weights.total,
+            "vocab_weight_bytes_per_rank": weights.vocab,
         },
         "options": asdict(options),
     }

@@ -95,7 +95,8 @@ class EngineConfig:
     (every step does today: CUDA graphs for pure-decode steps are not built yet, so the flag
     is checked and kept); `tensor_parallel_size`: ranks the model is sharded over (worker
     processes joined by torch.distributed, `engine/parallel/`), `distributed_timeout`: seconds
-    a collective waits for a rank before the engine fails naming it."""
+    a collective waits for a rank before the engine fails naming it, `vocab_parallel`: the
+    embedding and the LM head split by vocabulary over the ranks (False: replicated on each)."""
 
     model: str
     # The model.
@@ -126,6 +127,7 @@ class EngineConfig:
     # Tensor parallelism.
     tensor_parallel_size: int = 1
     distributed_timeout: float = DEFAULT_DISTRIBUTED_TIMEOUT_S
+    vocab_parallel: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
@@ -254,6 +256,9 @@ class EngineConfig:
                 f"--distributed-timeout must be a positive number of seconds, got {timeout!r}"
                 f"{_hint('distributed_timeout')}"
             )
+        check_bool(
+            self.vocab_parallel, "--vocab-parallel", EngineConfigError, _hint("vocab_parallel")
+        )
 
     @classmethod
     def of(cls, model: Union[str, os.PathLike, EngineConfig], **kwargs: Any) -> EngineConfig:
@@ -320,6 +325,7 @@ PLAN_FIELDS: tuple[str, ...] = (
     "kv_group_layout",
     "max_num_batched_tokens",
     "tensor_parallel_size",
+    "vocab_parallel",
 )
 
 
@@ -473,6 +479,14 @@ def add_engine_arguments(
         type=float,
         help="seconds a tensor-parallel collective waits for a rank before the engine fails "
         "naming it",
+    )
+    add(
+        "vocab_parallel",
+        "--vocab-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.get("vocab_parallel", True),
+        help="under tensor parallelism, split the embedding and the LM head by vocabulary over "
+        "the ranks (--no-vocab-parallel: a full copy on every rank)",
     )
 
 

@@ -99,7 +99,7 @@ class LLM:
         `max_num_batched_tokens`, `enable_prefix_caching`, `scheduling_policy`, `hf_overrides`,
         `generation_config`, `load_format`, `dtype`, `device`, `seed`, `attention_backend`,
         `gpu_memory_utilization`, `enforce_eager`, `tensor_parallel_size`,
-        `distributed_timeout`; see there for their defaults), or with an `EngineConfig`, the
+        `distributed_timeout`, `vocab_parallel`; see there for their defaults), or with an `EngineConfig`, the
         fields to replace. Every argument is checked before any work: a bad one raises a typed
         `EngineConfigError` (or `PlanError`, `MemorySizeError`, `ConfigError`) naming it; a
         device the machine lacks is a `DeviceUnavailableError`, a budget the device cannot

@@ -23,7 +23,7 @@ import itertools
 import logging
 import operator
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any, Optional, Protocol
 
 import numpy as np
@@ -46,16 +46,20 @@ from hybrid_cache.attention.selector import (
 from hybrid_cache.engine import host_memory
 from hybrid_cache.engine.kv_cache import KVCacheManager
 from hybrid_cache.engine.logprobs import token_logprobs
-from hybrid_cache.engine.parallel.step_inputs import StepInputs, gather_step_inputs, step_batch
+from hybrid_cache.engine.parallel.step_inputs import (
+    PROMPT_LOGPROBS_CHUNK,
+    StepInputs,
+    gather_step_inputs,
+    sampled_rows,
+    step_batch,
+)
 from hybrid_cache.engine.request import Request
 from hybrid_cache.engine.sampler import Sampler
 from hybrid_cache.engine.scheduler import SchedulerOutput
+from hybrid_cache.models.parallel_layers import is_vocab_parallel
 from hybrid_cache.planner import KVCacheLayout
 
 logger = logging.getLogger(__name__)
-
-# Prompt positions whose logits one `compute_logits` call computes for prompt logprobs.
-PROMPT_LOGPROBS_CHUNK = 512
 
 
 class StepBroadcaster(Protocol):
@@ -172,6 +176,8 @@ class ModelRunner:
         self.device: torch.device = device
         self.sampler: Sampler = sampler
         self.parallel: Optional[StepBroadcaster] = parallel
+        # A vocabulary-parallel LM head runs on every rank: the workers get its rows.
+        self.vocab_parallel: bool = parallel is not None and is_vocab_parallel(model)
         self.block_sizes: list[int] = [group.block_size for group in kv_cache.groups]
         self.slot_tensors, self.kv_caches = bind_model(
             model, layout, dtype, device, attention_backend
@@ -211,9 +217,10 @@ class ModelRunner:
         )
         metadata = metadata_to(metadata, self.device)
         columns = _sampling_columns(scheduled, requests)
+        prompt_plan = _prompt_logprob_plan(requests, num_computed, query_lens)
         with set_forward_context(metadata, self.kv_caches):
             hidden = self.model(input_ids.to(self.device), positions.to(self.device))
-        return self._sample(hidden, requests, num_computed, query_lens, columns)
+        return self._sample(hidden, requests, query_lens, columns, prompt_plan)
 
     def _execute_parallel(self, output: SchedulerOutput) -> dict[str, int]:
         """`execute` on rank 0 of a tensor-parallel engine: the step's inputs go to every rank,
@@ -232,6 +239,12 @@ class ModelRunner:
             )
         else:
             token_ids = []
+        columns = _sampling_columns(scheduled, requests)
+        prompt_plan = _prompt_logprob_plan(requests, num_computed, query_lens)
+        logit_rows: dict[str, Any] = {}
+        if self.vocab_parallel and scheduled:
+            logit_rows["prompt_rows"] = () if prompt_plan is None else prompt_plan.rows
+            logit_rows["sample_rows"] = sampled_rows(query_lens, columns[0]) if columns[0] else ()
         inputs = gather_step_inputs(
             token_ids,
             num_computed,
@@ -240,6 +253,7 @@ class ModelRunner:
             self.block_table_array,
             self.block_sizes,
             output.block_copies,
+            **logit_rows,
             write_from=frontiers if replaying else None,
         )
         parallel = self.parallel
@@ -251,27 +265,35 @@ class ModelRunner:
                 return {}
             input_ids, metadata, positions = step_batch(inputs, self.block_sizes, self.full_groups)
             metadata = metadata_to(metadata, self.device)
-            columns = _sampling_columns(scheduled, requests)
             with set_forward_context(metadata, self.kv_caches):
                 hidden = self.model(input_ids.to(self.device), positions.to(self.device))
-        return self._sample(hidden, requests, num_computed, query_lens, columns)
+        return self._sample(hidden, requests, query_lens, columns, prompt_plan)
+
+    def _compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """The LM head over `rows` (a collective when it is vocabulary-parallel: a failed rank
+        becomes the executor's `WorkerFailedError`)."""
+        if not self.vocab_parallel:
+            return self.model.compute_logits(rows)
+        with self.parallel.collectives():
+            return self.model.compute_logits(rows)
 
     def _sample(
         self,
         hidden: torch.Tensor,
         requests: list[Request],
-        num_computed: list[int],
         query_lens: list[int],
         columns: SamplingColumns,
+        prompt_plan: Optional[PromptLogprobPlan],
     ) -> dict[str, int]:
         """Logprobs of the prompts that ask, then the sampled token of each request that
-        samples (from the LM head over the last hidden row of each)."""
+        samples (from the LM head over the last hidden row of each). The LM head runs in
+        this order on every rank when it is vocabulary-parallel (`worker.ShardRunner`)."""
         sample_indices, sampling, request_ids, params = columns
-        if any(map(_WANTS_PROMPT_LOGPROBS, requests)):
-            self._record_prompt_logprobs(hidden, requests, num_computed, query_lens)
+        if prompt_plan is not None:
+            self._record_prompt_logprobs(hidden, requests, prompt_plan)
         if not sample_indices:
             return {}
-        logits = self.model.compute_logits(self._sampled_rows(hidden, query_lens, sample_indices))
+        logits = self._compute_logits(self._sampled_rows(hidden, query_lens, sample_indices))
         if not any(map(_NEEDS_SAMPLING_EXTRAS, sampling)):
             tokens = self.sampler.sample_token_ids(logits, request_ids, params)
             return dict(zip(request_ids, tokens))
@@ -288,36 +310,14 @@ class ModelRunner:
         return dict(zip(request_ids, sampled.tolist()))
 
     def _record_prompt_logprobs(
-        self,
-        hidden: torch.Tensor,
-        requests: list[Request],
-        num_computed: list[int],
-        query_lens: list[int],
+        self, hidden: torch.Tensor, requests: list[Request], plan: PromptLogprobPlan
     ) -> None:
-        """Records, for the requests that want them, the logprobs of each prompt token whose
-        previous position this step computes (positions recorded before a preemption are
-        skipped)."""
-        rows: list[int] = []
-        targets: list[int] = []
-        counts: list[int] = []
-        owners: list[Request] = []
-        start = 0
-        for request, computed, length in zip(requests, num_computed, query_lens):
-            if request.wants_prompt_logprobs:
-                # Position j's logits give prompt token j + 1's logprobs.
-                first = max(computed, len(request.prompt_logprobs))
-                last = min(computed + length, request.num_prompt_tokens - 1)
-                k = request.sampling_params.prompt_logprobs
-                for position in range(first, last):
-                    rows.append(start + position - computed)
-                    targets.append(request.prompt_token_ids[position + 1])
-                    counts.append(k)
-                    owners.append(request)
-            start += length
+        """Records the logprobs of the plan's prompt tokens (`_prompt_logprob_plan`)."""
+        rows, targets, counts, owners = plan.rows, plan.targets, plan.counts, plan.owners
         for begin in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
             end = begin + PROMPT_LOGPROBS_CHUNK
             index = torch.tensor(rows[begin:end], device=hidden.device)
-            logits = self.model.compute_logits(hidden[index])
+            logits = self._compute_logits(hidden[index])
             entries = token_logprobs(logits, torch.tensor(targets[begin:end]), counts[begin:end])
             for request, entry in zip(owners[begin:end], entries):
                 request.prompt_logprobs.append(entry)
@@ -389,17 +389,51 @@ class ModelRunner:
         self, hidden: torch.Tensor, query_lens: list[int], sampling: Sequence[int]
     ) -> torch.Tensor:
         """The hidden rows of the sampled sequences' last tokens."""
-        if len(sampling) == hidden.shape[0]:
+        rows = sampled_rows(query_lens, sampling)
+        if rows is None:
             # Every token is a sampled last token (a pure decode step): the rows are all of
             # `hidden`, in order; `contiguous` is the copy the gather would make, without it.
             return hidden.contiguous()
-        ends = list(itertools.accumulate(query_lens))
-        sample_index = torch.tensor([ends[i] - 1 for i in sampling], device=self.device)
-        return hidden[sample_index]
+        return hidden[torch.tensor(rows, device=self.device)]
 
 
 # Of the requests that sample: their batch indices, requests, ids and sampling params.
 SamplingColumns = tuple[list[int], list[Request], list[str], list[Any]]
+
+
+@dataclass
+class PromptLogprobPlan:
+    """The step's prompt-logprob positions: per position its hidden row, the prompt token it
+    scores, the number of logprobs asked for and the request."""
+
+    rows: list[int]
+    targets: list[int]
+    counts: list[int]
+    owners: list[Request]
+
+
+def _prompt_logprob_plan(
+    requests: list[Request], num_computed: list[int], query_lens: list[int]
+) -> Optional[PromptLogprobPlan]:
+    """For the requests that want them, each prompt token whose previous position this step
+    computes (positions recorded before a preemption are skipped); None when none asks."""
+    if not any(map(_WANTS_PROMPT_LOGPROBS, requests)):
+        return None
+    plan = PromptLogprobPlan([], [], [], [])
+    start = 0
+    for request, computed, length in zip(requests, num_computed, query_lens):
+        if request.wants_prompt_logprobs:
+            # Position j's logits give prompt token j + 1's logprobs.
+            first = max(computed, len(request.prompt_logprobs))
+            last = min(computed + length, request.num_prompt_tokens - 1)
+            k = request.sampling_params.prompt_logprobs
+            for position in range(first, last):
+                plan.rows.append(start + position - computed)
+                plan.targets.append(request.prompt_token_ids[position + 1])
+                plan.counts.append(k)
+                plan.owners.append(request)
+        start += length
+    return plan
 
 
 def _sampling_columns(scheduled: Sequence[Any], requests: list[Request]) -> SamplingColumns:

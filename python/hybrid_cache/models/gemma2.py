@@ -17,6 +17,7 @@ from torch import nn
 
 from hybrid_cache.config import ModelSpec
 from hybrid_cache.models.layers import GatedMLP, ProjectedSelfAttention, RMSNorm
+from hybrid_cache.models.parallel_layers import lm_head, vocab_embedding
 from hybrid_cache.models.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -66,7 +67,7 @@ class GemmaModel(nn.Module):
     def __init__(self, spec: ModelSpec, qk_norm: bool) -> None:
         super().__init__()
         self.hidden_size = spec.hidden_size
-        self.embed_tokens = nn.Embedding(spec.vocab_size, self.hidden_size)
+        self.embed_tokens = vocab_embedding(spec.vocab_size, self.hidden_size)
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(spec, index, qk_norm) for index in range(spec.num_layers)
         )
@@ -81,7 +82,8 @@ class GemmaModel(nn.Module):
 
 
 class Gemma2ForCausalLM(nn.Module):
-    """`forward(input_ids [T], positions [T]) -> hidden [T, H]`; `compute_logits(hidden)`."""
+    """`forward(input_ids [T], positions [T]) -> hidden [T, H]`; `compute_logits(hidden)` (None
+    on tensor-parallel ranks other than 0 when the LM head is vocabulary-parallel)."""
 
     QK_NORM = False
 
@@ -90,13 +92,13 @@ class Gemma2ForCausalLM(nn.Module):
         self.spec = spec
         self.config = spec.text_config
         self.model = GemmaModel(spec, self.QK_NORM)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = lm_head(spec.hidden_size, spec.vocab_size)
         self.final_logit_softcapping = self.config.get("final_logit_softcapping")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        logits = self.lm_head(hidden)  # gathered on rank 0 first: the cap sees every column
         cap = self.final_logit_softcapping
-        return logits if cap is None else cap * torch.tanh(logits / cap)
+        return logits if cap is None or logits is None else cap * torch.tanh(logits / cap)

@@ -23,7 +23,13 @@ from torch import nn
 
 from hybrid_cache.config import ModelSpec
 from hybrid_cache.models.layers import ProjectedSelfAttention, RMSNorm
-from hybrid_cache.models.parallel_layers import all_reduce, current_shard, declare_sharded
+from hybrid_cache.models.parallel_layers import (
+    all_reduce,
+    current_shard,
+    declare_sharded,
+    lm_head,
+    vocab_embedding,
+)
 from hybrid_cache.models.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -132,7 +138,7 @@ class GptOssDecoderLayer(nn.Module):
 class GptOssModel(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = vocab_embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
             GptOssDecoderLayer(spec, index) for index in range(spec.num_layers)
         )
@@ -148,14 +154,15 @@ class GptOssModel(nn.Module):
 
 
 class GptOssForCausalLM(nn.Module):
-    """`forward(input_ids [T], positions [T]) -> hidden [T, H]`; `compute_logits(hidden)`."""
+    """`forward(input_ids [T], positions [T]) -> hidden [T, H]`; `compute_logits(hidden)` (None
+    on tensor-parallel ranks other than 0 when the LM head is vocabulary-parallel)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
         self.config = spec.text_config
         self.model = GptOssModel(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = lm_head(spec.hidden_size, spec.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

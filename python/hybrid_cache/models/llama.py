@@ -16,6 +16,7 @@ from torch import nn
 
 from hybrid_cache.config import ModelSpec
 from hybrid_cache.models.layers import GatedMLP, ProjectedSelfAttention, RMSNorm
+from hybrid_cache.models.parallel_layers import lm_head, vocab_embedding
 from hybrid_cache.models.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -52,7 +53,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = vocab_embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(spec, index, qkv_bias, o_bias, qk_norm)
             for index in range(spec.num_layers)
@@ -67,14 +68,15 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """`forward(input_ids [T], positions [T]) -> hidden [T, H]`; `compute_logits(hidden)`."""
+    """`forward(input_ids [T], positions [T]) -> hidden [T, H]`; `compute_logits(hidden)` (None
+    on tensor-parallel ranks other than 0 when the LM head is vocabulary-parallel)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
         self.config = spec.text_config
         self.model = LlamaModel(spec, **self.attention_options(spec.text_config))
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = lm_head(spec.hidden_size, spec.vocab_size)
 
     @classmethod
     def attention_options(cls, config: dict[str, Any]) -> dict[str, bool]:

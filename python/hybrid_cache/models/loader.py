@@ -18,6 +18,7 @@ Tensor parallelism: `build_model(..., shard=TensorShard(rank, size))` builds one
 (`safe_open(...).get_slice`, the shape checked against the full tensor first; MXFP4 experts by
 their rows, or by their 32-element blocks where the split is block-aligned) and dummy weights
 are drawn at full size and sliced, so every shard holds the single-device model's numbers.
+A vocabulary-parallel shard's rows past the vocabulary (its padding) are zeros.
 """
 
 from __future__ import annotations
@@ -270,7 +271,7 @@ def copy_tensor(
             f"checkpoint tensor {name!r} has shape {tensor.shape}, config.json implies "
             f"{expected}{shape_hint(spec)}"
         )
-    values = tensor.read(None if rule is None else rule.index())
+    values = tensor.read(None) if rule is None else rule.pad(tensor.read(rule.index()))
     with torch.no_grad():
         parameter.copy_(values.to(parameter.dtype))
 
@@ -427,7 +428,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
                 shape = parameter.shape if rule is None else rule.full_shape
                 values = torch.randn(shape, generator=generators[device], device=device)
                 if rule is not None:
-                    values = values[rule.index()]
+                    values = rule.pad(values[rule.index()])
                 parameter.copy_(values.mul_(0.02).to(parameter.dtype))
 
 

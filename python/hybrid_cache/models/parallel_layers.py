@@ -12,12 +12,17 @@ or columns of the checkpoint tensor that is (`ShardRule`), so the loader reads o
   all-reduce, the bias added once after it;
 - at N = 1 both return a plain `nn.Linear`, so a single-device model is unchanged.
 
-The embedding and the LM head are replicated: every rank embeds the full vocabulary and only
-rank 0, which samples, computes logits.
+- `vocab_embedding` / `lm_head` (vocabulary-parallel, the default): the vocabulary, padded to a
+  multiple of N (`padded_vocab_size`), split into N row ranges; the embedding looks up the ids
+  in the rank's range (zero elsewhere) and all-reduces; the LM head computes the rank's logit
+  columns and gathers them to rank 0, which drops the padding columns (so a padded id can never
+  be sampled); the other ranks' `lm_head(...)` returns None. A tied head shares the embedding's
+  shard. Padded rows are zeros, not read from the checkpoint. With `TensorShard.shard_vocab`
+  False both are replicated (an `nn.Embedding`, an `nn.Linear`) and only rank 0 calls the head.
 
 `all_reduce` sums in place over the group `set_collectives` registered (the engine's worker
-processes, `engine/parallel/`) and counts, per rank, the collectives it entered (a shared
-counter the driver reads to tell which rank hung).
+processes, `engine/parallel/`), `gather_to_driver` collects a tensor on rank 0; both count, per
+rank, the collectives it entered (a shared counter the driver reads to tell which rank hung).
 """
 
 from __future__ import annotations
@@ -38,10 +43,12 @@ from hybrid_cache.config import per_rank_kv_heads
 
 @dataclass(frozen=True)
 class TensorShard:
-    """Rank `rank` of `size` tensor-parallel ranks (0 of 1: no parallelism)."""
+    """Rank `rank` of `size` tensor-parallel ranks (0 of 1: no parallelism); `shard_vocab`:
+    the embedding and the LM head split by vocabulary rows (else replicated)."""
 
     rank: int = 0
     size: int = 1
+    shard_vocab: bool = True
 
     def split(self, total: int) -> tuple[int, int]:
         """This rank's [start, stop) of `total` items split evenly."""
@@ -57,6 +64,16 @@ class TensorShard:
         head = self.rank // (self.size // num_kv_heads)
         assert per_rank_kv_heads(num_kv_heads, self.size) == 1
         return head, head + 1
+
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
+        """This rank's [start, stop) of the padded vocabulary (`padded_vocab_size`)."""
+        per_rank = padded_vocab_size(vocab_size, self.size) // self.size
+        return self.rank * per_rank, (self.rank + 1) * per_rank
+
+
+def padded_vocab_size(vocab_size: int, size: int) -> int:
+    """The vocabulary rounded up to a multiple of `size` ranks (vLLM pads it too)."""
+    return -(-vocab_size // size) * size
 
 
 NO_SHARD = TensorShard()
@@ -81,7 +98,8 @@ def current_shard() -> TensorShard:
 @dataclass(frozen=True)
 class ShardRule:
     """A parameter holds `[start, stop)` of dimension `dim` of the checkpoint tensor, whose
-    full shape (in the parameter's orientation) is `full_shape`."""
+    full shape (in the parameter's orientation) is `full_shape`. A `stop` past the tensor's
+    length (the padded vocabulary's last rows) is padding: zeros, not in the checkpoint."""
 
     dim: int
     start: int
@@ -89,8 +107,21 @@ class ShardRule:
     full_shape: tuple[int, ...]
 
     def index(self) -> tuple[slice, ...]:
-        """The slice of the full tensor (for `tensor[...]` or a safetensors slice)."""
-        return (slice(None),) * self.dim + (slice(self.start, self.stop),)
+        """The slice of the full tensor (for `tensor[...]` or a safetensors slice), padding
+        excluded."""
+        length = self.full_shape[self.dim]
+        start, stop = min(self.start, length), min(self.stop, length)
+        return (slice(None),) * self.dim + (slice(start, stop),)
+
+    def pad(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` (read by `index()`) with the padding rows appended as zeros."""
+        missing = (self.stop - self.start) - values.shape[self.dim]
+        if missing == 0:
+            return values
+        shape = list(values.shape)
+        shape[self.dim] = missing
+        zeros = torch.zeros(shape, dtype=values.dtype, device=values.device)
+        return torch.cat([values, zeros], dim=self.dim)
 
 
 def shard_rule(model: nn.Module, name: str) -> Optional[ShardRule]:
@@ -163,8 +194,65 @@ def row_parallel_linear(
     return RowParallelLinear(in_features, out_features, bias, columns)
 
 
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows `rows` of the padded vocabulary: ids outside them embed as zeros,
+    and the all-reduce sums the one rank's row that is not."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rows: tuple[int, int]) -> None:
+        super().__init__()
+        self.rows = rows
+        self.weight = nn.Parameter(torch.empty(rows[1] - rows[0], hidden_size))
+        declare_sharded(self, "weight", 0, rows, vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        start, stop = self.rows
+        outside = (input_ids < start) | (input_ids >= stop)
+        local = (input_ids - start).masked_fill_(outside, 0)
+        hidden = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
+        return all_reduce(hidden)
+
+
+class VocabParallelLMHead(nn.Module):
+    """The LM head's rows `rows` of the padded vocabulary: each rank computes its logit
+    columns, rank 0 gathers them (`gather_to_driver`) and returns the `vocab_size` real ones;
+    the other ranks return None."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rows: tuple[int, int]) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.empty(rows[1] - rows[0], hidden_size))
+        declare_sharded(self, "weight", 0, rows, vocab_size)
+
+    def forward(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        shards = gather_to_driver(F.linear(hidden, self.weight))
+        if shards is None:
+            return None
+        return torch.cat(shards, dim=-1)[..., : self.vocab_size]
+
+
+def vocab_embedding(vocab_size: int, hidden_size: int) -> nn.Module:
+    """The input embedding: `nn.Embedding` at N = 1 (or replicated), else the rank's rows."""
+    shard = current_shard()
+    if shard.size == 1 or not shard.shard_vocab:
+        return nn.Embedding(vocab_size, hidden_size)
+    return VocabParallelEmbedding(vocab_size, hidden_size, shard.vocab_rows(vocab_size))
+
+
+def lm_head(hidden_size: int, vocab_size: int) -> nn.Module:
+    """The LM head: `nn.Linear` at N = 1 (or replicated), else the rank's vocabulary rows."""
+    shard = current_shard()
+    if shard.size == 1 or not shard.shard_vocab:
+        return nn.Linear(hidden_size, vocab_size, bias=False)
+    return VocabParallelLMHead(vocab_size, hidden_size, shard.vocab_rows(vocab_size))
+
+
+def is_vocab_parallel(model: nn.Module) -> bool:
+    """Whether `model`'s LM head is split by vocabulary (every rank must call it)."""
+    return isinstance(model.lm_head, VocabParallelLMHead)
+
+
 # ---------------------------------------------------------------------------------------------
-# The collective.
+# The collectives.
 
 
 @dataclass
@@ -195,3 +283,19 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     count_collective()
     torch.distributed.all_reduce(tensor, group=_COLLECTIVES.group)
     return tensor
+
+
+def gather_to_driver(tensor: torch.Tensor) -> Optional[list[torch.Tensor]]:
+    """Every rank's `tensor` (the same shape on each), in rank order, on rank 0; None on the
+    other ranks. A gather, not an all-gather: only rank 0 samples, so the others need none of
+    it, and each shard crosses the wire once instead of N - 1 times."""
+    count_collective()
+    group = _COLLECTIVES.group
+    tensor = tensor.contiguous()
+    if _COLLECTIVES.rank != 0:
+        torch.distributed.gather(tensor, None, dst=0, group=group)
+        return None
+    size = torch.distributed.get_world_size(group)
+    shards = [torch.empty_like(tensor) for _ in range(size)]
+    torch.distributed.gather(tensor, shards, dst=0, group=group)
+    return shards

@@ -89,7 +89,7 @@ class TensorParallelExecutor:
     ) -> None:
         self.config = config
         self.size = groups.size
-        self.shard = TensorShard(0, groups.size)
+        self.shard = TensorShard(0, groups.size, config.vocab_parallel)
         self.timeout = datetime.timedelta(seconds=config.distributed_timeout)
         self.processes = processes  # rank r is processes[r - 1]; empty under torchrun
         self.entered = None if entered is None else entered.numpy()

@@ -6,7 +6,9 @@ allocator or sampler: the driver (rank 0) owns those. Setup mirrors the driver's
 for collective: load the shard, report (`exchange_status`), profile the device and agree on the
 smallest budget (CUDA without `kv_cache_memory`), take the driver's layout, allocate, report
 again. Then, per step: receive the `StepInputs`, copy the step's blocks, run the forward (its
-all-reduces join the driver's); until the driver says stop.
+all-reduces join the driver's) and, when the LM head is vocabulary-parallel, the head over the
+step's logit rows (its gathers join the driver's; the logits stay on rank 0); until the driver
+says stop.
 
 A worker that fails reports its traceback to the driver (a queue, when spawned) and exits; a
 spawned worker whose driver died exits too (a watchdog thread checks the parent process).
@@ -51,14 +53,21 @@ from hybrid_cache.engine.parallel.step_broadcast import (
     exchange_status,
     share_object,
 )
-from hybrid_cache.engine.parallel.step_inputs import StepInputs, step_batch
-from hybrid_cache.models.parallel_layers import TensorShard, set_collectives
+from hybrid_cache.engine.parallel.step_inputs import (
+    PROMPT_LOGPROBS_CHUNK,
+    StepInputs,
+    step_batch,
+)
+from hybrid_cache.models.parallel_layers import TensorShard, is_vocab_parallel, set_collectives
 from hybrid_cache.planner import KVCacheLayout
 
 logger = logging.getLogger(__name__)
 
 # How often a spawned worker checks that its driver still runs.
 PARENT_CHECK_S = 1.0
+# For tests only: "RANK:STEP" makes worker RANK raise in its STEP-th step (counted from 1), so a
+# test can check that a worker's traceback reaches rank 0's `WorkerFailedError`. Unset otherwise.
+TEST_FAULT_ENV = "HYBRID_CACHE_TEST_WORKER_FAULT"
 
 
 @dataclass
@@ -76,7 +85,8 @@ class WorkerArgs:
 
 
 class ShardRunner:
-    """One rank's forward over its shard and its KV tensors; no sampling."""
+    """One rank's forward over its shard and its KV tensors, and its share of the LM head when
+    that is vocabulary-parallel (in the driver's order: `ModelRunner._sample`); no sampling."""
 
     def __init__(
         self,
@@ -90,6 +100,7 @@ class ShardRunner:
         self.device = device
         self.block_sizes = [group.block_size for group in layout.groups]
         self.full_groups = [group.group_id for group in layout.groups if group.kind == "full"]
+        self.vocab_parallel = is_vocab_parallel(model)
         self.slot_tensors, self.kv_caches = bind_model(
             model, layout, dtype, device, attention_backend
         )
@@ -102,7 +113,20 @@ class ShardRunner:
             return
         input_ids, metadata, positions = step_batch(inputs, self.block_sizes, self.full_groups)
         with set_forward_context(metadata_to(metadata, self.device), self.kv_caches):
-            self.model(input_ids.to(self.device), positions.to(self.device))
+            hidden = self.model(input_ids.to(self.device), positions.to(self.device))
+        if self.vocab_parallel:
+            self._logits(hidden, inputs)
+
+    def _logits(self, hidden: torch.Tensor, inputs: StepInputs) -> None:
+        """The LM head over the prompt-logprob rows (in the driver's chunks), then over the
+        sampled rows."""
+        prompt_rows = torch.from_numpy(inputs.prompt_rows).to(self.device)
+        for begin in range(0, len(prompt_rows), PROMPT_LOGPROBS_CHUNK):
+            self.model.compute_logits(hidden[prompt_rows[begin : begin + PROMPT_LOGPROBS_CHUNK]])
+        if inputs.sample_rows is None:
+            self.model.compute_logits(hidden.contiguous())
+        elif len(inputs.sample_rows):
+            self.model.compute_logits(hidden[torch.from_numpy(inputs.sample_rows).to(self.device)])
 
 
 def serve(
@@ -121,7 +145,10 @@ def serve(
         torch.cuda.set_device(device)
     dtype = resolve_dtype(config.dtype, spec, device)
     model = _attempt(
-        report, lambda: load_engine_model(config, spec, dtype, device, TensorShard(rank, size))
+        report,
+        lambda: load_engine_model(
+            config, spec, dtype, device, TensorShard(rank, size, config.vocab_parallel)
+        ),
     )
     if not all(exchange_status(groups, model is not None)):
         return
@@ -142,8 +169,21 @@ def serve(
     if not all(exchange_status(groups, runner is not None)):
         return
     receiver = StepReceiver(groups, clock)
+    fault_step, step = _test_fault_step(rank), 0
     while (inputs := receiver.receive()) is not None:
+        step += 1
+        if step == fault_step:
+            raise RuntimeError(f"test fault in rank {rank}'s step {step} ({TEST_FAULT_ENV})")
         runner.run(inputs)
+
+
+def _test_fault_step(rank: int) -> Optional[int]:
+    """The step `TEST_FAULT_ENV` makes this rank fail in (tests only; None: no fault)."""
+    value = os.environ.get(TEST_FAULT_ENV)
+    if not value:
+        return None
+    fault_rank, step = map(int, value.split(":"))
+    return step if fault_rank == rank else None
 
 
 def _attempt(report: Callable[[str], None], build: Callable[[], Any]) -> Any:
