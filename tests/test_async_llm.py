@@ -34,8 +34,9 @@ def llm(folder):
     return make_llm(folder)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def engine(llm):
+    """One engine (process) for the tests that leave it healthy and idle."""
     engine = AsyncLLM(llm)
     yield engine
     engine.shutdown()
@@ -242,7 +243,7 @@ def test_an_error_while_streaming_one_request_fails_it_alone(engine):
 
 
 def test_a_failing_step_fails_every_waiting_caller_and_the_engine_is_unhealthy(llm):
-    engine = AsyncLLM(llm)
+    engine = AsyncLLM(llm.config)  # an engine of its own (never the shared one) to break
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     engine.call_engine(fail_steps, 3, "the device fell over")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from typing import Optional
 
 from hybrid_cache.engine.engine_config import add_engine_arguments, engine_config_from_args
@@ -166,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
         format_memory_size(limit),
         ", API key required" if api_key else "",
     )
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again: here
+    # both end in KeyboardInterrupt, so the engine (process) is stopped before exiting.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         uvicorn.Server(uvicorn_config(server.app, args.host, args.port, args.log_level)).run()
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then passes the signal on
@@ -173,3 +177,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.shutdown()
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

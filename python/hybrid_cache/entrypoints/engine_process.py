@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
+import socket
 import threading
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
@@ -35,6 +37,9 @@ logger = logging.getLogger(__name__)
 # How long a stopped engine process gets to exit before it is terminated, then killed.
 STOP_GRACE_S = 5.0
 PROTOCOL = pickle.HIGHEST_PROTOCOL
+# Bytes each end of the socket pair buffers (the kernel caps it at net.core.wmem_max): the
+# engine's writes do not wait for a server that reads late (a batch is a few KiB).
+SOCKET_BUFFER_BYTES = 4 * 1024**2
 
 
 def portable(error: BaseException) -> BaseException:
@@ -117,6 +122,8 @@ class EngineProcess:
         error (typed, as `LLM(config)` raises it) or `EngineDeadError` if the child died."""
         context = multiprocessing.get_context("spawn")
         ours, theirs = context.Pipe(duplex=True)
+        for conn in (ours, theirs):
+            _grow_buffers(conn)
         process = context.Process(
             target=engine_main,
             args=(theirs, config, stream_interval, num_threads, logging.getLogger().level),
@@ -190,6 +197,12 @@ class EngineProcess:
         if not self._stopping:
             logger.error("%s", message)
         deliver(Batch([], [], None, (message, None)))
+
+
+def _grow_buffers(conn: Connection) -> None:
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
 
 
 def _end(process: Any) -> None:
