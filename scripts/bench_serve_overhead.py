@@ -2,11 +2,13 @@
 concurrency, measured by `bench/serving.py` over HTTP) against offline `LLM.generate` on the
 same model, weights (dummy, seeded), prompts and engine limits, side by side in one run.
 
-The server runs in a subprocess; the offline engine and the HTTP client run here, one at a
-time (ABBA order over `--repeat` rounds; each side's best round counts). Then TTFT at a
-request rate the engine sustains (`--rate-share` of the measured request throughput,
-Poisson arrivals, no concurrency cap), against one decode step at the full batch plus the
-prefill of one prompt alone (both timed offline).
+The server runs in a subprocess, one per `--engine-modes` entry (`process`: the engine in a
+process of its own, the default; `thread`: `--no-engine-process`); the offline engine and the
+HTTP client run here, one side at a time (each round in a rotated order over `--repeat`
+rounds; each side's best round counts). Then, per mode, TTFT at a request rate the engine
+sustains (`--rate-share` of that mode's measured request throughput, Poisson arrivals, no
+concurrency cap), against one decode step at the full batch plus the prefill of one prompt
+alone (both timed offline).
 
     python scripts/bench_serve_overhead.py --model tiny-gemma3 --concurrency 32
 """
@@ -29,6 +31,8 @@ from hybrid_cache import LLM, SamplingParams
 from hybrid_cache.bench.serve_settings import ServeBenchSettings
 from hybrid_cache.bench.serving import run_serve_bench
 from hybrid_cache.bench.workload import make_prompts
+
+MODES = ("process", "thread")
 
 
 def free_port() -> int:
@@ -63,6 +67,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--rate-share", type=float, default=0.5)
     parser.add_argument("--stream-interval", type=int, default=1, help="the server's")
+    parser.add_argument(
+        "--engine-modes", nargs="+", choices=MODES, default=list(MODES), help="servers compared"
+    )
     parser.add_argument("--output-json")
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
@@ -82,31 +89,42 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[: args.concurrency], params, use_tqdm=False)  # warm-up: a full batch
 
-    port = free_port()
-    command = [
-        sys.executable, "-m", "hybrid_cache", "serve", args.model, "--port", str(port),
-        "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.concurrency),
-        "--load-format", "dummy", "--num-threads", str(args.num_threads),
-        "--log-level", "warning", "--stream-interval", str(args.stream_interval),
-    ]  # fmt: skip
-    if args.hf_overrides:
-        command += ["--hf-overrides", args.hf_overrides]
-    server = subprocess.Popen(command, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
-        wait_healthy(url, server)
-        settings = ServeBenchSettings(
-            base_url=url,
-            num_prompts=args.num_prompts,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            max_concurrency=args.concurrency,
-        )
-        warm_up = {**settings.__dict__, "num_prompts": args.concurrency}
-        asyncio.run(run_serve_bench(ServeBenchSettings(**warm_up)))
-        offline, served, serve_results = [], [], []
+        for mode in args.engine_modes:
+            port = free_port()
+            command = [
+                sys.executable, "-m", "hybrid_cache", "serve", args.model, "--port", str(port),
+                "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.concurrency),
+                "--load-format", "dummy", "--num-threads", str(args.num_threads),
+                "--log-level", "warning", "--stream-interval", str(args.stream_interval),
+                "--engine-process" if mode == "process" else "--no-engine-process",
+            ]  # fmt: skip
+            if args.hf_overrides:
+                command += ["--hf-overrides", args.hf_overrides]
+            servers[mode] = (
+                subprocess.Popen(command, env=dict(os.environ)),
+                f"http://127.0.0.1:{port}",
+            )
+        settings = {}
+        for mode, (server, url) in servers.items():
+            wait_healthy(url, server)
+            settings[mode] = ServeBenchSettings(
+                base_url=url,
+                num_prompts=args.num_prompts,
+                input_len=args.input_len,
+                output_len=args.output_len,
+                max_concurrency=args.concurrency,
+            )
+            warm_up = {**settings[mode].__dict__, "num_prompts": args.concurrency}
+            asyncio.run(run_serve_bench(ServeBenchSettings(**warm_up)))
+        sides = ["offline", *servers]
+        offline: list[float] = []
+        served: dict[str, list[float]] = {mode: [] for mode in servers}
+        serve_results: dict[str, list[dict]] = {mode: [] for mode in servers}
         for round_index in range(args.repeat):
-            for side in ("offline", "server") if round_index % 2 == 0 else ("server", "offline"):
+            shift = round_index % len(sides)
+            for side in sides[shift:] + sides[:shift]:
                 if side == "offline":
                     start = time.perf_counter()
                     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -114,10 +132,10 @@ def main() -> None:
                     offline.append(sum(len(o.token_ids) for o in outputs) / elapsed)
                     steps = len(llm.step_stats)
                 else:
-                    results = asyncio.run(run_serve_bench(settings))
+                    results = asyncio.run(run_serve_bench(settings[side]))
                     assert results["failed"] == 0, results["errors"]
-                    served.append(results["output_throughput"])
-                    serve_results.append(results)
+                    served[side].append(results["output_throughput"])
+                    serve_results[side].append(results)
         # One decode step at the full batch (the offline run's mean step) and one prompt's
         # prefill alone.
         decode_step_s = elapsed / steps
@@ -127,33 +145,47 @@ def main() -> None:
             llm.generate(prompts[0], SamplingParams(max_tokens=1), use_tqdm=False)
             prefill.append(time.perf_counter() - start)
         prefill_s = statistics.median(prefill)
-        best = max(range(len(served)), key=served.__getitem__)
-        rate = args.rate_share * serve_results[best]["request_throughput"]
-        paced = asyncio.run(
-            run_serve_bench(
-                ServeBenchSettings(
-                    **{**settings.__dict__, "max_concurrency": None, "request_rate": rate}
+        modes = {}
+        for mode in servers:
+            best = max(range(len(served[mode])), key=served[mode].__getitem__)
+            rate = args.rate_share * serve_results[mode][best]["request_throughput"]
+            paced = asyncio.run(
+                run_serve_bench(
+                    ServeBenchSettings(
+                        **{**settings[mode].__dict__, "max_concurrency": None, "request_rate": rate}
+                    )
                 )
             )
-        )
+            modes[mode] = {
+                "server_output_tok_s": served[mode],
+                "ratio_best": max(served[mode]) / max(offline),
+                # Server over offline within each round (run one after the other).
+                "ratio_per_round": [server / alone for server, alone in zip(served[mode], offline)],
+                "server_ttft_p99_ms_at_concurrency": serve_results[mode][best]["ttft"]["p99_ms"],
+                "paced_request_rate": rate,
+                "paced_ttft_p99_ms": paced["ttft"]["p99_ms"],
+                "paced_ttft_median_ms": paced["ttft"]["median_ms"],
+            }
     finally:
-        server.terminate()
-        server.wait(30)
+        for server, _ in servers.values():
+            server.terminate()
+        for server, _ in servers.values():
+            server.wait(30)
     report = {
         "offline_output_tok_s": offline,
-        "server_output_tok_s": served,
-        "ratio_best": max(served) / max(offline),
-        # Server over offline within each round (the two ran back to back).
-        "ratio_per_round": [server / alone for server, alone in zip(served, offline)],
-        "server_ttft_p99_ms_at_concurrency": serve_results[best]["ttft"]["p99_ms"],
-        "paced_request_rate": rate,
-        "paced_ttft_p99_ms": paced["ttft"]["p99_ms"],
-        "paced_ttft_median_ms": paced["ttft"]["median_ms"],
+        "modes": modes,
         "decode_step_ms": 1000 * decode_step_s,
         "prefill_one_prompt_ms": 1000 * prefill_s,
         "ttft_bound_ms": 2000 * (decode_step_s + prefill_s),
         "args": vars(args),
     }
+    if len(modes) == 2:
+        report["process_over_thread_per_round"] = [
+            a / b
+            for a, b in zip(
+                modes["process"]["server_output_tok_s"], modes["thread"]["server_output_tok_s"]
+            )
+        ]
     print(json.dumps(report, indent=2))
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as file:

@@ -1,6 +1,7 @@
 """A real server for tests: `create_server` over an `LLM` of the tiny serve model
 (`serve_model.py`), uvicorn on a thread of the test process on an ephemeral 127.0.0.1 port.
-Tests read the engine directly (blocks, requests) after the server is idle."""
+Tests read the engine's state where it runs (`engine_hooks.engine_state`) after the server
+is idle."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Optional
 
+from engine_hooks import engine_state, set_step_delay
 from hybrid_cache import LLM
 from hybrid_cache.entrypoints.api_server import (
     Server,
@@ -51,18 +53,17 @@ def running_server(
 def slow_steps(server: Server, seconds: float = 0.01) -> Iterator[None]:
     """Each engine step takes at least `seconds` (a request stays running long enough to be
     looked at while it runs)."""
-    runner = server.engine.llm.engine.model_runner
-    execute = runner.execute
-
-    def slow(output: Any) -> Any:
-        time.sleep(seconds)
-        return execute(output)
-
-    runner.execute = slow
+    server.engine.call_engine(set_step_delay, seconds)
     try:
         yield
     finally:
-        runner.execute = execute
+        if server.engine.is_healthy:
+            server.engine.call_engine(set_step_delay, 0.0)
+
+
+def state_of(server: Server) -> dict[str, Any]:
+    """The engine's blocks and requests, read where it runs."""
+    return server.engine.call_engine(engine_state)
 
 
 def wait_idle(server: Server, timeout: float = 10.0) -> None:

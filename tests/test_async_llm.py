@@ -1,14 +1,16 @@
 """`AsyncLLM`: outputs stream as tokens arrive and join to `LLM.generate`'s; a consumer that
 leaves aborts its request and its blocks come back; a request that fails fails alone; a step
-loop that fails fails every waiting caller (no hang) and the engine reports unhealthy."""
+loop that fails fails every waiting caller (no hang) and the engine reports unhealthy. The
+engine runs in its own process (the default); the engine's state is read there
+(`engine_hooks`) and faults are injected there."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from engine_hooks import engine_state, fail_steps, fail_stream_of, restore_streams
 from hybrid_cache import SamplingParams
-from hybrid_cache.entrypoints import streaming
 from hybrid_cache.entrypoints.async_llm import AsyncLLM
 from hybrid_cache.errors import (
     EngineDeadError,
@@ -32,12 +34,13 @@ def llm(folder):
     return make_llm(folder)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def engine(llm):
+    """One engine (process) for the tests that leave it healthy and idle."""
     engine = AsyncLLM(llm)
     yield engine
     engine.shutdown()
-    assert llm.engine.kv_cache.num_used_blocks_per_group() == [0, 0]
+    assert engine.snapshot.num_used_blocks_per_group == (0, 0)  # the engine's last word
 
 
 def run(coroutine, timeout: float = 30.0):
@@ -165,18 +168,21 @@ def test_a_consumer_that_leaves_aborts_its_request_and_frees_its_blocks(llm, eng
 
     outputs = run(main())
     assert outputs[-1].output.outputs[0].finish_reason == "length"
-    wait_free(llm, engine)
+    wait_free(engine)
 
 
-def wait_free(llm, engine):
+def wait_free(engine):
     async def idle():
-        while engine.num_pending_requests or llm.engine.has_unfinished_requests():
+        snapshot = engine.snapshot
+        while engine.num_pending_requests or snapshot.num_running or snapshot.num_waiting:
             await asyncio.sleep(0.01)
+            snapshot = engine.snapshot
         await asyncio.sleep(0.05)
 
     run(idle(), 10)
-    assert llm.engine.kv_cache.num_used_blocks_per_group() == [0, 0]
-    assert not llm.engine.unfinished_request_ids
+    assert engine.snapshot.num_used_blocks_per_group == (0, 0)
+    state = engine.call_engine(engine_state)
+    assert state["used_blocks"] == [0, 0] and not state["unfinished"]
 
 
 def test_bad_requests_fail_alone_before_any_output(llm, engine):
@@ -197,7 +203,7 @@ def test_bad_requests_fail_alone_before_any_output(llm, engine):
 
     outputs = run(main())
     assert outputs[-1].output.outputs[0].finish_reason == "length"
-    wait_free(llm, engine)
+    wait_free(engine)
 
 
 def test_a_duplicate_id_that_is_refused_does_not_abort_the_first(llm, engine):
@@ -217,15 +223,8 @@ def test_a_duplicate_id_that_is_refused_does_not_abort_the_first(llm, engine):
     assert len(outputs[-1].output.outputs[0].token_ids) == 100
 
 
-def test_an_error_while_streaming_one_request_fails_it_alone(llm, engine, monkeypatch):
-    original = streaming.SampleStream.delta
-
-    def delta(self, request):
-        if request.request_id == "bad" and len(request.output_token_ids) >= 3:
-            raise RuntimeError("boom in one request")
-        return original(self, request)
-
-    monkeypatch.setattr(streaming.SampleStream, "delta", delta)
+def test_an_error_while_streaming_one_request_fails_it_alone(engine):
+    engine.call_engine(fail_stream_of, "bad", 3, "boom in one request")
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
     async def main():
@@ -234,26 +233,19 @@ def test_an_error_while_streaming_one_request_fails_it_alone(llm, engine, monkey
             await collect(engine, PROMPTS[1], params, "bad")
         return await good
 
-    outputs = run(main())
+    try:
+        outputs = run(main())
+    finally:
+        engine.call_engine(restore_streams)
     assert len(outputs[-1].output.outputs[0].token_ids) == 16
     assert engine.is_healthy
-    wait_free(llm, engine)
+    wait_free(engine)
 
 
-def test_a_failing_step_fails_every_waiting_caller_and_the_engine_is_unhealthy(folder):
-    llm = make_llm(folder)
-    engine = AsyncLLM(llm)
+def test_a_failing_step_fails_every_waiting_caller_and_the_engine_is_unhealthy(llm):
+    engine = AsyncLLM(llm.config)  # an engine of its own (never the shared one) to break
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    original = llm.engine.model_runner.execute
-    calls = []
-
-    def execute(output):
-        calls.append(1)
-        if len(calls) == 4:
-            raise RuntimeError("the device fell over")
-        return original(output)
-
-    llm.engine.model_runner.execute = execute
+    engine.call_engine(fail_steps, 3, "the device fell over")
 
     async def main():
         return await asyncio.gather(
@@ -268,13 +260,13 @@ def test_a_failing_step_fails_every_waiting_caller_and_the_engine_is_unhealthy(f
     assert not engine.is_healthy
     with pytest.raises(EngineDeadError):
         run(collect(engine, PROMPTS[0], params, "later"))
-    # The loop gave the blocks back before it stopped.
-    assert llm.engine.kv_cache.num_used_blocks_per_group() == [0, 0]
+    # The loop gave the blocks back before it stopped (its last snapshot says so).
+    assert engine.snapshot.num_used_blocks_per_group == (0, 0)
+    assert engine.snapshot.stats.num_steps >= 3
     engine.shutdown()
 
 
-def test_shutdown_fails_the_waiting_callers(folder):
-    llm = make_llm(folder)
+def test_shutdown_fails_the_waiting_callers(llm):
     engine = AsyncLLM(llm)
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
@@ -285,7 +277,8 @@ def test_shutdown_fails_the_waiting_callers(folder):
 
     run(main(), 10)
     assert not engine.is_healthy
-    assert llm.engine.kv_cache.num_used_blocks_per_group() == [0, 0]
+    assert engine.snapshot.num_used_blocks_per_group == (0, 0)
+    assert engine.snapshot.stats.num_steps > 0
 
 
 def test_past_the_pending_limit_requests_are_refused(llm):
@@ -317,20 +310,16 @@ def test_bad_engine_limits_are_typed_errors(llm, field, value):
         AsyncLLM(llm, **{field: value})
 
 
-def test_requests_posted_with_the_shutdown_are_refused_not_left_waiting(folder):
-    engine = AsyncLLM(make_llm(folder))
-    params = SamplingParams(max_tokens=4)
+def test_requests_posted_with_the_shutdown_are_refused_not_left_waiting(llm):
+    engine = AsyncLLM(llm)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
 
     async def main():
-        # Posted behind the stop, all taken by the loop thread at once (it waits for the lock
-        # held here; the lock is re-entrant, so this thread still posts): each gets an answer.
-        with engine._wake:
-            engine._commands.append(("stop",))
-            tasks = [
-                asyncio.ensure_future(collect(engine, PROMPTS[0], params, f"late{i}"))
-                for i in range(3)
-            ]
-            await asyncio.sleep(0.05)  # the adds are posted behind the stop
+        tasks = [
+            asyncio.ensure_future(collect(engine, PROMPTS[0], params, f"late{i}")) for i in range(3)
+        ]
+        await asyncio.sleep(0)  # the adds are posted, not yet answered
+        engine.shutdown()  # posted behind them: each still gets an answer
         return await asyncio.gather(*tasks, return_exceptions=True)
 
     results = run(main(), 10)

@@ -7,8 +7,17 @@ import json
 
 import httpx
 import pytest
+from engine_hooks import fail_steps
 from hybrid_cache.entrypoints.api_server import ServerSettings
-from serve_harness import MODEL_NAME, make_llm, metric, running_server, slow_steps, wait_idle
+from serve_harness import (
+    MODEL_NAME,
+    make_llm,
+    metric,
+    running_server,
+    slow_steps,
+    state_of,
+    wait_idle,
+)
 
 LIMIT = 64 * 1024
 
@@ -166,7 +175,7 @@ def test_the_server_still_answers_and_counted_the_errors(server):
     wait_idle(running)
     page = httpx.get(url + "/metrics").text
     assert metric(page, "hybrid_cache:http_error_responses_total", status="400") == before + 3
-    assert running.engine.llm.engine.kv_cache.num_used_blocks_per_group() == [0, 0]
+    assert state_of(running)["used_blocks"] == [0, 0]
     assert httpx.get(url + "/health").status_code == 200
 
 
@@ -191,10 +200,7 @@ def test_overloaded_and_dead_engines_answer_503(serve_model_folder):
             assert response.json()["error"]["code"] == "engine_overloaded"
         wait_idle(running)
 
-        def broken(output):
-            raise RuntimeError("the device fell over")
-
-        llm.engine.model_runner.execute = broken
+        running.engine.call_engine(fail_steps, 0, "the device fell over")
         response = httpx.post(url + "/v1/completions", content=completion())
         assert response.status_code == 503, response.text
         error = response.json()["error"]

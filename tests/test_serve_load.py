@@ -11,7 +11,7 @@ import random
 
 import httpx
 import pytest
-from serve_harness import MODEL_NAME, make_llm, metric, running_server, wait_idle
+from serve_harness import MODEL_NAME, make_llm, metric, running_server, state_of, wait_idle
 
 NUM_STREAMS = 48
 NUM_LEAVERS = NUM_STREAMS // 4
@@ -109,10 +109,11 @@ def test_load_with_disconnects_and_malformed_bodies(server):
     assert all(not s["done"] and s["tokens"] >= 3 for s in streams[:NUM_LEAVERS])
 
     wait_idle(running)
-    engine = running.engine.llm.engine
-    assert engine.kv_cache.num_used_blocks_per_group() == [0, 0]
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks - 1
-    assert not engine.unfinished_request_ids and not engine.has_unfinished_requests()
+    state = state_of(running)
+    assert state["used_blocks"] == [0, 0]
+    assert state["free_blocks"] == state["num_blocks"] - 1
+    assert not state["unfinished"] and not state["has_unfinished"]
+    assert running.engine.snapshot.num_used_blocks_per_group == (0, 0)  # shipped from it
 
     page = httpx.get(url + "/metrics").text
     completed = len(finished) + sum(impatient)

@@ -6,7 +6,8 @@
 
 MODEL is the engine's `--model` (a folder, or a preset: random weights, no tokenizer, so token
 id prompts only); the engine flags are `generate`'s. Every flag is checked before the model
-loads. The server runs until interrupted (Ctrl-C).
+loads. The engine runs in a process of its own (`--no-engine-process`: on a thread of the
+server's); the server runs until interrupted (Ctrl-C, SIGTERM), then stops the engine.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from typing import Optional
 
 from hybrid_cache.engine.engine_config import add_engine_arguments, engine_config_from_args
 from hybrid_cache.entrypoints.server_config import (
     API_KEY_VARIABLE,
+    DEFAULT_ENGINE_PROCESS,
     DEFAULT_HOST,
     DEFAULT_MAX_PENDING_REQUESTS,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -81,7 +84,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_STREAM_INTERVAL,
         help="tokens a stream gathers per chunk (the first goes at once); more: fewer chunks",
     )
-    parser.add_argument("--num-threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_ENGINE_PROCESS,
+        help="run the engine in a process of its own (--no-engine-process: on a thread of "
+        "the server's process, sharing its interpreter lock)",
+    )
+    parser.add_argument(
+        "--num-threads", type=int, help="torch CPU threads of the engine (default: torch's)"
+    )
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level")
     parser.set_defaults(handler=run)
 
@@ -131,21 +143,20 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from hybrid_cache.engine.llm import LLM
     from hybrid_cache.entrypoints.api_server import ServerSettings, create_server, uvicorn_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
-    llm = LLM(config)
     settings = ServerSettings(api_key=api_key or None, max_request_bytes=limit)
     server = create_server(
-        llm,
+        config,
         args.served_model_name,
         args.chat_template,
         settings,
         args.max_pending_requests,
         args.stream_interval,
+        engine_process=args.engine_process,
     )
     names = ", ".join(server.context.model_names)
     logging.getLogger(__name__).info(
@@ -156,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
         format_memory_size(limit),
         ", API key required" if api_key else "",
     )
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again: here
+    # both end in KeyboardInterrupt, so the engine (process) is stopped before exiting.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         uvicorn.Server(uvicorn_config(server.app, args.host, args.port, args.log_level)).run()
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then passes the signal on
@@ -163,3 +177,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.shutdown()
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

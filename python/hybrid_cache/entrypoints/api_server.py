@@ -20,7 +20,7 @@ import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -29,15 +29,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from hybrid_cache._core import __version__
+from hybrid_cache.engine.engine_config import EngineConfig
 from hybrid_cache.engine.llm import LLM
 from hybrid_cache.engine.prompts import resolve_chat_template
-from hybrid_cache.entrypoints.async_llm import AsyncLLM, EngineSnapshot
+from hybrid_cache.entrypoints.async_llm import AsyncLLM
 from hybrid_cache.entrypoints.chat import create_chat_completion
 from hybrid_cache.entrypoints.completions import create_completion
 from hybrid_cache.entrypoints.errors import error_body, error_of
 from hybrid_cache.entrypoints.metrics import ServerMetrics
 from hybrid_cache.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from hybrid_cache.entrypoints.server_config import (
+    DEFAULT_ENGINE_PROCESS,
     DEFAULT_MAX_PENDING_REQUESTS,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_STREAM_INTERVAL,
@@ -78,36 +80,36 @@ class Server:
 
 
 def create_server(
-    llm: LLM,
+    llm: Union[LLM, EngineConfig],
     served_model_names: Sequence[str] = (),
     chat_template: Optional[str] = None,
     settings: Optional[ServerSettings] = None,
     max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
     stream_interval: int = DEFAULT_STREAM_INTERVAL,
+    engine_process: bool = DEFAULT_ENGINE_PROCESS,
 ) -> Server:
-    """Starts an `AsyncLLM` over `llm` and builds its app. The served name is the model's
-    path or preset name unless `served_model_names` are given (the first is reported in
-    the metrics); a `chat_template` (a template or a file) replaces the tokenizer's."""
+    """Starts an `AsyncLLM` over `llm` (an `EngineConfig`, or a built `LLM`: see `AsyncLLM`)
+    and builds its app. The served name is the model's path or preset name unless
+    `served_model_names` are given (the first is reported in the metrics); a `chat_template`
+    (a template or a file) replaces the tokenizer's."""
     settings = settings or ServerSettings()
-    names = tuple(served_model_names) or (llm.config.model,)
-    if chat_template is not None and llm.tokenizer is not None:
-        chat_template = resolve_chat_template(llm.tokenizer, chat_template)
-    holder: list[AsyncLLM] = []
-    metrics = ServerMetrics(
-        lambda: holder[0].snapshot if holder else EngineSnapshot(),
-        [str(kind) for kind, _ in llm.layout.group_attention()],
-        llm.layout.num_blocks - 1,
-        names[0],
-        healthy=lambda: bool(holder) and holder[0].is_healthy,
+    engine = AsyncLLM(
+        llm, max_pending_requests, None, stream_interval, engine_process=engine_process
     )
-    engine = AsyncLLM(llm, max_pending_requests, metrics, stream_interval)
-    holder.append(engine)
+    info = engine.info
+    names = tuple(served_model_names) or (info.model_root,)
+    if chat_template is not None and engine.tokenizer is not None:
+        chat_template = resolve_chat_template(engine.tokenizer, chat_template)
+    metrics = ServerMetrics(
+        lambda: engine.snapshot,
+        info.group_kinds,
+        info.num_usable_blocks,
+        names[0],
+        healthy=lambda: engine.is_healthy,
+    )
+    engine.listener = metrics
     context = ServingContext(
-        engine,
-        names,
-        llm.config.model,
-        chat_template,
-        dict(llm.generation_defaults.sampling),
+        engine, names, info.model_root, chat_template, dict(info.generation_sampling)
     )
     return Server(build_app(context, metrics, settings), engine, context, metrics)
 

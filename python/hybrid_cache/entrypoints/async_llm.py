@@ -1,13 +1,17 @@
-"""`AsyncLLM`: the `LLMEngine` step loop on a background thread, for many asyncio callers.
+"""`AsyncLLM`: the `LLMEngine` step loop in an engine process of its own (or on a background
+thread), for many asyncio callers.
 
-    engine = AsyncLLM(LLM("path/to/model"))           # starts the loop thread
+    engine = AsyncLLM(EngineConfig("path/to/model"))  # starts the engine process
     async for output in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
         print(output.deltas[0].text, end="")          # the text as tokens arrive
     engine.shutdown()
 
-The engine is not thread-safe, so every engine call runs on the loop thread: `add_request`
-and `abort` post commands that it applies between steps. `add_request` returns once the loop
-thread has checked and queued the request (a bad one raises its typed error, before any
+The engine side (`engine_core.py`: scheduler, KV cache, model, stop strings, detokenizing)
+runs in a child process (`engine_process.py`), so the callers' event loop and the engine do
+not share one interpreter lock; `engine_process=False` runs it on a thread of this process
+instead (same behaviour). Either way callers post commands that the loop applies between
+steps, and get back one batch per step with every request's news. `add_request` returns once
+the engine has checked and queued the request (a bad one raises its typed error, before any
 output), with the request's `RequestStream`: a `StreamOutput` for each step that gave the
 request something new (several merged when the consumer fell behind), the last one
 `finished` with the whole `RequestOutput`. With `stream=False` only that last one comes,
@@ -15,37 +19,53 @@ every token in it. `generate` is both in one async generator.
 
 Closing a stream early (leaving a `generate` loop, a cancelled task: a client that
 disconnected) aborts the request, which returns its blocks. A request that fails raises its
-error from its own stream alone. An exception in the step loop raises `EngineDeadError` from
-every waiting stream and every later call, and `is_healthy` turns False. Past
-`max_pending_requests` requests in flight (queued, running, or finished but not yet read to
-the end), `add_request` raises `EngineOverloadedError`.
+error from its own stream alone. An exception in the step loop, or an engine process that
+dies, raises `EngineDeadError` from every waiting stream and every later call, and
+`is_healthy` turns False. Past `max_pending_requests` requests in flight (queued, running,
+or finished but not yet read to the end), `add_request` raises `EngineOverloadedError`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import atexit
+import concurrent.futures
+import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
 
+import torch
+
+from hybrid_cache.engine.engine_config import EngineConfig
 from hybrid_cache.engine.llm import LLM
-from hybrid_cache.engine.llm_engine import Finished
-from hybrid_cache.engine.output_builder import request_output
-from hybrid_cache.engine.outputs import EngineStats
-from hybrid_cache.engine.parallel_sampling import SampleGroup
 from hybrid_cache.engine.prompts import tokenize_prompt
-from hybrid_cache.engine.request import FinishReason, Request
 from hybrid_cache.engine.sampling_params import SamplingParams
+from hybrid_cache.engine.tokenizer import load_tokenizer
+from hybrid_cache.entrypoints.engine_core import (
+    ADDED,
+    CALLED,
+    FAILED,
+    FIRST_TOKEN,
+    INTER_TOKEN,
+    OUTPUT,
+    Batch,
+    EngineCore,
+    EngineInfo,
+    EngineSnapshot,
+    run_loop,
+)
+from hybrid_cache.entrypoints.engine_process import EngineProcess
 from hybrid_cache.entrypoints.server_config import (
+    DEFAULT_ENGINE_PROCESS,
     DEFAULT_MAX_PENDING_REQUESTS,
     DEFAULT_STREAM_INTERVAL,
 )
-from hybrid_cache.entrypoints.streaming import SampleStream, StreamOutput
+from hybrid_cache.entrypoints.streaming import StreamOutput
 from hybrid_cache.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -53,12 +73,14 @@ from hybrid_cache.errors import (
     ServerConfigError,
 )
 
+__all__ = ["AsyncLLM", "EngineInfo", "EngineSnapshot", "RequestListener", "RequestStream"]
+
 logger = logging.getLogger(__name__)
 
 
 class RequestListener:
-    """What the loop thread reports per request (the server's metrics); does nothing here.
-    Called on the loop thread; times in seconds."""
+    """What the engine reports per request (the server's metrics); does nothing here. Called
+    on the thread that delivers the engine's batches; times in seconds."""
 
     def on_first_token(self, seconds: float) -> None:
         """Time from `generate` to the request's first token."""
@@ -77,39 +99,18 @@ class RequestListener:
         included), having generated `num_generated_tokens` over all its samples."""
 
 
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's state after the loop's last pass (read by other threads)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_used_blocks_per_group: tuple[int, ...] = ()
-    num_free_blocks: int = 0
-    stats: EngineStats = field(default_factory=EngineStats)
-
-
 @dataclass
 class _Tracked:
-    """One request `generate` is waiting on (touched by the loop thread only, once added)."""
+    """One request `generate` is waiting on, on the callers' side (keyed by `key`)."""
 
+    key: int
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: bool
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    arrival: float
-    item: Optional[Finished] = None
-    samples: list[SampleStream] = field(default_factory=list)
-    sample_tokens: list[int] = field(default_factory=list)  # tokens seen per sample
-    sample_times: list[float] = field(default_factory=list)  # when each sample's last came
-    first_token_seen: bool = False
-    sent_prompt_logprobs: bool = False
-
-    def children(self) -> list[Request]:
-        item = self.item
-        return item.children if isinstance(item, SampleGroup) else [item]  # type: ignore[list-item]
+    added: asyncio.Future
+    acked: bool = False
 
 
 class RequestStream:
@@ -154,7 +155,7 @@ class RequestStream:
         tracked = self._tracked
         if tracked is not None:
             self._end()
-            self.engine._post(("abort", tracked), quiet=True)
+            self.engine._post(("abort", tracked.key), quiet=True)
 
     async def aclose(self) -> None:
         self.close()
@@ -173,17 +174,23 @@ class RequestStream:
 
 
 class AsyncLLM:
-    """An `LLM`'s engine stepped on its own thread; see the module."""
+    """An engine stepped in its own process (or thread) for asyncio callers; see the module."""
 
     def __init__(
         self,
-        llm: LLM,
+        llm: Union[LLM, EngineConfig],
         max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
         listener: Optional[RequestListener] = None,
         stream_interval: int = DEFAULT_STREAM_INTERVAL,
+        *,
+        engine_process: bool = DEFAULT_ENGINE_PROCESS,
     ) -> None:
-        """`stream_interval`: tokens a sample gathers before its stream gets them (the first
-        and the last always go at once); more means fewer, larger outputs."""
+        """`llm`: an `EngineConfig` (the engine process builds the `LLM`; on a thread, this
+        process does), or a built `LLM` (on a thread it is the engine; in a process, its
+        config builds a second one there and `llm` stays idle). `stream_interval`: tokens a
+        sample gathers before its stream gets them (the first and the last always go at
+        once); more means fewer, larger outputs. `engine_process`: the engine in a child
+        process (default) or on a thread of this one."""
         for flag, value in (
             ("--max-pending-requests", max_pending_requests),
             ("--stream-interval", stream_interval),
@@ -191,37 +198,69 @@ class AsyncLLM:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ServerConfigError(f"{flag} must be a positive integer, got {value!r}")
         self.stream_interval: int = stream_interval
-        self.llm: LLM = llm
-        self.engine = llm.engine
-        self.tokenizer: Any = llm.tokenizer
-        self.max_model_len: int = llm.max_model_len
         self.max_pending_requests: int = max_pending_requests
         self.listener: RequestListener = listener or RequestListener()
+        self.engine_process: bool = engine_process
         self.snapshot: EngineSnapshot = EngineSnapshot()
-        self._commands: deque[tuple[Any, ...]] = deque()
-        self._taken: deque[tuple[Any, ...]] = deque()  # taken by the loop thread, not yet done
-        self._wake = threading.Condition()
+        self._lock = threading.Lock()
         self._dead: Optional[EngineDeadError] = None
         self._num_pending = 0
         self._pending_lock = threading.Lock()
-        self._tracked: dict[str, _Tracked] = {}
+        self._keys = itertools.count()
+        self._tracked: dict[int, _Tracked] = {}
+        self._calls: dict[int, concurrent.futures.Future] = {}
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any]]] = {}
         self._inboxes: dict[asyncio.AbstractEventLoop, _Inbox] = {}
-        self._update_snapshot()
-        self._thread = threading.Thread(target=self._run, name="hybrid-cache-engine", daemon=True)
-        self._thread.start()
+        self.llm: Optional[LLM] = llm if isinstance(llm, LLM) else None
+        config = llm.config if isinstance(llm, LLM) else llm
+        self._process: Optional[EngineProcess] = None
+        self._thread: Optional[threading.Thread] = None
+        if engine_process:
+            self._process = EngineProcess.start(
+                config, stream_interval, self._deliver, torch.get_num_threads()
+            )
+            atexit.register(self._process.stop)
+            self.info: EngineInfo = self._process.info
+            self.tokenizer: Any = (
+                self.llm.tokenizer
+                if self.llm is not None
+                else load_tokenizer(config.tokenizer_source)
+            )
+        else:
+            if self.llm is None:
+                self.llm = LLM(config)
+            self.info = EngineInfo.of(self.llm)
+            self.tokenizer = self.llm.tokenizer
+            core = EngineCore(self.llm, stream_interval)
+            self.snapshot = core.snapshot()
+            self._commands: deque[tuple[Any, ...]] = deque()
+            self._wake = threading.Condition(self._lock)
+            self._thread = threading.Thread(
+                target=run_loop,
+                args=(core, self._next_commands, self._deliver),
+                name="hybrid-cache-engine",
+                daemon=True,
+            )
+            self._thread.start()
+        self.max_model_len: int = self.info.max_model_len
 
     # -----------------------------------------------------------------------------------------
     # The callers' side (any thread with a running event loop).
 
     @property
     def is_healthy(self) -> bool:
-        """False once the step loop has failed or the engine was shut down."""
+        """False once the step loop has failed, the engine process died, or the engine was
+        shut down."""
         return self._dead is None
 
     @property
     def dead_error(self) -> Optional[EngineDeadError]:
         return self._dead
+
+    @property
+    def engine_pid(self) -> Optional[int]:
+        """The engine process's id (None on a thread)."""
+        return self._process.pid if self._process is not None else None
 
     @property
     def num_pending_requests(self) -> int:
@@ -237,8 +276,8 @@ class AsyncLLM:
         *,
         stream: bool = True,
     ) -> RequestStream:
-        """Queues one prompt (any form `LLM.generate` takes: text, ids, a dict) once the loop
-        thread has checked it, and returns the stream of its outputs. Raises the request's
+        """Queues one prompt (any form `LLM.generate` takes: text, ids, a dict) once the
+        engine has checked it, and returns the stream of its outputs. Raises the request's
         typed error, e.g. `InvalidRequestError` for a bad prompt or `PromptTooLongError`;
         `EngineOverloadedError` or `EngineDeadError` when no request can run now."""
         self._raise_if_dead()
@@ -254,21 +293,22 @@ class AsyncLLM:
         arrival = time.perf_counter()
         text, token_ids = tokenize_prompt(prompt, self.tokenizer)
         loop = asyncio.get_running_loop()
+        key = next(self._keys)
         tracked = _Tracked(
-            request_id, text, token_ids, sampling_params, stream, loop, asyncio.Queue(), arrival
+            key, request_id, text, token_ids, loop, asyncio.Queue(), loop.create_future()
         )
-        added = loop.create_future()
         self._reserve()
         try:
-            self._post(("add", tracked, added))
+            command = ("add", key, request_id, text, token_ids, sampling_params, stream, arrival)
+            self._post(command, register=tracked)
         except BaseException:
             self._release()
             raise
         try:
-            await added
+            await tracked.added
         except asyncio.CancelledError:  # the add may still happen: undo it
             self._release()
-            self._post(("abort", tracked), quiet=True)
+            self._post(("abort", key), quiet=True)
             raise
         except BaseException:  # refused: nothing was queued
             self._release()
@@ -295,12 +335,33 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         """Stops a request (its `generate` ends with finish reason "abort") and returns its
         blocks; nothing happens for an unknown or finished one."""
-        self._post(("abort", request_id), quiet=True)
+        self._post(("abort_id", request_id), quiet=True)
+
+    def call_engine(
+        self, fn: Callable[..., Any], *args: Any, timeout: Optional[float] = 60.0
+    ) -> Any:
+        """Runs `fn(llm, *args)` where the engine runs, between two steps, and returns its
+        result (blocking; `fn` raising raises here). In the engine process `fn`, `args` and
+        the result must pickle (`fn` a module-level function). For inspection and tests."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        key = next(self._keys)
+        self._post(("call", key, fn, args), register=future)
+        ok, value = future.result(timeout)
+        if not ok:
+            raise value
+        return value
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stops the loop thread; requests still waiting get `EngineDeadError`."""
-        self._post(("stop",), quiet=True)
-        self._thread.join(timeout)
+        """Stops the engine (process or thread); requests still waiting get
+        `EngineDeadError`."""
+        if self._process is not None:
+            atexit.unregister(self._process.stop)
+            self._process.stop(timeout)
+        else:
+            self._post(("stop",), quiet=True)
+            assert self._thread is not None
+            self._thread.join(timeout)
+        self._die(EngineDeadError("the engine was shut down"))
 
     def _raise_if_dead(self) -> None:
         if self._dead is not None:
@@ -319,211 +380,118 @@ class AsyncLLM:
         with self._pending_lock:
             self._num_pending -= 1
 
-    def _post(self, command: tuple[Any, ...], quiet: bool = False) -> None:
-        with self._wake:
+    def _post(self, command: tuple[Any, ...], quiet: bool = False, register: Any = None) -> None:
+        """Sends a command to the engine; `register`: the request (`_Tracked`) or call
+        (`Future`) its answer goes to, recorded first."""
+        with self._lock:
             if self._dead is not None:
                 if quiet:
                     return
                 raise self._dead
-            self._commands.append(command)
-            self._wake.notify()
+            key = command[1] if register is not None else None
+            if isinstance(register, _Tracked):
+                self._tracked[key] = register
+            elif register is not None:
+                self._calls[key] = register
+            if self._process is None:
+                self._commands.append(command)
+                self._wake.notify()
+                return
+            try:
+                self._process.send([command])
+            except OSError:  # the engine process is gone (its receiver is failing everyone)
+                self._tracked.pop(key, None)  # type: ignore[arg-type]
+                self._calls.pop(key, None)  # type: ignore[arg-type]
+                if not quiet:
+                    raise EngineDeadError("the engine process is gone") from None
 
     # -----------------------------------------------------------------------------------------
-    # The loop thread.
+    # The delivering side: the loop thread, or the engine process's receiver thread.
 
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                with self._wake:
-                    while not self._commands and not engine.has_unfinished_requests():
-                        self._wake.wait()
-                    self._taken.extend(self._commands)
-                    self._commands.clear()
-                while self._taken:
-                    command = self._taken.popleft()
-                    if command[0] == "stop":
-                        self._die(EngineDeadError("the engine was shut down"))
-                        return
-                    if command[0] == "add":
-                        self._add(command[1], command[2])
-                    else:
-                        self._abort(command[1])
-                if engine.has_unfinished_requests():
-                    finished = engine.step()
-                    self._collect(finished)
-                self._update_snapshot()
-                self._flush()
-        except BaseException as error:  # the step loop itself failed: no request can run
-            logger.exception("the engine loop failed")
-            dead = EngineDeadError(f"the engine loop failed: {type(error).__name__}: {error}")
-            dead.__cause__ = error
+    def _next_commands(self, idle: bool) -> list[tuple[Any, ...]]:
+        with self._wake:
+            while idle and not self._commands:
+                self._wake.wait()
+            commands = list(self._commands)
+            self._commands.clear()
+        return commands
+
+    def _deliver(self, batch: Batch) -> None:
+        """Routes a batch's events to their callers' event loops, feeds the listener."""
+        tracked_by_key = self._tracked
+        for kind, key, value in batch.events:
+            if kind == CALLED:
+                future = self._calls.pop(key, None)
+                if future is not None and not future.done():
+                    future.set_result(value)
+                continue
+            tracked = tracked_by_key.get(key)
+            if tracked is None:
+                continue
+            if kind == OUTPUT:
+                value.prompt = tracked.prompt
+                value.prompt_token_ids = tracked.prompt_token_ids
+                if value.finished:
+                    tracked_by_key.pop(key, None)
+                self._send(tracked.loop, tracked.queue, value)
+            elif kind == ADDED:
+                if value is None:
+                    tracked.acked = True
+                else:
+                    tracked_by_key.pop(key, None)
+                self._send(tracked.loop, tracked.added, value)
+            elif kind == FAILED:
+                tracked_by_key.pop(key, None)
+                self._send(tracked.loop, tracked.queue, value)
+        if batch.observations:
+            self._observe(batch.observations)
+        if batch.snapshot is not None:
+            self.snapshot = batch.snapshot
+        self._flush()
+        if batch.dead is not None:
+            message, cause = batch.dead
+            dead = EngineDeadError(message)
+            dead.__cause__ = cause
             self._die(dead)
 
-    def _add(self, tracked: _Tracked, added: asyncio.Future) -> None:
-        try:
-            item = self.engine.add_request(
-                tracked.request_id, tracked.prompt_token_ids, tracked.params
-            )
-        except Exception as error:  # the request's own error (typed), for its caller alone
-            self._send(tracked.loop, added, error)
-            return
-        tracked.item = item
-        children = tracked.children()
-        tracked.samples = [SampleStream(index, child) for index, child in enumerate(children)]
-        tracked.sample_tokens = [0] * len(children)
-        tracked.sample_times = [0.0] * len(children)
-        self._tracked[tracked.request_id] = tracked
-        self._send(tracked.loop, added, None)
-
-    def _abort(self, target: Union[str, _Tracked]) -> None:
-        """Aborts a request by id (`abort`), or the one a `generate` left (never another
-        request that has the same id)."""
-        request_id = target if isinstance(target, str) else target.request_id
-        tracked = self._tracked.get(request_id)
-        if tracked is None or (isinstance(target, _Tracked) and tracked is not target):
-            return
-        self.engine.abort_request(request_id)
-        self._finish(tracked, time.perf_counter())
-
-    def _collect(self, finished: Sequence[Finished]) -> None:
-        """Every tracked request's news after a step (a request failing here fails alone)."""
-        now = time.perf_counter()
-        done = {item.request_id for item in finished}
-        for tracked in list(self._tracked.values()):
-            try:
-                if tracked.request_id in done:
-                    self._finish(tracked, now)
-                else:
-                    self._progress(tracked, now)
-            except Exception as error:
-                logger.exception("request %s failed", tracked.request_id)
-                self._fail(tracked, error)
-
-    def _progress(self, tracked: _Tracked, now: float) -> None:
-        """Token times for the metrics; with `stream`, the samples' deltas."""
-        children = tracked.children()
-        self._observe_tokens(tracked, children, now)
-        failed = next(
-            (child for child in children if child.finish_reason is FinishReason.ERROR), None
-        )
-        if failed is not None:  # one sample of a group failed: the request fails
-            self._fail(tracked, failed.error or RuntimeError(f"{failed} failed"))
-            return
-        if not tracked.stream:
-            return
-        interval = self.stream_interval
-        if interval > 1 and not any(
-            stream.num_tokens == 0
-            or child.is_finished
-            or len(child.output_token_ids) - stream.num_tokens >= interval
-            for stream, child in zip(tracked.samples, children)
-        ):
-            return
-        output = self._stream_output(tracked, children)
-        if output.deltas:
-            self._send(tracked.loop, tracked.queue, output)
-
-    def _finish(self, tracked: _Tracked, now: float) -> None:
-        """A finished (or aborted) request's last output, with its `RequestOutput`."""
-        del self._tracked[tracked.request_id]
-        item = tracked.item
-        assert item is not None
-        children = tracked.children()
-        self._observe_tokens(tracked, children, now)
-        error = next((child.error for child in children if child.error is not None), None)
-        if tracked.stream:
-            output = self._stream_output(tracked, children)
-        else:
-            samples = item.samples() if isinstance(item, SampleGroup) else children
-            output = self._stream_output(
-                tracked, samples, [SampleStream(i, child) for i, child in enumerate(samples)]
-            )
-        output.finished = True
-        output.output = request_output(item, tracked.prompt, self.tokenizer)
-        self._report_finished(tracked, children, now)
-        if error is not None:
-            self._send(tracked.loop, tracked.queue, error)
-        else:
-            self._send(tracked.loop, tracked.queue, output)
-
-    def _fail(self, tracked: _Tracked, error: BaseException) -> None:
-        """Ends a request with an error raised from its `generate` (its blocks are returned)."""
-        if self._tracked.pop(tracked.request_id, None) is None:
-            return
-        try:
-            self.engine.abort_request(tracked.request_id)
-            self._report_finished(tracked, tracked.children(), time.perf_counter(), "error")
-        except Exception:
-            logger.exception("aborting failed request %s", tracked.request_id)
-        self._send(tracked.loop, tracked.queue, error)
-
-    def _stream_output(
-        self,
-        tracked: _Tracked,
-        children: list[Request],
-        streams: Optional[list[SampleStream]] = None,
-    ) -> StreamOutput:
-        streams = tracked.samples if streams is None else streams
-        deltas = []
-        for stream, child in zip(streams, children):
-            delta = stream.delta(child)
-            if delta is not None:
-                deltas.append(delta)
-        first = tracked.children()[0]  # the sample with the prompt logprobs
-        output = StreamOutput(
-            tracked.request_id,
-            tracked.prompt,
-            tracked.prompt_token_ids,
-            deltas,
-            num_cached_tokens=first.num_cached_tokens,
-        )
-        if (
-            tracked.params.prompt_logprobs is not None
-            and not tracked.sent_prompt_logprobs
-            and (deltas or first.is_finished)
-            and first.finish_reason is not FinishReason.ERROR
-        ):
-            output.prompt_logprobs = list(first.prompt_logprobs)
-            tracked.sent_prompt_logprobs = True
-        return output
-
-    def _observe_tokens(self, tracked: _Tracked, children: list[Request], now: float) -> None:
+    def _observe(self, observations: list[tuple[Any, ...]]) -> None:
         listener = self.listener
-        for index, child in enumerate(children):
-            count = len(child.output_token_ids)
-            if count == tracked.sample_tokens[index]:
-                continue
-            if not tracked.first_token_seen:
-                tracked.first_token_seen = True
-                listener.on_first_token(now - tracked.arrival)
-            elif tracked.sample_tokens[index]:
-                listener.on_inter_token(now - tracked.sample_times[index])
-            tracked.sample_tokens[index] = count
-            tracked.sample_times[index] = now
-
-    def _report_finished(
-        self, tracked: _Tracked, children: list[Request], now: float, reason: str = ""
-    ) -> None:
-        reasons = [
-            reason or (child.finish_reason.value if child.finish_reason is not None else "abort")
-            for child in children
-        ]
         try:
-            self.listener.on_finished(
-                len(tracked.prompt_token_ids),
-                sum(len(child.output_token_ids) for child in children),
-                reasons,
-                now - tracked.arrival,
-            )
+            for observation in observations:
+                kind = observation[0]
+                if kind == INTER_TOKEN:
+                    listener.on_inter_token(observation[1])
+                elif kind == FIRST_TOKEN:
+                    listener.on_first_token(observation[1])
+                else:
+                    listener.on_finished(*observation[1:])
         except Exception:
             logger.exception("the request listener failed")
+
+    def _die(self, dead: EngineDeadError) -> None:
+        """No request can run any more: every waiting caller gets `dead` (the first cause
+        stands)."""
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._dead = dead
+            waiting = list(self._tracked.values())
+            self._tracked.clear()
+            calls = list(self._calls.values())
+            self._calls.clear()
+        for tracked in waiting:
+            target = tracked.queue if tracked.acked else tracked.added
+            self._send(tracked.loop, target, dead)
+        for future in calls:
+            if not future.done():
+                future.set_exception(dead)
+        self._flush()
 
     def _send(self, loop: asyncio.AbstractEventLoop, target: Any, value: Any) -> None:
         self._outbox.setdefault(loop, []).append((target, value))
 
     def _flush(self) -> None:
-        """Hands each event loop what the pass produced for it: into its inbox, and a wake-up
+        """Hands each event loop what the batch held for it: into its inbox, and a wake-up
         only when the loop has emptied the inbox since the last one (a loop that lags behind
         then reads several steps in one go, for one wake-up)."""
         outbox, self._outbox = self._outbox, {}
@@ -538,39 +506,6 @@ class AsyncLLM:
                     loop.call_soon_threadsafe(inbox.drain)
                 except RuntimeError:  # the loop has closed: nobody waits for these
                     del self._inboxes[loop]
-
-    def _update_snapshot(self) -> None:
-        engine = self.engine
-        self.snapshot = EngineSnapshot(
-            num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting),
-            num_used_blocks_per_group=tuple(engine.kv_cache.num_used_blocks_per_group()),
-            num_free_blocks=engine.kv_cache.num_free_blocks,
-            stats=dataclasses.replace(engine.stats),
-        )
-
-    def _die(self, dead: EngineDeadError) -> None:
-        """No request can run any more: every waiting caller gets `dead`."""
-        with self._wake:
-            self._dead = dead
-            commands = [*self._taken, *self._commands]
-            self._taken.clear()
-            self._commands.clear()
-        for command in commands:
-            if command[0] == "add":
-                self._send(command[1].loop, command[2], dead)
-        for tracked in list(self._tracked.values()):
-            self._send(tracked.loop, tracked.queue, dead)
-            try:  # give the blocks back where the engine still can
-                self.engine.abort_request(tracked.request_id)
-            except Exception:
-                pass
-        self._tracked.clear()
-        try:
-            self._update_snapshot()
-        except Exception:
-            pass
-        self._flush()
 
 
 class _Inbox:

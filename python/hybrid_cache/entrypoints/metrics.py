@@ -1,9 +1,10 @@
 """`GET /metrics`: the server's figures in Prometheus' text format (prometheus_client).
 
-Engine state is read at scrape time from the loop thread's last `EngineSnapshot` (never from
-the engine itself, which only the loop thread touches). Request figures are recorded by
-`ServerMetrics` as the loop thread reports them (`RequestListener`); its histograms are plain
-bucket counts (one bisect per observation: one token of one request costs that much).
+Engine state is read at scrape time from the last `EngineSnapshot` the engine shipped with a
+step's batch (never from the engine itself, which may run in another process). Request
+figures are recorded by `ServerMetrics` as the engine's batches report them
+(`RequestListener`, on the thread that delivers them); its histograms are plain bucket counts
+(one bisect per observation: one token of one request costs that much).
 
 Prefix cache: `prefix_cache_queries_total` counts prompt tokens looked up (the same tokens in
 every KV-cache group) and `prefix_cache_hits_total` the tokens served (the hybrid hit, the
@@ -102,7 +103,7 @@ class ServerMetrics(RequestListener, Collector):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
-    # RequestListener (the loop thread).
+    # RequestListener (the thread that delivers the engine's batches).
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 

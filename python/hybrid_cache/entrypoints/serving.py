@@ -41,7 +41,7 @@ class ServingContext:
     def __post_init__(self) -> None:
         self.tokenizer: Any = self.engine.tokenizer
         self.max_model_len: int = self.engine.max_model_len
-        self.vocab_size: int = self.engine.llm.spec.vocab_size
+        self.vocab_size: int = self.engine.info.vocab_size
         self.texts: TokenTexts = TokenTexts(self.tokenizer)
         self._counter = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]
