@@ -13,13 +13,20 @@ save more than it recomputes), A's full-attention blocks are all still cached.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 
 import pytest
 from hybrid_cache import _core
+from hybrid_cache.engine.engine_config import (
+    EngineConfig,
+    add_engine_arguments,
+    engine_config_from_args,
+)
 from hybrid_cache.engine.llm import LLM
 from hybrid_cache.engine.sampling_params import SamplingParams
+from hybrid_cache.errors import EngineConfigError
 from hybrid_cache.planner import KVCacheLayout
 
 from tests.test_engine_llm import TinyModel, assert_all_blocks_free, make_prompts, small_pool
@@ -199,3 +206,13 @@ def test_a_replay_on_two_ranks_gives_the_cold_engine_s_output(gemma3):
         )
     finally:
         llm.shutdown()
+
+
+def test_the_flag_is_checked_and_reaches_the_engine():
+    with pytest.raises(EngineConfigError, match="tail-replay"):
+        EngineConfig("tiny-gemma3", tail_replay="yes")
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args(["--model", "tiny-gemma3"])).tail_replay
+    args = parser.parse_args(["--model", "tiny-gemma3", "--no-tail-replay"])
+    assert engine_config_from_args(args).tail_replay is False
