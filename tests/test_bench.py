@@ -7,6 +7,7 @@ model moves the right way, and that bad flags give typed errors.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -198,6 +199,14 @@ def test_parameter_counts_and_gpu_budget() -> None:
     moe = count_parameters(load_model_spec("gpt-oss-120b"))
     assert 110e9 < moe.total < 125e9 and moe.active < moe.total / 10
     assert Hardware().kv_cache_budget(60 * 10**9) == 12 * 10**9
+
+
+def test_the_lm_head_is_counted_unless_the_spec_ties_it() -> None:
+    spec = load_model_spec("tiny-gemma3")  # tied: the head is the embedding
+    assert spec.tie_word_embeddings
+    untied = dataclasses.replace(spec, tie_word_embeddings=False)
+    head = spec.vocab_size * spec.hidden_size
+    assert count_parameters(untied).total - count_parameters(spec).total == head
     with pytest.raises(BenchConfigError, match="--kv-cache-memory"):
         Hardware().kv_cache_budget(75 * 10**9)
 

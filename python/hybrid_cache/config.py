@@ -31,6 +31,9 @@ from hybrid_cache.presets import preset_names, read_preset
 
 AttentionKind = Literal["full", "sliding_window", "chunked_local"]
 
+# How weights are loaded: "auto" reads the folder's safetensors, "dummy" draws seeded random
+# weights (the loader and the engine's flag check both read this).
+LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 _DTYPE_ALIASES = {
     "fp32": "float32",

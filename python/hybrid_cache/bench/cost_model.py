@@ -85,9 +85,7 @@ def count_parameters(spec: ModelSpec) -> ParameterCount:
     num_experts = int(config.get("num_local_experts") or 1)
     experts_per_token = int(config.get("num_experts_per_tok") or 1) if num_experts > 1 else 1
     embedding = spec.vocab_size * hidden
-    head = (
-        0 if config.get("tie_word_embeddings", spec.model_type.startswith("gemma")) else embedding
-    )
+    head = 0 if spec.tie_word_embeddings else embedding
     dense_per_layer = attention + (hidden * num_experts if num_experts > 1 else 0)
     dense = spec.num_layers * dense_per_layer + embedding + head
     experts = spec.num_layers * num_experts * mlp_one

@@ -30,7 +30,7 @@ from hybrid_cache.checks import (
     check_positive_int,
     is_int,
 )
-from hybrid_cache.config import ModelSpec, load_model_spec, normalize_dtype
+from hybrid_cache.config import LOAD_FORMATS, ModelSpec, load_model_spec, normalize_dtype
 from hybrid_cache.engine.generation_config import check_generation_config
 from hybrid_cache.engine.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 from hybrid_cache.errors import ConfigError, EngineConfigError, MemorySizeError, PlanError
@@ -51,7 +51,6 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # The KV budget on the CPU when none is given (`memory.py`): enough for the small models the CPU
 # runs, and cheap to zero.
 DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 1024**2
-LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 # Admission order of waiting requests (see `scheduler.py`): first come first served, or the
 # longest cached prefix first.
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "lpm")

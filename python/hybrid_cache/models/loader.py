@@ -34,6 +34,7 @@ from safetensors import safe_open
 from torch import nn
 
 from hybrid_cache.config import (
+    LOAD_FORMATS,
     ModelSpec,
     apply_hf_overrides,
     load_model_spec,
@@ -74,7 +75,6 @@ logger = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors' dtype names of the tensors whose dtype the loader checks before reading them.
 SAFETENSORS_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "BF16": torch.bfloat16}
-LOAD_FORMATS = ("auto", "dummy")
 DUMMY_HINT = "or pass --load-format dummy (load_format='dummy') for random weights"
 # Weight files the loader does not read (PyTorch pickles), named in the error.
 PICKLES = (".bin", ".pt", ".pth")
