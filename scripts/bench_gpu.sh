@@ -7,7 +7,7 @@
 #      replayed from a CUDA graph) against SDPA, flash-attn and the measured copy bandwidth
 #      (scripts/gpu_check.py);
 #   2. engine-vs-cpu: the whole engine on CUDA against the same engine on the CPU, token for
-#      token (scripts/gpu_engine_check.py);
+#      token, and a tail replay on CUDA against a cold CPU engine (scripts/gpu_engine_check.py);
 #   3. engine-timing: gemma-3-12b (bf16 dummy weights, 32 prompts x 4096 in / 128 out), hybrid,
 #      two runs: each run's warm-up (the Triton compiles) apart from its timed run, first run
 #      over second, and a pure-decode step against reading the weights and visible KV once at

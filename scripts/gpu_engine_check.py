@@ -6,7 +6,10 @@ given the CPU model's weights. The embedding / LM head are scaled up in both so 
 choices are decisive (random N(0, 0.02) weights give near-tied logits, where float32 rounding
 differences between two correct implementations could flip a token). Prompts of 5 to 300 tokens,
 some sharing a 64-token prefix (prefix caching), 24 generated tokens each, with the tiny presets'
-16-token windows releasing blocks as they go. Prints per case the matching outputs and the first
+16-token windows releasing blocks as they go. Then a tail replay on the device (tiny-gemma3,
+tiny-gpt-oss): a prompt whose windowed blocks were evicted keeps its full-attention hit and
+recomputes the windows, with the full-attention KV below the hit point read, never written; its
+tokens must equal a cold CPU engine's. Prints per case the matching outputs and the first
 divergence; exits non-zero if fewer than all match.
 
     python scripts/gpu_engine_check.py            # on a machine with CUDA
@@ -37,17 +40,17 @@ def prompts(vocab_size: int, count: int = 24) -> list[dict[str, list[int]]]:
     return out
 
 
-def build(llm_class, preset: str, mode: str, device: str, backend: str):
+def build(llm_class, preset: str, mode: str, device: str, backend: str, **options):
+    engine_options = {"kv_cache_memory": "48MiB", "max_model_len": 512, **options}
     return llm_class(
         preset,
         load_format="dummy",
-        kv_cache_memory="48MiB",
-        max_model_len=512,
         kv_cache_mode=mode,
         dtype="float32",
         device=device,
         attention_backend=backend,
         seed=0,
+        **engine_options,
     )
 
 
@@ -89,6 +92,62 @@ def run_case(llm_class, sampling_params, preset: str, mode: str, device: str, ba
     return matches == len(batch)
 
 
+REPLAY_PRESETS = ("tiny-gemma3", "tiny-gpt-oss")
+REPLAY_SHARED = 320  # tokens the branch shares with the first prompt (the full-attention hit)
+
+
+def lose_windows(llm, branch: list[int], start: int) -> None:
+    """Holds filler blocks (16-token requests straight on the core) until the branch hits by a
+    replay from `start` (a prompt ending at `start` no longer hits it plainly), then frees
+    them."""
+    coordinator = llm.engine.kv_cache.coordinator
+    fillers = []
+    while not (
+        coordinator.probe_cache_hit(branch) == start
+        and coordinator.probe_cache_hit(branch[: start + 1]) < start
+    ):
+        if coordinator.num_free_blocks < 4 or len(fillers) >= 60:
+            raise RuntimeError("the pool ran out before the windows were lost")
+        core_id = 10**9 + len(fillers)
+        coordinator.add_request(core_id, [7 + (len(fillers) * 16 + i) % 97 for i in range(16)])
+        assert coordinator.allocate(core_id, 0, 16)
+        fillers.append(core_id)
+    for core_id in fillers:
+        coordinator.free_request(core_id)
+
+
+def replay_case(llm_class, sampling_params, preset: str, device: str, backend: str) -> bool:
+    options = dict(kv_cache_memory="1MiB", max_num_batched_tokens=64, max_num_seqs=64)
+    reference = build(
+        llm_class, preset, "hybrid", "cpu", "torch", enable_prefix_caching=False, **options
+    )
+    candidate = build(llm_class, preset, "hybrid", device, backend, **options)
+    candidate.model.load_state_dict(reference.model.state_dict())
+    sharpen(reference.model)
+    sharpen(candidate.model)
+    generator = torch.Generator().manual_seed(2)
+    vocab = reference.spec.vocab_size
+    first = torch.randint(3, vocab, (400,), generator=generator).tolist()
+    branch = first[:REPLAY_SHARED] + torch.randint(3, vocab, (40,), generator=generator).tolist()
+    params = sampling_params(max_tokens=24, temperature=0.0, ignore_eos=True)
+    candidate.generate({"prompt_token_ids": first}, params, use_tqdm=False)
+    kv_cache = candidate.engine.kv_cache
+    unit = min(group.block_size for group in candidate.layout.groups)
+    start = (REPLAY_SHARED - kv_cache.tail_replay_tokens) // unit * unit
+    lose_windows(candidate, branch, start)
+    (have,) = candidate.generate({"prompt_token_ids": branch}, params, use_tqdm=False)
+    (want,) = reference.generate({"prompt_token_ids": branch}, params, use_tqdm=False)
+    a, b = want.outputs[0].token_ids, have.outputs[0].token_ids
+    replays = candidate.stats.num_tail_replays
+    same = a == b and replays == 1 and have.num_cached_tokens == start
+    divergence = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    print(
+        f"{preset:13} replay   {replays} replay from {have.num_cached_tokens} (F "
+        f"{REPLAY_SHARED}): " + ("identical" if a == b else f"first divergence at {divergence}")
+    )
+    return same
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-dry-run", action="store_true", help="CPU 'reference' vs CPU torch")
@@ -114,6 +173,12 @@ def main() -> int:
             except Exception as error:  # noqa: BLE001 - report every case, fail at the end
                 ok = False
                 print(f"{preset:13} {mode:8} FAILED: {type(error).__name__}: {error}")
+    for preset in REPLAY_PRESETS:
+        try:
+            ok &= replay_case(LLM, SamplingParams, preset, device, backend)
+        except Exception as error:  # noqa: BLE001 - report every case, fail at the end
+            ok = False
+            print(f"{preset:13} replay   FAILED: {type(error).__name__}: {error}")
     print("ALL IDENTICAL" if ok else "MISMATCH OR FAILURE")
     return 0 if ok else 1
 
