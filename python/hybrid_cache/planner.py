@@ -361,11 +361,10 @@ def _per_type_costs_hits(per_type: list[GroupLayout], options: PlanOptions) -> b
     the blocks longer than the requested size may waste per request, twice the extra tokens of
     each (a cached prefix's last block, and a prefix shared with other requests that ends inside
     a block), is over `max_padding_waste` of such a request's pages."""
-    return (
-        _per_type_concurrency(per_type, options) < PER_TYPE_MIN_CONCURRENCY
-        and _granularity_bytes(per_type, options)
-        > options.max_padding_waste * _request_bytes(per_type, options)
-    )
+    if _per_type_concurrency(per_type, options) >= PER_TYPE_MIN_CONCURRENCY:
+        return False
+    allowed = options.max_padding_waste * _request_bytes(per_type, options)
+    return _granularity_bytes(per_type, options) > allowed
 
 
 def _per_type_concurrency(per_type: list[GroupLayout], options: PlanOptions) -> int:
