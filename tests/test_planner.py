@@ -15,6 +15,7 @@ from hybrid_cache.errors import (
 from hybrid_cache.planner import (
     GROUP_LAYOUTS,
     PER_TYPE_MAX_BLOCK_RATIO,
+    PER_TYPE_MIN_CONCURRENCY,
     GroupLayout,
     PlanOptions,
     plan_kv_cache,
@@ -302,6 +303,40 @@ def test_auto_keeps_equal_groups_when_per_type_pads_or_gains_nothing():
     seven = model_of([sliding(64)] * 7 + [full()] * 2)
     forced_seven = plan_kv_cache(seven, PlanOptions(GiB, 4096, group_layout="per-type"))
     assert [g.block_size for g in forced_seven.groups] == [16, 48]
+
+
+def test_auto_declines_per_type_blocks_where_a_small_pool_pays_for_them_in_prefix_hits():
+    """Tiny Gemma-3 with windows of 64 at 576 tokens (the multi-turn benchmark): a 2.5 MiB pool
+    holds 2 requests, and the 80-token full-attention blocks may waste 2 x 64 token slots per
+    request (a cached prefix's last block, a shared prefix ending inside a block), 3.6% of
+    one: "auto" keeps equal groups. The same model at 15.25 MiB and 640 tokens (windows of 16,
+    `bench_cpu.sh`) holds 16 requests, and a long context makes the waste negligible: per-type."""
+    per_token = 2 * 1 * 32 * 4
+    windows_64 = load_model_spec("tiny-gemma3", {"sliding_window": 64})
+    tight = plan_kv_cache(windows_64, PlanOptions("2.5MiB", max_model_len=576))
+    assert [(len(g.layer_indices), g.block_size) for g in tight.groups] == [(1, 16)] * 6
+    assert any("too few for its coarser blocks" in note for note in tight.notes), tight.notes
+    forced = plan_kv_cache(windows_64, PlanOptions("2.5MiB", 576, group_layout="per-type"))
+    assert [g.block_size for g in forced.groups] == [16, 80]
+    report = report_plan(forced, windows_64)
+    assert report.max_concurrency == 2 < PER_TYPE_MIN_CONCURRENCY
+    waste = 2 * (80 - 16) * per_token
+    assert waste > 0.02 * report.allocated_bytes_per_request
+    # A waste bound that covers it, or a pool of 8 requests, keeps the per-type layout.
+    lenient = PlanOptions("2.5MiB", 576, max_padding_waste=0.05)
+    assert plan_kv_cache(windows_64, lenient).num_groups == 2
+    blocks_per_request = report.blocks_per_request
+    roomy = (PER_TYPE_MIN_CONCURRENCY * blocks_per_request + 1) * forced.page_bytes
+    assert plan_kv_cache(windows_64, PlanOptions(roomy, 576)).num_groups == 2
+    assert plan_kv_cache(windows_64, PlanOptions(roomy - forced.page_bytes, 576)).num_groups == 6
+    bench_cpu = plan_kv_cache(load_model_spec("tiny-gemma3"), PlanOptions("15.25MiB", 640))
+    assert [g.block_size for g in bench_cpu.groups] == [16, 80]
+    # Gemma-3-12B at its 128k context: 4 requests in 40 GiB, but 2 x 64 token slots of 8 full
+    # layers are nothing next to a 128k-token request.
+    gemma3_12b = load_model_spec("gemma-3-12b")
+    long = plan_kv_cache(gemma3_12b, PlanOptions(40 * GiB, 131072))
+    assert [g.block_size for g in long.groups] == [16, 80]
+    assert report_plan(long, gemma3_12b).max_concurrency < PER_TYPE_MIN_CONCURRENCY
 
 
 def test_group_layout_must_be_known():

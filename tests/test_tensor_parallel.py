@@ -50,13 +50,20 @@ ABORTED = "w1-2"
 
 def budget_for(model: str, tensor_parallel_size: int) -> tuple[int, int]:
     """The KV budget (bytes per device) that gives each rank the blocks of one max_model_len
-    request and `SPARE_BLOCKS` more (the same count on any number of ranks), and that count."""
+    request and `SPARE_BLOCKS` more (the same count on any number of ranks), and that count,
+    in the layout the engine plans for that budget (a pool this small may keep equal groups
+    where a large one gets the per-type layout: docs/PLANNER.md)."""
     config = EngineConfig(model, tensor_parallel_size=tensor_parallel_size, **ENGINE)
     spec = config.model_spec().per_rank(tensor_parallel_size)
-    options = config.plan_options(1 << 30, ENGINE["max_model_len"], kv_cache_dtype="float32")
-    layout = plan_kv_cache(spec, options)
-    num_blocks = report_plan(layout, spec).blocks_per_request + SPARE_BLOCKS
-    return (num_blocks + 1) * layout.page_bytes * layout.layers_per_group, num_blocks
+    budget = 1 << 30
+    for _ in range(3):
+        options = config.plan_options(budget, ENGINE["max_model_len"], kv_cache_dtype="float32")
+        layout = plan_kv_cache(spec, options)
+        num_blocks = report_plan(layout, spec).blocks_per_request + SPARE_BLOCKS
+        previous, budget = budget, (num_blocks + 1) * layout.page_bytes * layout.layers_per_group
+        if budget == previous:
+            return budget, num_blocks
+    raise AssertionError(f"no budget of one request's blocks is stable for {model}")
 
 
 def workload_prompts(vocab_size: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -23,8 +23,11 @@ Why this shape (docs/DESIGN.md "Planning", docs/PLANNER.md for the worked exampl
   groups means fewer block tables, allocations and kernel plans per step; the price is coarser
   blocks for the lighter specs (prefix hits align to the largest block).
   `"auto"` (the default) takes it when it has fewer groups than the equal-size layout, its page
-  padding stays within `max_padding_waste` (as for equal groups), and no block exceeds
-  `PER_TYPE_MAX_BLOCK_RATIO` x the requested size.
+  padding stays within `max_padding_waste` (as for equal groups), no block exceeds
+  `PER_TYPE_MAX_BLOCK_RATIO` x the requested size, and the pool holds at least
+  `PER_TYPE_MIN_CONCURRENCY` requests of `max_model_len` or its coarser blocks waste at most
+  `max_padding_waste` of such a request (in a small pool a cached prefix's unfilled last block
+  and a shared prefix that ends inside a block cost more prefix hits than fewer groups save).
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_PADDING_WASTE = 0.02
 # "auto" keeps per-type blocks within this many times the requested block size.
 PER_TYPE_MAX_BLOCK_RATIO = 8
+# "auto" declines the per-type layout when its pool holds fewer requests of max_model_len than
+# this and its coarser blocks waste over max_padding_waste of one (docs/PLANNER.md "Per-type
+# layout": there memory decides throughput and prefix reuse, not the per-group step cost).
+PER_TYPE_MIN_CONCURRENCY = 8
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -269,10 +276,18 @@ def plan_kv_cache(
         layers_by_spec.setdefault(spec, []).append(index)
     if options.group_layout != "equal" and len(layers_by_spec) > 1:
         per_type = _per_type_layout(layers_by_spec, options)
-        if options.group_layout == "per-type" or _per_type_pays(per_type, layers_by_spec, options):
+        forced = options.group_layout == "per-type"
+        if forced or _per_type_pays(per_type, layers_by_spec, options):
             sizes = ", ".join(f"{group.kind} B={group.block_size}" for group in per_type)
             notes.append(f"per-type layout: one group per layer type ({sizes})")
             return _finish_layout(model, options, mode, per_type, 1, notes)
+        if _per_type_costs_hits(per_type, options):
+            notes.append(
+                "equal groups: the per-type layout's pool would hold "
+                f"{_per_type_concurrency(per_type, options)} requests of "
+                f"{options.max_model_len} tokens, too few for its coarser blocks "
+                "(docs/PLANNER.md; --kv-group-layout per-type forces it)"
+            )
     widest = max(spec.bytes_per_token for spec in layers_by_spec)
     page_bytes = options.block_size * widest
     block_size_by_spec = {spec: page_bytes // spec.bytes_per_token for spec in layers_by_spec}
@@ -321,8 +336,9 @@ def _per_type_pays(
 ) -> bool:
     """Whether "auto" takes the per-type layout: fewer groups than equal-size groups can have
     (at best one group per spec and per smallest layer count), page padding within
-    `max_padding_waste` of a max-length request's pages (the equal-size rule's bound), and no
-    block above `PER_TYPE_MAX_BLOCK_RATIO` x the requested size."""
+    `max_padding_waste` of a max-length request's pages (the equal-size rule's bound), no
+    block above `PER_TYPE_MAX_BLOCK_RATIO` x the requested size, and a pool of at least
+    `PER_TYPE_MIN_CONCURRENCY` max-length requests."""
     smallest = min(len(layers) for layers in layers_by_spec.values())
     fewest_equal_groups = sum(cdiv(len(layers), smallest) for layers in layers_by_spec.values())
     allocated = padded = 0
@@ -335,6 +351,48 @@ def _per_type_pays(
         and padded <= options.max_padding_waste * allocated
         and max(group.block_size for group in per_type)
         <= PER_TYPE_MAX_BLOCK_RATIO * options.block_size
+        and not _per_type_costs_hits(per_type, options)
+    )
+
+
+def _per_type_costs_hits(per_type: list[GroupLayout], options: PlanOptions) -> bool:
+    """Whether the per-type layout's coarser blocks cost prefix hits that "auto" will not pay:
+    its pool holds fewer than `PER_TYPE_MIN_CONCURRENCY` requests of `max_model_len`, and what
+    the blocks longer than the requested size may waste per request, twice the extra tokens of
+    each (a cached prefix's last block, and a prefix shared with other requests that ends inside
+    a block), is over `max_padding_waste` of such a request's pages."""
+    if _per_type_concurrency(per_type, options) >= PER_TYPE_MIN_CONCURRENCY:
+        return False
+    allowed = options.max_padding_waste * _request_bytes(per_type, options)
+    return _granularity_bytes(per_type, options) > allowed
+
+
+def _per_type_concurrency(per_type: list[GroupLayout], options: PlanOptions) -> int:
+    """Requests of `max_model_len` the per-type layout's pool holds at once (its one slot
+    tensor has `budget // page_bytes` blocks, block 0 the null block)."""
+    usable = options.kv_cache_memory // per_type[0].page_bytes - 1
+    blocks = sum(
+        group.max_blocks_per_request(options.max_model_len, options.max_num_batched_tokens)
+        for group in per_type
+    )
+    return max(usable, 0) // blocks
+
+
+def _granularity_bytes(per_type: list[GroupLayout], options: PlanOptions) -> int:
+    """Bytes per request the per-type blocks may waste beyond blocks of the requested size:
+    `2 x (B_g - B)` token slots of each group g with longer blocks."""
+    return sum(
+        2 * (group.block_size - options.block_size) * group.used_page_bytes // group.block_size
+        for group in per_type
+    )
+
+
+def _request_bytes(per_type: list[GroupLayout], options: PlanOptions) -> int:
+    """Pages a request of `max_model_len` holds at worst in the per-type layout, in bytes."""
+    return sum(
+        group.max_blocks_per_request(options.max_model_len, options.max_num_batched_tokens)
+        * group.page_bytes
+        for group in per_type
     )
 
 

@@ -414,7 +414,8 @@ def add_engine_arguments(
         "kv_group_layout",
         choices=GROUP_LAYOUTS,
         help="KV-cache groups: equal-size ('equal'), one per layer type ('per-type'), or 'auto' "
-        "(per type where that makes fewer groups with little page padding; docs/PLANNER.md)",
+        "(per type where that makes fewer groups with little page padding, unless the pool holds "
+        "few requests and the coarser blocks would cost prefix hits; docs/PLANNER.md)",
     )
     add("max_num_seqs", type=int, help="most requests in one step")
     add("max_num_batched_tokens", type=int, help="most tokens in one step (the prefill chunk)")
