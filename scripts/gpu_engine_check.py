@@ -118,6 +118,8 @@ def lose_windows(llm, branch: list[int], start: int) -> None:
 
 def replay_case(llm_class, sampling_params, preset: str, device: str, backend: str) -> bool:
     options = dict(kv_cache_memory="1MiB", max_num_batched_tokens=64, max_num_seqs=64)
+    if preset == "tiny-gemma3":  # its per-type pages (`auto` plans equal groups this small)
+        options["kv_group_layout"] = "per-type"
     reference = build(
         llm_class, preset, "hybrid", "cpu", "torch", enable_prefix_caching=False, **options
     )

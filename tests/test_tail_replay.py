@@ -44,7 +44,8 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs
 FILLER_IDS = itertools.count(10**9)  # core request ids the engine never uses
 
 
-@pytest.fixture(scope="module", params=["gemma3", "gemma3-equal", "gpt_oss", "gemma2"])
+# Gemma-3 in both of its layouts: `auto` would plan equal groups in these small pools.
+@pytest.fixture(scope="module", params=["gemma3-per-type", "gemma3-equal", "gpt_oss", "gemma2"])
 def tiny(request, tmp_path_factory) -> TinyModel:
     architecture, _, layout = request.param.partition("-")
     folder = tmp_path_factory.mktemp(f"replay-{request.param}")
@@ -186,12 +187,14 @@ def test_the_replay_range_is_the_windows_summed(tiny):
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory) -> TinyModel:
-    return TinyModel("gemma3", tmp_path_factory.mktemp("replay-tp-gemma3"))
+    folder = tmp_path_factory.mktemp("replay-tp-gemma3")
+    return TinyModel("gemma3", folder, group_layout="per-type")
 
 
 def test_a_replay_on_two_ranks_gives_the_cold_engine_s_output(gemma3):
     # The frontiers travel in the step inputs: every rank leaves the cached full-attention KV
-    # below them as it is. Half the budget per device: a rank's page holds half the KV heads.
+    # below them as it is (per-type pages, which no other tensor-parallel test plans in a pool
+    # this small). Half the budget per device: a rank's page holds half the KV heads.
     first, branch = prompts()
     cold = run_branch(engine(gemma3, enable_prefix_caching=False), branch)
     one_rank = small_pool(gemma3, largest=88)["kv_cache_memory"]
