@@ -757,14 +757,16 @@ fn every_looked_up_token_is_a_hit_or_has_a_reason() {
     };
     // A prompt looked up before anything is cached, then again once it was: the second hits
     // 8 of 10 (the last token is computed, and 9 is not a multiple of 2).
+    // A lookup counts once its request computes (its first allocate beyond the hit).
     let first = tokens(10);
     add(&mut c, 1, &first);
     assert_eq!(c.find_cache_hit(1).unwrap(), 0);
-    assert_eq!(delta(&c), [0, 0, 8, 0, 2]);
     assert!(allocate(&mut c, 1, 0, 10));
+    assert_eq!(delta(&c), [0, 0, 8, 0, 2]);
     c.free_request(1).unwrap();
     add(&mut c, 2, &first);
     assert_eq!(c.find_cache_hit(2).unwrap(), 8);
+    assert!(allocate(&mut c, 2, 8, 2));
     assert_eq!(delta(&c), [8, 0, 0, 0, 2]);
     assert_eq!(c.stats().hits.alone, vec![8, 8]);
     c.free_request(2).unwrap();
@@ -785,14 +787,49 @@ fn every_looked_up_token_is_a_hit_or_has_a_reason() {
     shares_twelve.extend([7, 7, 7]);
     add(&mut c, 6, &shares_twelve);
     assert_eq!(c.find_cache_hit(6).unwrap(), 0);
-    assert_eq!(delta(&c), [0, 12, 2, 0, 1]);
     // The first prompt again: evicted.
     add(&mut c, 7, &first);
     assert_eq!(c.find_cache_hit(7).unwrap(), 0);
+    // Counted as they were looked up, once they compute (with the blocks given back).
+    c.pool().free_blocks(&taken).unwrap();
+    assert!(allocate(&mut c, 6, 0, 15));
+    assert_eq!(delta(&c), [0, 12, 2, 0, 1]);
+    assert!(allocate(&mut c, 7, 0, 10));
     assert_eq!(delta(&c), [0, 0, 0, 8, 2]);
     let stats = c.stats().hits;
     assert_eq!(stats.shortened, vec![12, 0]);
-    c.pool().free_blocks(&taken).unwrap();
+}
+
+#[test]
+fn a_lookup_counts_once_its_request_computes() {
+    // A request freed before any token beyond its hit got a slot (a hold given back, a failed
+    // admission) and a lookup superseded by the next one are never counted; the counters only
+    // grow, and a request that computed counts once per admission.
+    let mut c = coordinator(48, vec![full(2), window(2, 4)]);
+    let prompt = tokens(10);
+    add(&mut c, 1, &prompt);
+    c.find_cache_hit(1).unwrap();
+    assert_eq!(c.stats().hits.queries, 0);
+    assert!(allocate(&mut c, 1, 0, 10));
+    c.free_request(1).unwrap();
+    let counted = c.stats().hits;
+    assert_eq!(counted.queries, 10);
+    // Held (its hit taken, nothing new) and given back: not counted.
+    add(&mut c, 2, &prompt);
+    assert_eq!(c.find_cache_hit(2).unwrap(), 8);
+    assert!(allocate(&mut c, 2, 8, 0));
+    c.free_request(2).unwrap();
+    assert_eq!(c.stats().hits, counted);
+    // Looked up twice, then held, then computing: counted once, the last lookup's figures.
+    add(&mut c, 3, &prompt);
+    c.find_cache_hit(3).unwrap();
+    c.find_cache_hit(3).unwrap();
+    assert!(allocate(&mut c, 3, 8, 0));
+    assert_eq!(c.stats().hits, counted);
+    assert!(allocate(&mut c, 3, 8, 2));
+    c.free_request(3).unwrap();
+    let stats = c.stats().hits;
+    assert_eq!((stats.queries, stats.hits), (20, 8));
 }
 
 #[test]

@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 
 use super::eviction_order::release_tier;
-use super::hit_stats::SeenKeys;
+use super::hit_stats::{HitStats, SeenKeys};
 use super::keys::GroupKeys;
 use super::request::{HitEnd, PendingHit, RequestState};
 use super::{AttentionKind, CoordinatorConfig};
@@ -112,6 +112,7 @@ impl<P: BlockAllocator> Coordinator<P> {
         {
             state.num_computed = computed;
             state.num_allocated = state.num_allocated.max(total);
+            count_lookup(&mut self.hit_stats, state, total);
             if had_copies {
                 release_copy_sources(&self.pool, state);
             }
@@ -308,6 +309,7 @@ impl<P: BlockAllocator> Coordinator<P> {
         }
         state.num_computed = computed;
         state.num_allocated = state.num_allocated.max(total);
+        count_lookup(&mut self.hit_stats, state, total);
         self.scratch = scratch;
         self.dirty_from = dirty_from;
         if self.config.enable_prefix_caching {
@@ -348,6 +350,16 @@ impl<P: BlockAllocator> Coordinator<P> {
             release_copy_sources(&self.pool, state);
         }
         Ok(true)
+    }
+}
+
+/// Adds the request's pending lookup to the counters once it has slots beyond its hit (see
+/// `hit_stats`).
+fn count_lookup(stats: &mut HitStats, state: &mut RequestState, total: usize) {
+    if total > state.hit_tokens {
+        if let Some(lookup) = state.pending_lookup.take() {
+            stats.add(&lookup);
+        }
     }
 }
 

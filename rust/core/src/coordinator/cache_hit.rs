@@ -31,7 +31,7 @@
 
 use std::collections::HashMap;
 
-use super::hit_stats::Lookup;
+use super::hit_stats::{HitStats, Lookup};
 use super::keys::GroupKeys;
 use super::request::{HitEnd, PendingHit};
 use super::{extend_chains, AttentionKind, Coordinator, PrefixEntry};
@@ -107,7 +107,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             .get(next_unit)
             .is_some_and(|&hash| self.seen_keys.contains(limiting as GroupId, hash));
         let replay = common.replay.filter(|_| hit > 0);
-        self.hit_stats.record(Lookup {
+        let lookup_figures = HitStats::of(Lookup {
             num_tokens,
             max_hit,
             hit,
@@ -118,6 +118,8 @@ impl<P: BlockAllocator> Coordinator<P> {
         });
         let state = self.requests.get_mut(&request_id).expect("checked above");
         state.hash_chains = chains;
+        // Counted once the request computes (`allocate`); a later lookup replaces it.
+        state.pending_lookup = Some(lookup_figures);
         if hit > 0 {
             state.pending_hit = Some(PendingHit {
                 num_tokens: hit,

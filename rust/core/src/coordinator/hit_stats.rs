@@ -21,6 +21,12 @@
 //! point (`F - h`) and `replay_gain` the tokens they hit beyond the plain hit. "Was it ever cached" is a Bloom filter over the keys this coordinator cached: no
 //! false "never cached", some false "evicted" (under 1% while the filter is at most 1/16 full;
 //! it is cleared when fuller, after which keys cached before count as never cached).
+//!
+//! One count per admission: a lookup is counted when its request first gets slots beyond its hit
+//! (it starts computing), so a lookup whose request is freed before (a hold given back, an
+//! admission that failed) or that its next lookup supersedes is never counted, and a prompt
+//! looked up again is not counted twice; the counters only grow. A preempted request did
+//! compute: its next admission counts again.
 
 use crate::types::{BlockHash, GroupId};
 
@@ -72,7 +78,33 @@ impl HitStats {
         }
     }
 
-    pub(super) fn record(&mut self, lookup: Lookup<'_>) {
+    /// One lookup's figures, to `add` once the lookup comes to something (see the module docs).
+    pub(super) fn of(lookup: Lookup<'_>) -> HitStats {
+        let mut one = HitStats::new(lookup.alone.len());
+        one.count(lookup);
+        one
+    }
+
+    pub(super) fn add(&mut self, one: &HitStats) {
+        let op = |total: &mut u64, value: u64| *total += value;
+        op(&mut self.queries, one.queries);
+        op(&mut self.hits, one.hits);
+        op(&mut self.miss_window_tail, one.miss_window_tail);
+        op(&mut self.miss_never_cached, one.miss_never_cached);
+        op(&mut self.miss_evicted, one.miss_evicted);
+        op(&mut self.miss_alignment, one.miss_alignment);
+        op(&mut self.replays, one.replays);
+        op(&mut self.replay_tokens, one.replay_tokens);
+        op(&mut self.replay_gain, one.replay_gain);
+        for (total, &value) in self.alone.iter_mut().zip(&one.alone) {
+            op(total, value);
+        }
+        for (total, &value) in self.shortened.iter_mut().zip(&one.shortened) {
+            op(total, value);
+        }
+    }
+
+    fn count(&mut self, lookup: Lookup<'_>) {
         let limit = lookup.prefix_cached;
         let hit = lookup.hit.min(limit);
         self.queries += lookup.num_tokens as u64;
@@ -174,7 +206,7 @@ mod tests {
     #[test]
     fn the_split_adds_up_to_the_queries() {
         let mut stats = HitStats::new(2);
-        stats.record(Lookup {
+        stats.add(&HitStats::of(Lookup {
             num_tokens: 50,
             max_hit: 48,
             hit: 16,
@@ -182,7 +214,7 @@ mod tests {
             prefix_cached: 32,
             next_was_cached: true,
             replay: None,
-        });
+        }));
         assert_eq!(stats.hits, 16);
         assert_eq!(stats.miss_window_tail, 16);
         assert_eq!(stats.miss_evicted, 16);

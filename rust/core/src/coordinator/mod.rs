@@ -311,6 +311,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             last_batch: 0,
             copy_sources: Vec::new(),
             replay_frontier: 0,
+            pending_lookup: None,
         };
         self.requests.insert(request.request_id, state);
         Ok(row)
@@ -424,6 +425,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             return Err(error);
         }
         let state = self.requests.remove(&request_id).expect("checked above");
+
         for (group, blocks) in state.groups.iter().enumerate() {
             self.num_references[group] -= blocks.num_held();
             self.table.write_row(

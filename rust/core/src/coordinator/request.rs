@@ -1,5 +1,6 @@
 //! What the coordinator knows about one request.
 
+use super::HitStats;
 use crate::hashing::ExtraKeys;
 use crate::manager::GroupBlocks;
 use crate::types::{BlockHash, BlockId, CacheKey};
@@ -30,6 +31,9 @@ pub struct RequestState {
     pub copy_sources: Vec<BlockId>,
     /// The full-attention hit point of the tail replay its hit took (0 without one).
     pub replay_frontier: usize,
+    /// Its last `find_cache_hit`'s figures, added to the counters when an `allocate` first
+    /// gives it slots beyond its hit (dropped if it is freed before).
+    pub pending_lookup: Option<HitStats>,
 }
 
 /// A cache hit found but not yet taken.
