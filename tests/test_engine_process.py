@@ -9,10 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,9 +19,8 @@ from hybrid_cache.engine.engine_config import EngineConfig
 from hybrid_cache.entrypoints.async_llm import AsyncLLM
 from hybrid_cache.errors import BudgetTooSmallError, EngineDeadError
 from serve_harness import ENGINE, MODEL_NAME, metric, running_server
-from test_serve_cli import free_port
+from test_serve_cli import start_serve
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["the cat sat on the mat", "héllo wörld, naïve café", "numbers 0123 and (symbols)"]
 # How long a dead engine process may take to reach every waiting caller.
 DEATH_BOUND_S = 5.0
@@ -238,26 +234,11 @@ def engine_children(pid: int) -> list[int]:
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_no_engine_process_outlives_serve(stop):
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hybrid_cache", "serve", "tiny-gemma3", "--port", str(port),
-         "--kv-cache-memory", "4MiB", "--max-model-len", "128", "--num-threads", "1",
-         "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    process, url = start_serve(
+        ["tiny-gemma3", "--kv-cache-memory", "4MiB", "--max-model-len", "128",
+         "--num-threads", "1", "--log-level", "warning"]
     )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
         (engine_pid,) = engine_children(process.pid)
         body = {"model": "tiny-gemma3", "prompt": [5, 6, 7], "max_tokens": 3}
         assert httpx.post(url + "/v1/completions", json=body).status_code == 200

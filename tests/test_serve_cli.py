@@ -26,16 +26,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_serve_answers_a_client_and_stops_on_interrupt(serve_model_folder):
-    folder = serve_model_folder
+def start_serve(args: list[str], **env: str) -> tuple[subprocess.Popen, str]:
+    """`hybrid-cache serve ARGS --port P` in a subprocess (this checkout's package, `env` added
+    to the environment), once its `/health` answers 200: the process and its base URL. The
+    process is killed if it does not start within 60 s."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python"), "HYBRID_CACHE_API_KEY": "k"}
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python"), **env}
+    command = [sys.executable, "-m", "hybrid_cache", "serve", *args, "--port", str(port)]
     process = subprocess.Popen(
-        [sys.executable, "-m", "hybrid_cache", "serve", folder, "--port", str(port),
-         "--kv-cache-memory", "2MiB", "--max-model-len", "256", "--served-model-name", "tiny",
-         "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -43,11 +43,24 @@ def test_serve_answers_a_client_and_stops_on_interrupt(serve_model_folder):
             assert process.poll() is None, process.stdout.read()
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
+                    return process, url
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.2)
+    except BaseException:
+        process.kill()
+        process.communicate(timeout=30)
+        raise
+
+
+def test_serve_answers_a_client_and_stops_on_interrupt(serve_model_folder):
+    process, url = start_serve(
+        [serve_model_folder, "--kv-cache-memory", "2MiB", "--max-model-len", "256",
+         "--served-model-name", "tiny", "--log-level", "warning"],
+        HYBRID_CACHE_API_KEY="k",
+    )  # fmt: skip
+    try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
         reply = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5
