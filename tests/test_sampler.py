@@ -9,7 +9,7 @@ import pytest
 import torch
 from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.errors import InvalidSamplingParamsError
-from hybrid_cache.engine.logprobs import token_logprobs
+from hybrid_cache.engine.logprobs import chosen_ranks, token_logprobs
 from hybrid_cache.engine.penalties import apply_min_p, apply_penalties
 from hybrid_cache.engine.request import FinishReason, Request
 from hybrid_cache.engine.sampler import Sampler, apply_top_k_top_p
@@ -246,12 +246,64 @@ def test_token_logprobs_are_the_log_softmax_with_ranks():
     chosen = torch.tensor([3, logits[1].argmax().item()])
     rows = token_logprobs(logits, chosen, [2, 0])
     reference = logits.log_softmax(dim=-1)
-    ids, values, ranks = rows[0]
+    token, value, rank, ids, values = rows[0]
     top = reference[0].topk(2)
-    assert ids == [3, *top.indices.tolist()] and ranks[1:] == [1, 2]
-    assert values == pytest.approx([reference[0, 3].item(), *top.values.tolist()], abs=1e-6)
-    assert ranks[0] == int((reference[0] >= reference[0, 3]).sum())
-    assert rows[1] == ([chosen[1].item()], [pytest.approx(reference[1].max().item())], [1])
+    assert token == 3 and ids == top.indices.tolist()
+    assert value == pytest.approx(reference[0, 3].item(), abs=1e-6)
+    assert values == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert rank == int((reference[0] >= reference[0, 3]).sum())
+    assert rows[1] == (chosen[1].item(), pytest.approx(reference[1].max().item()), 1, [], [])
+
+
+def whole_row_logprobs(logits, chosen, counts):
+    """`token_logprobs` the slow way: one row at a time, each rank over the whole row."""
+    reference = logits.float().log_softmax(dim=-1)
+    rows = []
+    for row, count in enumerate(counts):
+        value = reference[row, chosen[row]]
+        top = reference[row].topk(max(counts))
+        rows.append(
+            (
+                int(chosen[row]),
+                value.item(),
+                int((reference[row] >= value).sum()),
+                top.indices[:count].tolist(),
+                top.values[:count].tolist(),
+            )
+        )
+    return rows
+
+
+@pytest.mark.parametrize("counts", [[5, 5, 5, 5, 5, 5], [5, 0, 2, 5, 1, 3], [0] * 6])
+def test_token_logprobs_of_a_batch_are_each_rows_own(counts):
+    """The batched rows (ranks counted over the top k when they can be) equal each row's own,
+    ranked over its whole row: greedy tokens, tokens outside the top k, ties, -inf and NaN."""
+    torch.manual_seed(7)
+    logits = torch.randn(6, 40)
+    logits[2, :8] = logits[2].max() + 1  # eight tokens tie for first place
+    logits[3, 5:] = float("-inf")
+    logits[4, 9] = float("nan")
+    chosen = torch.tensor(
+        [logits[0].argmax().item(), logits[1].argmin().item(), 4, 20, 9, logits[5].argmax()]
+    )
+    clean = torch.randn(6, 40)  # every greedy token above the k-th: ranked over the top k
+    cases = [(logits, chosen), (logits, logits.argmax(dim=-1)), (clean, clean.argmax(dim=-1))]
+    for rows, batch in cases:
+        got = token_logprobs(rows, batch, counts)
+        want = whole_row_logprobs(rows, batch, counts)
+        assert repr(got) == repr(want)  # the same floats (repr: NaN equals itself)
+
+
+def test_chosen_ranks_count_the_top_k_only_when_that_is_exact():
+    torch.manual_seed(3)
+    logprobs = torch.randn(4, 30).log_softmax(dim=-1)
+    top = logprobs.topk(5, dim=-1).values
+    inside = top[:, 2:3]  # each row's third: rank 3, counted over the top 5
+    assert chosen_ranks(logprobs, inside, top).tolist() == [3, 3, 3, 3]
+    outside = logprobs.min(dim=-1, keepdim=True).values  # the last: the whole row counts
+    assert chosen_ranks(logprobs, outside, top).tolist() == [30, 30, 30, 30]
+    mixed = torch.cat([inside[:2], outside[2:]])
+    assert chosen_ranks(logprobs, mixed, top).tolist() == [3, 3, 30, 30]
 
 
 @pytest.mark.parametrize(

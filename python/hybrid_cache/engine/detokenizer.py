@@ -8,7 +8,8 @@ read as the prompt's continuation. A window whose text ends in an incomplete cha
 (U+FFFD) waits for the next token.
 
 Stop strings are looked for in the text each new token adds plus the `len(stop) - 1`
-characters before it.
+characters before it, and only when the new text holds the last character of some stop string
+(a stop string cannot end in text without its last character).
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ class IncrementalDetokenizer:
         self.read_offset: int = len(context)
         self.pieces: list[str] = []
         self.num_chars: int = 0
-        # The last `max(len(stop)) - 1` characters: where a stop string may start.
+        # How many characters before the new text a stop string may start in.
         self.tail_chars: int = max(map(len, self.stop), default=1) - 1
-        self.tail: str = ""
+        # The stop strings' last characters: new text without any completes none.
+        self.stop_ends: frozenset[str] = frozenset(stop[-1] for stop in self.stop)
         self.truncate_at: Optional[int] = None  # where a matched stop string cuts the text
         # With a fast tokenizer, `tokenizers`' own stream decoder (one call of about half a
         # microsecond per token, primed with the context) replaces the two window decodes.
@@ -105,15 +107,31 @@ class IncrementalDetokenizer:
     def add_token_and_match(self, token_id: int, check_stop: bool) -> Optional[str]:
         """Adds one token; returns the stop string its text completes, if any (only looked
         for when `check_stop`). A match cuts the text before the stop string, or after it
-        with `include_stop_str_in_output`."""
-        delta = self.add_tokens((token_id,))
-        if not delta:
+        with `include_stop_str_in_output`. Called once per token: the streamed case is
+        inlined, and the search runs only when the new text holds a stop string's end."""
+        stream = self.stream
+        if stream is None:
+            delta = self.add_tokens((token_id,))
+        else:
+            self.token_ids.append(token_id)
+            delta = stream.step(self.backend, token_id)
+            if delta is None:
+                self.num_unflushed += 1
+                return None
+            self.num_unflushed = 0
+            if delta:
+                self.pieces.append(delta)
+                self.num_chars += len(delta)
+        if not delta or not check_stop or self.stop_ends.isdisjoint(delta):
             return None
-        window = self.tail + delta
+        return self._match(delta)
+
+    def _match(self, delta: str) -> Optional[str]:
+        """The first stop string (in the params' order) that ends in `delta`, the text just
+        added (the last of `pieces`); sets `truncate_at` on a match."""
+        tail = self._text_before_last(self.tail_chars)
+        window = tail + delta
         start = self.num_chars - len(window)  # the window's first character in the text
-        self.tail = window[-self.tail_chars :] if self.tail_chars else ""
-        if not check_stop:
-            return None
         for stop in self.stop:
             # A match must end in the new text: earlier ones were looked for before.
             index = window.find(stop, max(0, len(window) - len(delta) - len(stop) + 1))
@@ -122,6 +140,21 @@ class IncrementalDetokenizer:
                 self.truncate_at = end
                 return stop
         return None
+
+    def _text_before_last(self, num_chars: int) -> str:
+        """The last `num_chars` characters of the text before the last piece (fewer at the
+        start of the text)."""
+        if num_chars == 0:
+            return ""
+        parts: list[str] = []
+        count = 0
+        pieces = self.pieces
+        for index in range(len(pieces) - 2, -1, -1):
+            parts.append(pieces[index])
+            count += len(pieces[index])
+            if count >= num_chars:
+                break
+        return "".join(reversed(parts))[-num_chars:]
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.backend is not None:

@@ -107,7 +107,10 @@ class Request:
             0 if track_logprobs and sampling_params.logprobs is None else sampling_params.logprobs
         )
         self.sample_logprobs: list[TokenLogprobs] = []
-        self.cumulative_logprob: float = 0.0
+        # The sum of the sampled tokens' logprobs over the first `_num_summed` rows (summed
+        # when read, in order: the same float as a running sum).
+        self._cumulative_logprob: float = 0.0
+        self._num_summed: int = 0
         self.prompt_logprobs: list[TokenLogprobs] = []
         # True until every prompt token's logprobs are recorded (no prefix-cache hit till then).
         self.wants_prompt_logprobs: bool = (
@@ -163,9 +166,19 @@ class Request:
         return None
 
     def append_sample_logprobs(self, entry: TokenLogprobs) -> None:
-        """Records the logprobs of the token sampled this step (before it is appended)."""
+        """Records the logprobs of the token sampled this step (before it is appended); the
+        runner appends to `sample_logprobs` directly for a whole batch."""
         self.sample_logprobs.append(entry)
-        self.cumulative_logprob += entry[1][0]
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of the sampled tokens' logprobs so far."""
+        rows = self.sample_logprobs
+        total = self._cumulative_logprob
+        for index in range(self._num_summed, len(rows)):
+            total += rows[index][1]
+        self._cumulative_logprob, self._num_summed = total, len(rows)
+        return total
 
     def finish_text(self) -> None:
         """Decodes what the detokenizer has not seen yet (the stop token only with
