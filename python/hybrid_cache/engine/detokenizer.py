@@ -7,6 +7,12 @@ whole output again. The window starts on the last prompt tokens, so the first ou
 read as the prompt's continuation. A window whose text ends in an incomplete character
 (U+FFFD) waits for the next token.
 
+With a byte-level decoder (GPT-2, Llama-3, Qwen style), a token whose bytes are whole
+characters reads the same in any context that ends on a whole character: such tokens' texts are
+decoded once per tokenizer (`context_free_texts`) and looked up instead of stepping the stream
+decoder while it holds nothing back (the stream then sees only the other tokens, which a
+byte-level decoder reads the same after any whole character).
+
 Stop strings are looked for in the text each new token adds plus the `len(stop) - 1`
 characters before it, and only when the new text holds the last character of some stop string
 (a stop string cannot end in text without its last character).
@@ -14,6 +20,7 @@ characters before it, and only when the new text holds the last character of som
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -54,6 +61,12 @@ class IncrementalDetokenizer:
         # microsecond per token, primed with the context) replaces the two window decodes.
         self.stream: Optional[Any] = _decode_stream(self.backend, context, self.skip_special_tokens)
         self.num_unflushed: int = 0  # tokens the stream holds back (a character in pieces)
+        # Token id -> its text, for the tokens any context reads alike (None for the others).
+        self.texts: dict[int, Optional[str]] = (
+            context_free_texts(tokenizer, self.backend, self.skip_special_tokens)
+            if self.stream is not None
+            else {}
+        )
 
     @property
     def num_output_tokens(self) -> int:
@@ -87,8 +100,11 @@ class IncrementalDetokenizer:
 
     def _add_streamed(self, token_ids: Sequence[int], final: bool) -> str:
         chunks = []
+        texts = self.texts
         for token_id in token_ids:
-            chunk = self.stream.step(self.backend, token_id)
+            chunk = None if self.num_unflushed else texts[token_id]
+            if chunk is None:
+                chunk = self.stream.step(self.backend, token_id)
             if chunk is None:
                 self.num_unflushed += 1
             else:
@@ -108,17 +124,20 @@ class IncrementalDetokenizer:
         """Adds one token; returns the stop string its text completes, if any (only looked
         for when `check_stop`). A match cuts the text before the stop string, or after it
         with `include_stop_str_in_output`. Called once per token: the streamed case is
-        inlined, and the search runs only when the new text holds a stop string's end."""
+        inlined (`_add_streamed` for one token), and the search runs only when the new text
+        holds a stop string's end."""
         stream = self.stream
         if stream is None:
             delta = self.add_tokens((token_id,))
         else:
             self.token_ids.append(token_id)
-            delta = stream.step(self.backend, token_id)
+            delta = None if self.num_unflushed else self.texts[token_id]
             if delta is None:
-                self.num_unflushed += 1
-                return None
-            self.num_unflushed = 0
+                delta = stream.step(self.backend, token_id)
+                if delta is None:
+                    self.num_unflushed += 1
+                    return None
+                self.num_unflushed = 0
             if delta:
                 self.pieces.append(delta)
                 self.num_chars += len(delta)
@@ -169,12 +188,84 @@ class IncrementalDetokenizer:
 
 def _decode_stream(backend: Optional[Any], context: list[int], skip_special_tokens: bool) -> Any:
     """A `tokenizers.decoders.DecodeStream` primed with `context`; None without a fast
-    tokenizer or with a `tokenizers` release that lacks it (the window decodes then)."""
+    tokenizer or with a `tokenizers` release that lacks it (the window decodes then).
+
+    A context whose text ends in an incomplete character (a prompt of ids cut inside one) is
+    primed without its last tokens up to a whole character: a stream primed on it would hand
+    the context's whole text out with the first output token. The output then reads as the
+    window decodes read it, after the prompt's text."""
     if backend is None:
         return None
     try:
         from tokenizers.decoders import DecodeStream
-
-        return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-    except (ImportError, TypeError):
+    except ImportError:
         return None
+    end = len(context)
+    while end and backend.decode(context[:end], skip_special_tokens=skip_special_tokens).endswith(
+        REPLACEMENT_CHAR
+    ):
+        end -= 1
+    try:
+        return DecodeStream(ids=context[:end], skip_special_tokens=skip_special_tokens)
+    except TypeError:
+        return None
+
+
+# Per tokenizer and skip_special_tokens: `context_free_texts` (forgotten with the tokenizer).
+_context_free: weakref.WeakKeyDictionary[Any, dict[bool, "ContextFreeTexts"]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class ContextFreeTexts(dict[int, Optional[str]]):
+    """Token id -> text for the tokens whose text is the same wherever they stand after a
+    whole character, None for the others (`texts[token_id]`: a plain dict lookup once an id
+    was seen). With a byte-level decoder alone: the vocabulary's tokens whose bytes are whole
+    UTF-8 characters (their own decode holds no U+FFFD), and "" for tokens that decode to
+    nothing (special ones when skipped, ids past the vocabulary). None for every id with any
+    other decoder."""
+
+    def __init__(self, texts: dict[int, Optional[str]], silent_from: Optional[int]) -> None:
+        super().__init__(texts)
+        self.silent_from = silent_from  # ids from here on decode to nothing (None: unknown)
+
+    def __missing__(self, token_id: int) -> Optional[str]:
+        silent = self.silent_from is not None and token_id >= self.silent_from
+        text = "" if silent else None
+        self[token_id] = text
+        return text
+
+
+
+
+def context_free_texts(
+    tokenizer: Any, backend: Optional[Any], skip_special_tokens: bool
+) -> ContextFreeTexts:
+    """The tokenizer's `ContextFreeTexts` (decoded once per tokenizer and skip flag)."""
+    per_flag = _context_free.setdefault(tokenizer, {})
+    found = per_flag.get(skip_special_tokens)
+    if found is not None:
+        return found
+    found = ContextFreeTexts({}, None)
+    if backend is not None and _is_byte_level(backend.decoder):
+        size = backend.get_vocab_size(with_added_tokens=True)
+        added = backend.get_added_tokens_decoder()
+        decoded = backend.decode_batch(
+            [[token] for token in range(size + 1)], skip_special_tokens=skip_special_tokens
+        )
+        texts: dict[int, Optional[str]] = {}
+        for token, text in enumerate(decoded[:size]):
+            if token in added and not (text == "" and added[token].special):
+                text = None  # an added token: decoded as its content, not as bytes
+            texts[token] = None if text is None or REPLACEMENT_CHAR in text else text
+        found = ContextFreeTexts(texts, size if decoded[size] == "" else None)
+    per_flag[skip_special_tokens] = found
+    return found
+
+
+def _is_byte_level(decoder: Any) -> bool:
+    try:
+        from tokenizers.decoders import ByteLevel
+    except ImportError:
+        return False
+    return isinstance(decoder, ByteLevel)
