@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.errors import InvalidSamplingParamsError
-from hybrid_cache.engine.logprobs import chosen_ranks, token_logprobs
+from hybrid_cache.engine import logprobs as logprobs_module
+from hybrid_cache.engine.logprobs import chosen_rank, token_logprobs
 from hybrid_cache.engine.penalties import apply_min_p, apply_penalties
 from hybrid_cache.engine.request import FinishReason, Request
 from hybrid_cache.engine.sampler import Sampler, apply_top_k_top_p
@@ -246,38 +248,40 @@ def test_token_logprobs_are_the_log_softmax_with_ranks():
     chosen = torch.tensor([3, logits[1].argmax().item()])
     rows = token_logprobs(logits, chosen, [2, 0])
     reference = logits.log_softmax(dim=-1)
-    token, value, rank, ids, values = rows[0]
+    ids, values, rank = rows[0]
     top = reference[0].topk(2)
-    assert token == 3 and ids == top.indices.tolist()
-    assert value == pytest.approx(reference[0, 3].item(), abs=1e-6)
-    assert values == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert ids == [3, *top.indices.tolist()]
+    assert values == pytest.approx([reference[0, 3].item(), *top.values.tolist()], abs=1e-6)
     assert rank == int((reference[0] >= reference[0, 3]).sum())
-    assert rows[1] == (chosen[1].item(), pytest.approx(reference[1].max().item()), 1, [], [])
+    assert rows[1] == ([chosen[1].item()], [pytest.approx(reference[1].max().item())], 1)
 
 
 def whole_row_logprobs(logits, chosen, counts):
-    """`token_logprobs` the slow way: one row at a time, each rank over the whole row."""
+    """`token_logprobs` the slow way: one row at a time with torch's top k, each rank counted
+    over the whole row."""
     reference = logits.float().log_softmax(dim=-1)
     rows = []
     for row, count in enumerate(counts):
         value = reference[row, chosen[row]]
-        top = reference[row].topk(max(counts))
+        top = reference[row].topk(count)
         rows.append(
             (
-                int(chosen[row]),
-                value.item(),
+                [int(chosen[row]), *top.indices.tolist()],
+                [value.item(), *top.values.tolist()],
                 int((reference[row] >= value).sum()),
-                top.indices[:count].tolist(),
-                top.values[:count].tolist(),
             )
         )
     return rows
 
 
-@pytest.mark.parametrize("counts", [[5, 5, 5, 5, 5, 5], [5, 0, 2, 5, 1, 3], [0] * 6])
-def test_token_logprobs_of_a_batch_are_each_rows_own(counts):
-    """The batched rows (ranks counted over the top k when they can be) equal each row's own,
-    ranked over its whole row: greedy tokens, tokens outside the top k, ties, -inf and NaN."""
+@pytest.mark.parametrize("counts", [[5, 5, 5, 5, 5, 5], [5, 0, 2, 5, 1, 3], [0] * 6, [20] * 6])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_token_logprobs_of_a_batch_are_each_rows_own(counts, in_place, monkeypatch):
+    """The batched rows (top k from argmax passes, ranks counted over the top k when they can
+    be) equal each row's own from torch's top k, ranked over the whole row: greedy tokens,
+    tokens outside the top k, ties, -inf and NaN, the logprobs copied or masked in place."""
+    if in_place:
+        monkeypatch.setattr(logprobs_module, "MAX_COPY_BYTES", 0)
     torch.manual_seed(7)
     logits = torch.randn(6, 40)
     logits[2, :8] = logits[2].max() + 1  # eight tokens tie for first place
@@ -286,24 +290,54 @@ def test_token_logprobs_of_a_batch_are_each_rows_own(counts):
     chosen = torch.tensor(
         [logits[0].argmax().item(), logits[1].argmin().item(), 4, 20, 9, logits[5].argmax()]
     )
-    clean = torch.randn(6, 40)  # every greedy token above the k-th: ranked over the top k
+    clean = torch.randn(6, 40)  # every row's top k + 1 distinct: the argmax passes alone
     cases = [(logits, chosen), (logits, logits.argmax(dim=-1)), (clean, clean.argmax(dim=-1))]
     for rows, batch in cases:
-        got = token_logprobs(rows, batch, counts)
+        got = [(*row[:2], chosen_rank(row)) for row in token_logprobs(rows, batch, counts)]
         want = whole_row_logprobs(rows, batch, counts)
         assert repr(got) == repr(want)  # the same floats (repr: NaN equals itself)
 
 
-def test_chosen_ranks_count_the_top_k_only_when_that_is_exact():
+@pytest.mark.parametrize("in_place", [False, True])
+def test_top_k_takes_argmax_passes_only_where_they_are_exact(in_place, monkeypatch):
+    if in_place:
+        monkeypatch.setattr(logprobs_module, "MAX_COPY_BYTES", 0)
+    torch.manual_seed(11)
+    logprobs = torch.randn(5, 64).log_softmax(dim=-1)
+    logprobs[1, [3, 9]] = logprobs[1].max() + 0.5  # a tie inside the top k: torch's order
+    logprobs[2, :] = float("-inf")
+    logprobs[2, 7] = 0.0  # one finite value
+    logprobs[3, 30] = float("nan")
+    before = logprobs.clone()
+    calls = []
+    real_topk = torch.Tensor.topk
+    monkeypatch.setattr(
+        torch.Tensor, "topk", lambda self, *a, **kw: calls.append(len(self)) or real_topk(self, *a, **kw)
+    )
+    chosen = np.array([0, 1, 2, 3, 4])
+    ids, values = logprobs_module.top_k(logprobs, 4, chosen)
+    monkeypatch.undo()
+    want_values, want_ids = logprobs.topk(4, dim=-1)
+    assert ids[:, 0].tolist() == chosen.tolist() and ids[:, 1:].tolist() == want_ids.tolist()
+    assert repr(values[:, 0].tolist()) == repr(logprobs[range(5), chosen].tolist())
+    assert repr(values[:, 1:].tolist()) == repr(want_values.tolist())
+    assert calls == [3]  # one torch top k, over the three rows the passes cannot settle
+    assert torch.equal(logprobs.nan_to_num(), before.nan_to_num())  # left as it was
+
+
+def test_a_rank_left_to_chosen_rank_is_counted_over_the_top_k():
     torch.manual_seed(3)
-    logprobs = torch.randn(4, 30).log_softmax(dim=-1)
-    top = logprobs.topk(5, dim=-1).values
-    inside = top[:, 2:3]  # each row's third: rank 3, counted over the top 5
-    assert chosen_ranks(logprobs, inside, top).tolist() == [3, 3, 3, 3]
-    outside = logprobs.min(dim=-1, keepdim=True).values  # the last: the whole row counts
-    assert chosen_ranks(logprobs, outside, top).tolist() == [30, 30, 30, 30]
-    mixed = torch.cat([inside[:2], outside[2:]])
-    assert chosen_ranks(logprobs, mixed, top).tolist() == [3, 3, 30, 30]
+    logits = torch.randn(4, 30)
+    reference = logits.log_softmax(dim=-1)
+    third = reference.topk(3, dim=-1).indices[:, 2]
+    rows = token_logprobs(logits, third, [5] * 4)  # each row's third: above the fifth
+    assert [row[2] for row in rows] == [None] * 4 and list(map(chosen_rank, rows)) == [3] * 4
+    last = reference.argmin(dim=-1)
+    rows = token_logprobs(logits, torch.cat([third[:2], last[2:]]), [5] * 4)
+    assert [row[2] for row in rows] == [3, 3, 30, 30]  # one row below the fifth: all counted
+    assert list(map(chosen_rank, rows)) == [3, 3, 30, 30]
+    rows = token_logprobs(logits, third, [1, 5, 0, 2])  # fewer asked: ranked before the cut
+    assert list(map(chosen_rank, rows)) == [3] * 4 and [len(row[0]) for row in rows] == [2, 6, 1, 3]
 
 
 @pytest.mark.parametrize(

@@ -1,14 +1,16 @@
 """Logprobs: the chosen token's and the top-k of each row of raw logits, and their output form.
 
-Rows are kept compact while a request runs (`TokenLogprobs`: the chosen token's id, logprob and
-rank, then the top k's ids and logprobs, whose ranks are 1..k) and turned into vLLM's form, one
-dict token id -> `Logprob(logprob, rank, decoded_token)` per position, when the request's output
-is built. A batch whose rows all ask for the same k gets its rows from one `.tolist()` per
-column, with no per-row Python.
+Rows are kept compact while a request runs (`TokenLogprobs`: the ids and logprobs of the chosen
+token and then the top k, and the chosen token's rank) and turned into vLLM's form, one dict
+token id -> `Logprob(logprob, rank, decoded_token)` per position, when the request's output is
+built. On the CPU a batch's rows come from three `.tolist()` calls, with no per-row Python when
+every row asks for the same k, and its top k from numpy argmax passes when they are exact
+(`top_k`).
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
@@ -18,59 +20,105 @@ import torch
 
 from hybrid_cache.engine.outputs import Logprob
 
-# One position: the chosen token's id, logprob and rank; the top k's ids and logprobs (ranks
-# 1..k, most likely first).
-TokenLogprobs = tuple[int, float, int, list[int], list[float]]
+# One position: the ids and logprobs of the chosen token and then the top k (most likely
+# first, ranks 1..k), and the chosen token's rank, or None when the chosen token is more
+# likely than the k-th: then only top k tokens can be at least as likely (`chosen_rank`).
+TokenLogprobs = tuple[list[int], list[float], Optional[int]]
+
+# Top k this size or less come from argmax passes on the CPU (`top_k`); larger ones from torch.
+MAX_ARGMAX_K = 20
+# Logprobs up to this size are copied for the argmax passes; larger ones are masked in place.
+MAX_COPY_BYTES = 1 << 20
 
 
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: Sequence[int]
 ) -> list[TokenLogprobs]:
     """Per row of `logits` [rows, vocab]: the logprob and rank of `token_ids[row]` and the
-    `num_logprobs[row]` most likely tokens, from the log_softmax of the logits as given (rank
-    1 = most likely; the chosen token's rank counts the tokens at least as likely). The
-    log_softmax and top k are torch's; on the CPU the rest runs in numpy (fewer, cheaper calls
-    on the same floats)."""
+    `num_logprobs[row]` most likely tokens, from torch's log_softmax of the logits as given
+    (rank 1 = most likely; the chosen token's rank counts the tokens at least as likely)."""
     logprobs = logits.float().log_softmax(dim=-1)
     k = min(max(num_logprobs, default=0), logprobs.shape[-1])
-    top_values = top_ids = None
-    if k > 0:
-        top_values, top_ids = logprobs.topk(k, dim=-1)
     if logprobs.device.type == "cpu":
         array = logprobs.numpy()
-        chosen_ids = token_ids.numpy()
-        chosen = array[np.arange(len(chosen_ids)), chosen_ids][:, None]
-        top = None if top_values is None else top_values.numpy()
+        ids, values = top_k(logprobs, k, token_ids.numpy())
     else:
+        chosen_ids = token_ids.to(logprobs.device).view(-1, 1)
+        ids, values = chosen_ids, logprobs.gather(1, chosen_ids)
+        if k:
+            top_values, top_ids = logprobs.topk(k, dim=-1)
+            ids, values = torch.cat([ids, top_ids], 1), torch.cat([values, top_values], 1)
         array = logprobs
-        chosen_ids = token_ids.to(logprobs.device)
-        chosen = logprobs.gather(1, chosen_ids.view(-1, 1))
-        top = top_values
-    ranks = chosen_ranks(array, chosen, top).tolist()
-    chosen_values = chosen[:, 0].tolist()
-    chosen_list = chosen_ids.tolist()
-    if top_values is None or top_ids is None:
-        return [(token, value, rank, [], []) for token, value, rank in zip(chosen_list, chosen_values, ranks)]
-    values_rows, ids_rows = top.tolist(), top_ids.tolist()
-    if min(num_logprobs) == k:  # every row asks for the same top k: the columns as they are
-        return list(zip(chosen_list, chosen_values, ranks, ids_rows, values_rows))
+    chosen = values[:, :1]
+    if k and bool((chosen > values[:, k:]).all()):  # `chosen_rank` counts over the top k
+        ranks: Iterable[Optional[int]] = itertools.repeat(None)
+    else:
+        ranks = (array >= chosen).sum(-1).tolist()
+    id_rows, value_rows = ids.tolist(), values.tolist()
+    if min(num_logprobs, default=0) == k:  # every row asks for the same top k: as they are
+        return list(zip(id_rows, value_rows, ranks))
+    # Rows asking for fewer than k keep their first ones (ranks taken over all k first).
     return [
-        (token, value, rank, ids[:count], row_values[:count])
-        for token, value, rank, ids, row_values, count in zip(
-            chosen_list, chosen_values, ranks, ids_rows, values_rows, num_logprobs
-        )
+        (row[0][: count + 1], row[1][: count + 1], chosen_rank(row))
+        for row, count in zip(zip(id_rows, value_rows, ranks), num_logprobs)
     ]
 
 
-def chosen_ranks(logprobs: Any, chosen: Any, top: Optional[Any]) -> Any:
-    """Per row, how many of `logprobs` [rows, vocab] are at least `chosen` [rows, 1] (numpy
-    arrays or tensors alike). When every chosen value is above its row's least top value
-    (`top`: each row's top k, descending), only the top k can be at least as large, so those
-    are counted instead of the whole row: the same counts (a NaN anywhere there fails the
-    test and takes the whole-row count)."""
-    if top is not None and bool((chosen > top[:, -1:]).all()):
-        return (top >= chosen).sum(-1)
-    return (logprobs >= chosen).sum(-1)
+def chosen_rank(row: TokenLogprobs) -> int:
+    """The chosen token's rank in `row`: as recorded, or (None) how many of the top k are at
+    least as likely (the chosen token is above the k-th, so no other token can be)."""
+    ids, values, rank = row
+    if rank is not None:
+        return rank
+    chosen = values[0]
+    return sum(value >= chosen for value in values[1:])
+
+
+def top_k(
+    logprobs: torch.Tensor, k: int, chosen_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and values [rows, 1 + k] of each row's chosen token (`chosen_ids`) and then its k
+    largest, descending, from CPU `logprobs` [rows, vocab].
+
+    The k largest come from k + 1 numpy argmax passes (each masks the token it found) where a
+    row's top k + 1 are strictly decreasing: then the top k is the only one there is and
+    equals `torch.topk`'s. The other rows (ties, NaN, fewer than k + 1 finite values) take
+    `torch.topk`, whose order among equal values is its own. On one thread torch's top k is
+    several times slower than the passes."""
+    num_rows, vocab_size = logprobs.shape
+    array = logprobs.numpy()
+    rows = np.arange(num_rows)[:, None]
+    if k == 0:
+        ids = chosen_ids.reshape(num_rows, 1)
+        return ids, array[rows, ids]
+    if k > MAX_ARGMAX_K or k >= vocab_size:
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+        ids = np.concatenate([chosen_ids.reshape(num_rows, 1), top_ids.numpy()], axis=1)
+        return ids, array[rows, ids]
+    ids = np.empty((num_rows, k + 2), dtype=np.int64)
+    ids[:, 0] = chosen_ids
+    column = rows[:, 0]
+    if array.nbytes <= MAX_COPY_BYTES:
+        work = array.copy()
+        for index in range(1, k + 2):
+            best = ids[:, index] = work.argmax(axis=1)
+            work[column, best] = -np.inf
+    else:  # masked in place, then put back (the first found last: a row may repeat an id)
+        masked = []
+        for index in range(1, k + 2):
+            best = ids[:, index] = array.argmax(axis=1)
+            masked.append(array[column, best])
+            array[column, best] = -np.inf
+        for index in range(k + 1, 0, -1):
+            array[column, ids[:, index]] = masked[index - 1]
+    values = array[rows, ids]
+    decreasing = values[:, 1:-1] > values[:, 2:]
+    ids, values = ids[:, :-1], values[:, :-1]
+    if not decreasing.all():
+        others = np.flatnonzero(~decreasing.all(axis=1))
+        other_values, other_ids = logprobs[torch.from_numpy(others)].topk(k, dim=-1)
+        ids[others, 1:], values[others, 1:] = other_ids.numpy(), other_values.numpy()
+    return ids, values
 
 
 # Each token's own text, per tokenizer, decoded once (forgotten with the tokenizer).
@@ -87,15 +135,16 @@ def logprob_dicts(
     texts: dict[int, str] = {}
     if tokenizer is not None:
         texts = _token_texts.setdefault(tokenizer, {})
-        seen = {row[0] for row in rows}.union(*(row[3] for row in rows))
-        unique = sorted(seen - texts.keys())
+        unique = sorted(set().union(*(row[0] for row in rows)) - texts.keys())
         if unique:
             texts.update(zip(unique, tokenizer.batch_decode([[token] for token in unique])))
     result = []
-    for chosen, value, rank, ids, values in rows:
-        position = {chosen: Logprob(value, rank, texts.get(chosen))}
-        for top_rank, (token, top_value) in enumerate(zip(ids, values), 1):
+    for row in rows:
+        ids, values, _ = row
+        position = {ids[0]: Logprob(values[0], chosen_rank(row), texts.get(ids[0]))}
+        for rank in range(1, len(ids)):
+            token = ids[rank]
             if token not in position:
-                position[token] = Logprob(top_value, top_rank, texts.get(token))
+                position[token] = Logprob(values[rank], rank, texts.get(token))
         result.append(position)
     return result

@@ -176,7 +176,7 @@ class Request:
         rows = self.sample_logprobs
         total = self._cumulative_logprob
         for index in range(self._num_summed, len(rows)):
-            total += rows[index][1]
+            total += rows[index][1][0]
         self._cumulative_logprob, self._num_summed = total, len(rows)
         return total
 

@@ -1,6 +1,6 @@
 """Logprobs, usage and server-sent events in the OpenAI API's shapes.
 
-A logprobs row (`engine/logprobs.py`) holds the chosen token, then the top k. A token's
+A logprobs row (`engine/logprobs.py`) holds the chosen token first, then the top k. A token's
 text is its own decode (`TokenTexts`, cached per id); without a tokenizer it is
 `token_id:<id>`.
 """
@@ -79,11 +79,11 @@ def completion_logprobs(
             top_logprobs.append(None)
             text_offset += len(text)
             continue
-        chosen, chosen_value, _, ids, values = row
-        text = texts(chosen)
+        ids, values, _ = row
+        text = texts(ids[0])
         tokens.append(text)
-        token_logprobs.append(_safe_logprob(chosen_value))
-        top: dict[str, float] = {text: _safe_logprob(chosen_value)}
+        token_logprobs.append(_safe_logprob(values[0]))
+        top: dict[str, float] = {}
         for token_id, value in zip(ids, values):
             top.setdefault(texts(token_id), _safe_logprob(value))
         top_logprobs.append(top)
@@ -105,12 +105,12 @@ def chat_logprobs(rows: Sequence[TokenLogprobs], texts: TokenTexts) -> dict[str,
     """`/v1/chat/completions` logprobs: per token its text, logprob, UTF-8 bytes and the top
     tokens (as many as the request's `top_logprobs`)."""
     content = []
-    for chosen, chosen_value, _, ids, values in rows:
-        text = texts(chosen)
+    for ids, values, _ in rows:
+        text = texts(ids[0])
         content.append(
             {
                 "token": text,
-                "logprob": _safe_logprob(chosen_value),
+                "logprob": _safe_logprob(values[0]),
                 "bytes": list(text.encode("utf-8")),
                 "top_logprobs": [
                     {
@@ -118,7 +118,7 @@ def chat_logprobs(rows: Sequence[TokenLogprobs], texts: TokenTexts) -> dict[str,
                         "logprob": _safe_logprob(value),
                         "bytes": list(texts(token_id).encode("utf-8")),
                     }
-                    for token_id, value in zip(ids, values)
+                    for token_id, value in zip(ids[1:], values[1:])
                 ],
             }
         )
