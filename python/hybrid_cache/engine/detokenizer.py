@@ -7,11 +7,11 @@ whole output again. The window starts on the last prompt tokens, so the first ou
 read as the prompt's continuation. A window whose text ends in an incomplete character
 (U+FFFD) waits for the next token.
 
-With a byte-level decoder (GPT-2, Llama-3, Qwen style), a token whose bytes are whole
-characters reads the same in any context that ends on a whole character: such tokens' texts are
-decoded once per tokenizer (`context_free_texts`) and looked up instead of stepping the stream
-decoder while it holds nothing back (the stream then sees only the other tokens, which a
-byte-level decoder reads the same after any whole character).
+With a fast tokenizer, `tokenizers`' stream decoder replaces the window decodes; with a
+byte-level one (GPT-2, Llama-3, Qwen style) each token's bytes and text come from a table
+built once per tokenizer (`byte_level.py`) and the text is decoded in Python: a token of whole
+characters adds its text, the others' bytes wait until they decode to text that does not end
+in U+FFFD (as the stream decoder does), with no call into the tokenizer.
 
 Stop strings are looked for in the text each new token adds plus the `len(stop) - 1`
 characters before it, and only when the new text holds the last character of some stop string
@@ -20,19 +20,26 @@ characters before it, and only when the new text holds the last character of som
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from hybrid_cache.engine.byte_level import (
+    REPLACEMENT_CHAR,
+    ByteLevelVocab,
+    TokenTexts,
+    byte_level_vocab,
+)
 from hybrid_cache.engine.sampling_params import SamplingParams
 
 # Prompt tokens the first window starts on (as vLLM's detokenizer).
 PROMPT_CONTEXT_TOKENS = 5
-REPLACEMENT_CHAR = "\ufffd"
+# Without a byte-level vocabulary no token's text is known ahead (every id: None).
+NO_TEXTS = TokenTexts({}, size=1 << 62)
 
 
 class IncrementalDetokenizer:
     """The text of one request's output tokens, decoded a few tokens at a time."""
+
 
     def __init__(
         self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
@@ -57,16 +64,21 @@ class IncrementalDetokenizer:
         # The stop strings' last characters: new text without any completes none.
         self.stop_ends: frozenset[str] = frozenset(stop[-1] for stop in self.stop)
         self.truncate_at: Optional[int] = None  # where a matched stop string cuts the text
-        # With a fast tokenizer, `tokenizers`' own stream decoder (one call of about half a
-        # microsecond per token, primed with the context) replaces the two window decodes.
-        self.stream: Optional[Any] = _decode_stream(self.backend, context, self.skip_special_tokens)
-        self.num_unflushed: int = 0  # tokens the stream holds back (a character in pieces)
-        # Token id -> its text, for the tokens any context reads alike (None for the others).
-        self.texts: dict[int, Optional[str]] = (
-            context_free_texts(tokenizer, self.backend, self.skip_special_tokens)
-            if self.stream is not None
-            else {}
+        # A byte-level tokenizer's token bytes and texts (no stream decoder then), else, with
+        # a fast tokenizer, `tokenizers`' own stream decoder primed with the context (one
+        # call of about half a microsecond per token) in place of the two window decodes.
+        self.vocab: Optional[ByteLevelVocab] = byte_level_vocab(
+            tokenizer, self.backend, self.skip_special_tokens
         )
+        self.texts: dict[int, Optional[str]] = NO_TEXTS if self.vocab is None else self.vocab.texts
+        self.pending: bytes = b""  # the bytes of the tokens held back (byte-level)
+        self.stream: Optional[Any] = (
+            None
+            if self.vocab is not None
+            else _decode_stream(self.backend, context, self.skip_special_tokens)
+        )
+        self.streamed: bool = self.vocab is not None or self.stream is not None
+        self.num_unflushed: int = 0  # tokens held back (a character in pieces)
 
     @property
     def num_output_tokens(self) -> int:
@@ -83,7 +95,7 @@ class IncrementalDetokenizer:
         it waits for more). `final`: the output ends here, an incomplete character is kept
         (as U+FFFD, as a full decode shows it)."""
         self.token_ids.extend(token_ids)
-        if self.stream is not None:
+        if self.streamed:
             return self._add_streamed(token_ids, final)
         if self.read_offset == len(self.token_ids):
             return ""
@@ -104,7 +116,7 @@ class IncrementalDetokenizer:
         for token_id in token_ids:
             chunk = None if self.num_unflushed else texts[token_id]
             if chunk is None:
-                chunk = self.stream.step(self.backend, token_id)
+                chunk = self._step(token_id)
             if chunk is None:
                 self.num_unflushed += 1
             else:
@@ -114,6 +126,7 @@ class IncrementalDetokenizer:
             # An incomplete character at the very end: as a full decode shows it.
             chunks.append(self._decode(self.token_ids[-self.num_unflushed :]))
             self.num_unflushed = 0
+            self.pending = b""
         delta = "".join(chunks)
         if delta:
             self.pieces.append(delta)
@@ -126,14 +139,13 @@ class IncrementalDetokenizer:
         with `include_stop_str_in_output`. Called once per token: the streamed case is
         inlined (`_add_streamed` for one token), and the search runs only when the new text
         holds a stop string's end."""
-        stream = self.stream
-        if stream is None:
+        if not self.streamed:
             delta = self.add_tokens((token_id,))
         else:
             self.token_ids.append(token_id)
             delta = None if self.num_unflushed else self.texts[token_id]
             if delta is None:
-                delta = stream.step(self.backend, token_id)
+                delta = self._step(token_id)
                 if delta is None:
                     self.num_unflushed += 1
                     return None
@@ -144,6 +156,19 @@ class IncrementalDetokenizer:
         if not delta or not check_stop or self.stop_ends.isdisjoint(delta):
             return None
         return self._match(delta)
+
+    def _step(self, token_id: int) -> Optional[str]:
+        """One token through the stream decoder, or its bytes after the held-back ones
+        (byte-level): the text they complete, None while it ends in U+FFFD or is empty."""
+        if self.vocab is None:
+            return self.stream.step(self.backend, token_id)
+        pending = self.pending + self.vocab.bytes_of(token_id)
+        text = pending.decode("utf-8", "replace")
+        if not text or text.endswith(REPLACEMENT_CHAR):
+            self.pending = pending
+            return None
+        self.pending = b""
+        return text
 
     def _match(self, delta: str) -> Optional[str]:
         """The first stop string (in the params' order) that ends in `delta`, the text just
@@ -209,63 +234,3 @@ def _decode_stream(backend: Optional[Any], context: list[int], skip_special_toke
         return DecodeStream(ids=context[:end], skip_special_tokens=skip_special_tokens)
     except TypeError:
         return None
-
-
-# Per tokenizer and skip_special_tokens: `context_free_texts` (forgotten with the tokenizer).
-_context_free: weakref.WeakKeyDictionary[Any, dict[bool, "ContextFreeTexts"]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-class ContextFreeTexts(dict[int, Optional[str]]):
-    """Token id -> text for the tokens whose text is the same wherever they stand after a
-    whole character, None for the others (`texts[token_id]`: a plain dict lookup once an id
-    was seen). With a byte-level decoder alone: the vocabulary's tokens whose bytes are whole
-    UTF-8 characters (their own decode holds no U+FFFD), and "" for tokens that decode to
-    nothing (special ones when skipped, ids past the vocabulary). None for every id with any
-    other decoder."""
-
-    def __init__(self, texts: dict[int, Optional[str]], silent_from: Optional[int]) -> None:
-        super().__init__(texts)
-        self.silent_from = silent_from  # ids from here on decode to nothing (None: unknown)
-
-    def __missing__(self, token_id: int) -> Optional[str]:
-        silent = self.silent_from is not None and token_id >= self.silent_from
-        text = "" if silent else None
-        self[token_id] = text
-        return text
-
-
-
-
-def context_free_texts(
-    tokenizer: Any, backend: Optional[Any], skip_special_tokens: bool
-) -> ContextFreeTexts:
-    """The tokenizer's `ContextFreeTexts` (decoded once per tokenizer and skip flag)."""
-    per_flag = _context_free.setdefault(tokenizer, {})
-    found = per_flag.get(skip_special_tokens)
-    if found is not None:
-        return found
-    found = ContextFreeTexts({}, None)
-    if backend is not None and _is_byte_level(backend.decoder):
-        size = backend.get_vocab_size(with_added_tokens=True)
-        added = backend.get_added_tokens_decoder()
-        decoded = backend.decode_batch(
-            [[token] for token in range(size + 1)], skip_special_tokens=skip_special_tokens
-        )
-        texts: dict[int, Optional[str]] = {}
-        for token, text in enumerate(decoded[:size]):
-            if token in added and not (text == "" and added[token].special):
-                text = None  # an added token: decoded as its content, not as bytes
-            texts[token] = None if text is None or REPLACEMENT_CHAR in text else text
-        found = ContextFreeTexts(texts, size if decoded[size] == "" else None)
-    per_flag[skip_special_tokens] = found
-    return found
-
-
-def _is_byte_level(decoder: Any) -> bool:
-    try:
-        from tokenizers.decoders import ByteLevel
-    except ImportError:
-        return False
-    return isinstance(decoder, ByteLevel)
