@@ -3,16 +3,16 @@
 Rows are kept compact while a request runs (`TokenLogprobs`: the ids and logprobs of the chosen
 token and then the top k, and the chosen token's rank) and turned into vLLM's form, one dict
 token id -> `Logprob(logprob, rank, decoded_token)` per position, when the request's output is
-built. On the CPU a batch's rows come from three `.tolist()` calls, with no per-row Python when
-every row asks for the same k, and its top k from numpy argmax passes when they are exact
-(`top_k`).
+built. A batch's rows stay arrays until first read (`LogprobRows`), then come from one
+`.tolist()` per array, with no per-row Python when every row asks for the same k; on the CPU
+its top k comes from numpy argmax passes when they are exact (`top_k`).
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional
 
 import numpy as np
@@ -33,7 +33,7 @@ MAX_COPY_BYTES = 1 << 20
 
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: Sequence[int]
-) -> list[TokenLogprobs]:
+) -> LogprobRows:
     """Per row of `logits` [rows, vocab]: the logprob and rank of `token_ids[row]` and the
     `num_logprobs[row]` most likely tokens, from torch's log_softmax of the logits as given
     (rank 1 = most likely; the chosen token's rank counts the tokens at least as likely)."""
@@ -50,18 +50,57 @@ def token_logprobs(
             ids, values = torch.cat([ids, top_ids], 1), torch.cat([values, top_values], 1)
         array = logprobs
     chosen = values[:, :1]
-    if k and bool((chosen > values[:, k:]).all()):  # `chosen_rank` counts over the top k
-        ranks: Iterable[Optional[int]] = itertools.repeat(None)
-    else:
-        ranks = (array >= chosen).sum(-1).tolist()
-    id_rows, value_rows = ids.tolist(), values.tolist()
-    if min(num_logprobs, default=0) == k:  # every row asks for the same top k: as they are
-        return list(zip(id_rows, value_rows, ranks))
-    # Rows asking for fewer than k keep their first ones (ranks taken over all k first).
-    return [
-        (row[0][: count + 1], row[1][: count + 1], chosen_rank(row))
-        for row, count in zip(zip(id_rows, value_rows, ranks), num_logprobs)
-    ]
+    ranks = None  # `chosen_rank` counts over the top k
+    if not (k and bool((chosen > values[:, k:]).all())):
+        ranks = (array >= chosen).sum(-1)
+    return LogprobRows(ids, values, ranks, num_logprobs, k)
+
+
+class LogprobRows:
+    """The `TokenLogprobs` of a batch's rows, made Python lists when first read: a step's rows
+    are read when its requests finish or stream, and leave the step's time (one `.tolist()`
+    per array then)."""
+
+    __slots__ = ("_arrays", "_rows")
+
+    def __init__(
+        self, ids: Any, values: Any, ranks: Any, num_logprobs: Sequence[int], k: int
+    ) -> None:
+        self._arrays: Optional[tuple[Any, Any, Any, Sequence[int], int]] = (
+            ids,
+            values,
+            ranks,
+            num_logprobs,
+            k,
+        )
+        self._rows: Optional[list[TokenLogprobs]] = None
+
+    def __getitem__(self, index: int) -> TokenLogprobs:
+        rows = self._rows
+        return (rows if rows is not None else self._materialize())[index]
+
+    def __len__(self) -> int:
+        return len(self._rows if self._rows is not None else self._materialize())
+
+    def __iter__(self) -> Iterator[TokenLogprobs]:
+        return iter(self._rows if self._rows is not None else self._materialize())
+
+    def _materialize(self) -> list[TokenLogprobs]:
+        assert self._arrays is not None
+        ids, values, rank_array, num_logprobs, k = self._arrays
+        id_rows, value_rows = ids.tolist(), values.tolist()
+        ranks: Iterable[Optional[int]] = (
+            itertools.repeat(None) if rank_array is None else rank_array.tolist()
+        )
+        if min(num_logprobs, default=0) == k:  # every row asks for the same top k: as they are
+            rows = list(zip(id_rows, value_rows, ranks))
+        else:  # rows asking for fewer than k keep their first ones (ranked over all k first)
+            rows = [
+                (row[0][: count + 1], row[1][: count + 1], chosen_rank(row))
+                for row, count in zip(zip(id_rows, value_rows, ranks), num_logprobs)
+            ]
+        self._rows, self._arrays = rows, None
+        return rows
 
 
 def chosen_rank(row: TokenLogprobs) -> int:
@@ -89,7 +128,7 @@ def top_k(
     array = logprobs.numpy()
     rows = np.arange(num_rows)[:, None]
     if k == 0:
-        ids = chosen_ids.reshape(num_rows, 1)
+        ids = np.array(chosen_ids, dtype=np.int64).reshape(num_rows, 1)
         return ids, array[rows, ids]
     if k > MAX_ARGMAX_K or k >= vocab_size:
         top_values, top_ids = logprobs.topk(k, dim=-1)

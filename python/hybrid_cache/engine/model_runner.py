@@ -302,13 +302,14 @@ class ModelRunner:
         counts = list(map(_NUM_SAMPLE_LOGPROBS, sampling))
         if None not in counts:  # every row: no gathers, one C-level append per request
             entries = token_logprobs(logits, sampled, counts)
-            deque(map(list.append, map(_SAMPLE_LOGPROBS, sampling), entries), maxlen=0)
+            references = zip(itertools.repeat(entries), range(len(counts)))
+            deque(map(list.append, map(_SAMPLE_LOGPROBS, sampling), references), maxlen=0)
         else:
             rows = [row for row, count in enumerate(counts) if count is not None]
             if rows:
                 entries = token_logprobs(logits[rows], sampled[rows], [counts[row] for row in rows])
-                for row, entry in zip(rows, entries):
-                    sampling[row].append_sample_logprobs(entry)
+                for index, row in enumerate(rows):
+                    sampling[row].append_sample_logprobs(entries, index)
         return dict(zip(request_ids, sampled.tolist()))
 
     def _record_prompt_logprobs(

@@ -10,7 +10,7 @@ from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from hybrid_cache.engine.logprobs import TokenLogprobs
+    from hybrid_cache.engine.logprobs import LogprobRows, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -106,7 +106,8 @@ class Request:
         self.num_sample_logprobs: Optional[int] = (
             0 if track_logprobs and sampling_params.logprobs is None else sampling_params.logprobs
         )
-        self.sample_logprobs: list[TokenLogprobs] = []
+        # Per sampled token: its row of a step's logprobs (`LogprobRows`, index).
+        self.sample_logprobs: list[tuple[LogprobRows, int]] = []
         # The sum of the sampled tokens' logprobs over the first `_num_summed` rows (summed
         # when read, in order: the same float as a running sum).
         self._cumulative_logprob: float = 0.0
@@ -165,19 +166,25 @@ class Request:
             return FinishReason.LENGTH
         return None
 
-    def append_sample_logprobs(self, entry: TokenLogprobs) -> None:
-        """Records the logprobs of the token sampled this step (before it is appended); the
-        runner appends to `sample_logprobs` directly for a whole batch."""
-        self.sample_logprobs.append(entry)
+    def append_sample_logprobs(self, rows: LogprobRows, index: int) -> None:
+        """Records the logprobs of the token sampled this step (before it is appended): row
+        `index` of the step's `rows`. The runner appends to `sample_logprobs` directly for a
+        whole batch."""
+        self.sample_logprobs.append((rows, index))
+
+    def sample_logprob_rows(self, start: int = 0, end: Optional[int] = None) -> list[TokenLogprobs]:
+        """The sampled tokens' logprob rows from `start` to `end` (all by default)."""
+        return [rows[index] for rows, index in self.sample_logprobs[start:end]]
 
     @property
     def cumulative_logprob(self) -> float:
         """The sum of the sampled tokens' logprobs so far."""
-        rows = self.sample_logprobs
+        entries = self.sample_logprobs
         total = self._cumulative_logprob
-        for index in range(self._num_summed, len(rows)):
+        for position in range(self._num_summed, len(entries)):
+            rows, index = entries[position]
             total += rows[index][1][0]
-        self._cumulative_logprob, self._num_summed = total, len(rows)
+        self._cumulative_logprob, self._num_summed = total, len(entries)
         return total
 
     def finish_text(self) -> None:
