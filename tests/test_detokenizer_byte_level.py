@@ -57,7 +57,9 @@ def _byte_char(byte):
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_token_bytes_give_the_stream_decoders_pieces(tokenizer, skip_special_tokens, seed, monkeypatch):
+def test_token_bytes_give_the_stream_decoders_pieces(
+    tokenizer, skip_special_tokens, seed, monkeypatch
+):
     rng = random.Random(seed)
     params = SamplingParams(skip_special_tokens=skip_special_tokens)
     prompt = tokenizer.encode("the old barn")
@@ -95,7 +97,9 @@ def test_stop_strings_match_alike_from_token_bytes(tokenizer, seed, monkeypatch)
 
 
 @pytest.mark.parametrize("byte_path", [True, False])
-def test_a_prompt_cut_inside_a_character_is_read_before_the_output(tokenizer, byte_path, monkeypatch):
+def test_a_prompt_cut_inside_a_character_is_read_before_the_output(
+    tokenizer, byte_path, monkeypatch
+):
     # "é" is two byte tokens here; the prompt ends after the first. The output reads after
     # the prompt's text, as a full decode reads it (a stream primed on the whole prompt once
     # handed the prompt's text out with the first output token).
@@ -133,7 +137,9 @@ def test_the_vocabulary_is_built_once_and_only_for_a_byte_level_decoder(tokenize
     assert first is byte_level_vocab(tokenizer, tokenizer.backend_tokenizer, True)
     assert first.texts[len(tokenizer) + 5] == ""  # past the vocabulary: nothing
     assert first.texts[tokenizer.eos_token_id] == ""  # skipped
-    eos = byte_level_vocab(tokenizer, tokenizer.backend_tokenizer, False).texts[tokenizer.eos_token_id]
+    eos = byte_level_vocab(tokenizer, tokenizer.backend_tokenizer, False).texts[
+        tokenizer.eos_token_id
+    ]
     assert eos == "</s>"
     metaspace = metaspace_bpe()
     assert byte_level_vocab(metaspace, metaspace.backend_tokenizer, True) is None

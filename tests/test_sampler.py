@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 import torch
+from hybrid_cache.engine import logprobs as logprobs_module
 from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.errors import InvalidSamplingParamsError
-from hybrid_cache.engine import logprobs as logprobs_module
 from hybrid_cache.engine.logprobs import chosen_rank, token_logprobs
 from hybrid_cache.engine.penalties import apply_min_p, apply_penalties
 from hybrid_cache.engine.request import FinishReason, Request
@@ -312,7 +312,9 @@ def test_top_k_takes_argmax_passes_only_where_they_are_exact(in_place, monkeypat
     calls = []
     real_topk = torch.Tensor.topk
     monkeypatch.setattr(
-        torch.Tensor, "topk", lambda self, *a, **kw: calls.append(len(self)) or real_topk(self, *a, **kw)
+        torch.Tensor,
+        "topk",
+        lambda self, *a, **kw: calls.append(len(self)) or real_topk(self, *a, **kw),
     )
     chosen = np.array([0, 1, 2, 3, 4])
     ids, values = logprobs_module.top_k(logprobs, 4, chosen)

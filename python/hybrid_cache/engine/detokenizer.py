@@ -40,7 +40,6 @@ NO_TEXTS = TokenTexts({}, size=1 << 62)
 class IncrementalDetokenizer:
     """The text of one request's output tokens, decoded a few tokens at a time."""
 
-
     def __init__(
         self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:

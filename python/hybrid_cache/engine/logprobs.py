@@ -113,9 +113,7 @@ def chosen_rank(row: TokenLogprobs) -> int:
     return sum(value >= chosen for value in values[1:])
 
 
-def top_k(
-    logprobs: torch.Tensor, k: int, chosen_ids: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+def top_k(logprobs: torch.Tensor, k: int, chosen_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Ids and values [rows, 1 + k] of each row's chosen token (`chosen_ids`) and then its k
     largest, descending, from CPU `logprobs` [rows, vocab].
 
