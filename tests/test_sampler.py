@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 from hybrid_cache.engine import logprobs as logprobs_module
+from hybrid_cache.engine import model_runner
 from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.errors import InvalidSamplingParamsError
+from hybrid_cache.engine.llm import LLM
 from hybrid_cache.engine.logprobs import chosen_rank, token_logprobs
 from hybrid_cache.engine.penalties import apply_min_p, apply_penalties
 from hybrid_cache.engine.request import FinishReason, Request
@@ -518,3 +520,30 @@ def test_a_stop_token_is_left_out_of_the_text_unless_asked(stop):
         assert request.stop_reason == reason and request.output_token_ids == output
         request.finish_text()
         assert request.output_text == expected
+
+
+@pytest.mark.parametrize("held_steps", [1, 4])
+def test_logprob_rows_read_late_equal_rows_read_every_step(held_steps, monkeypatch):
+    """A step's rows stay arrays until read; requests take theirs out every few steps, so a
+    long request holds no step's rows for long, and its rows equal those read at once."""
+
+    def run(steps_held):
+        monkeypatch.setattr(model_runner, "LOGPROB_ROWS_HELD_STEPS", steps_held)
+        llm = LLM("tiny-llama", load_format="dummy", kv_cache_memory="16MiB", seed=0)
+        engine = llm.engine
+        long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=3)
+        short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=1)
+        engine.add_request("long", list(range(3, 40)), long)
+        for index in range(4):
+            engine.add_request(f"short{index}", list(range(5 + index, 20)), short)
+        request = next(r for r in engine.scheduler.waiting if r.request_id == "long")
+        most_held = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            most_held = max(most_held, len(request.logprob_refs))
+        assert most_held <= steps_held
+        return request.sample_logprob_rows(), request.cumulative_logprob
+
+    rows, cumulative = run(held_steps)
+    assert len(rows) == 40 and all(len(row[0]) == 4 for row in rows)
+    assert (rows, cumulative) == run(1)

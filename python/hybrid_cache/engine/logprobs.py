@@ -29,6 +29,8 @@ TokenLogprobs = tuple[list[int], list[float], Optional[int]]
 MAX_ARGMAX_K = 20
 # Logprobs up to this size are copied for the argmax passes; larger ones are masked in place.
 MAX_COPY_BYTES = 1 << 20
+# Steps after which the runner has requests take their rows out of the steps' `LogprobRows`.
+LOGPROB_ROWS_HELD_STEPS = 16
 
 
 def token_logprobs(

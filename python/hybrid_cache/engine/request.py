@@ -106,8 +106,11 @@ class Request:
         self.num_sample_logprobs: Optional[int] = (
             0 if track_logprobs and sampling_params.logprobs is None else sampling_params.logprobs
         )
-        # Per sampled token: its row of a step's logprobs (`LogprobRows`, index).
-        self.sample_logprobs: list[tuple[LogprobRows, int]] = []
+        # Per sampled token its logprob row: resolved, then the newest as references to a
+        # row of a step's `LogprobRows` (resolved when read, and by the runner every few
+        # steps, so that a request holds no step's rows for long).
+        self.sample_logprobs: list[TokenLogprobs] = []
+        self.logprob_refs: list[tuple[LogprobRows, int]] = []
         # The sum of the sampled tokens' logprobs over the first `_num_summed` rows (summed
         # when read, in order: the same float as a running sum).
         self._cumulative_logprob: float = 0.0
@@ -168,23 +171,31 @@ class Request:
 
     def append_sample_logprobs(self, rows: LogprobRows, index: int) -> None:
         """Records the logprobs of the token sampled this step (before it is appended): row
-        `index` of the step's `rows`. The runner appends to `sample_logprobs` directly for a
+        `index` of the step's `rows`. The runner appends to `logprob_refs` directly for a
         whole batch."""
-        self.sample_logprobs.append((rows, index))
+        self.logprob_refs.append((rows, index))
+
+    def resolve_sample_logprobs(self) -> None:
+        """Moves the referenced rows into `sample_logprobs` (their steps' rows are read)."""
+        refs = self.logprob_refs
+        if refs:
+            self.sample_logprobs.extend([rows[index] for rows, index in refs])
+            refs.clear()
 
     def sample_logprob_rows(self, start: int = 0, end: Optional[int] = None) -> list[TokenLogprobs]:
         """The sampled tokens' logprob rows from `start` to `end` (all by default)."""
-        return [rows[index] for rows, index in self.sample_logprobs[start:end]]
+        self.resolve_sample_logprobs()
+        return self.sample_logprobs[start:end]
 
     @property
     def cumulative_logprob(self) -> float:
         """The sum of the sampled tokens' logprobs so far."""
-        entries = self.sample_logprobs
+        self.resolve_sample_logprobs()
+        rows = self.sample_logprobs
         total = self._cumulative_logprob
-        for position in range(self._num_summed, len(entries)):
-            rows, index = entries[position]
+        for index in range(self._num_summed, len(rows)):
             total += rows[index][1][0]
-        self._cumulative_logprob, self._num_summed = total, len(entries)
+        self._cumulative_logprob, self._num_summed = total, len(rows)
         return total
 
     def finish_text(self) -> None:
