@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from hybrid_cache.engine import logprobs as logprobs_module
-from hybrid_cache.engine import model_runner
 from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.errors import InvalidSamplingParamsError
 from hybrid_cache.engine.llm import LLM
@@ -522,13 +521,11 @@ def test_a_stop_token_is_left_out_of_the_text_unless_asked(stop):
         assert request.output_text == expected
 
 
-@pytest.mark.parametrize("held_steps", [1, 4])
-def test_logprob_rows_read_late_equal_rows_read_every_step(held_steps, monkeypatch):
-    """A step's rows stay arrays until read; requests take theirs out every few steps, so a
-    long request holds no step's rows for long, and its rows equal those read at once."""
+def test_logprob_rows_read_late_equal_rows_read_every_step():
+    """A step's rows stay arrays until read; a request read at the end (`LLM.generate`) gets
+    the rows one read after every step (streaming) gets, and takes them out of the steps'."""
 
-    def run(steps_held):
-        monkeypatch.setattr(model_runner, "LOGPROB_ROWS_HELD_STEPS", steps_held)
+    def run(read_every_step):
         llm = LLM("tiny-llama", load_format="dummy", kv_cache_memory="16MiB", seed=0)
         engine = llm.engine
         long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -537,13 +534,19 @@ def test_logprob_rows_read_late_equal_rows_read_every_step(held_steps, monkeypat
         for index in range(4):
             engine.add_request(f"short{index}", list(range(5 + index, 20)), short)
         request = next(r for r in engine.scheduler.waiting if r.request_id == "long")
-        most_held = 0
         while engine.has_unfinished_requests():
             engine.step()
-            most_held = max(most_held, len(request.logprob_refs))
-        assert most_held <= steps_held
-        return request.sample_logprob_rows(), request.cumulative_logprob
+            if read_every_step:
+                request.sample_logprob_rows()
+                assert not request.logprob_refs
+        steps = {id(rows): rows for rows, _ in request.logprob_refs}
+        assert len(request.logprob_refs) == (0 if read_every_step else 40)
+        rows = request.sample_logprob_rows()
+        assert not request.logprob_refs and len(request.sample_logprobs) == 40
+        for step_rows in steps.values():  # the long request's row is gone from each step's
+            assert step_rows[0] is None
+        return rows, request.cumulative_logprob
 
-    rows, cumulative = run(held_steps)
+    rows, cumulative = run(read_every_step=False)
     assert len(rows) == 40 and all(len(row[0]) == 4 for row in rows)
-    assert (rows, cumulative) == run(1)
+    assert (rows, cumulative) == run(read_every_step=True)

@@ -29,8 +29,6 @@ TokenLogprobs = tuple[list[int], list[float], Optional[int]]
 MAX_ARGMAX_K = 20
 # Logprobs up to this size are copied for the argmax passes; larger ones are masked in place.
 MAX_COPY_BYTES = 1 << 20
-# Steps after which the runner has requests take their rows out of the steps' `LogprobRows`.
-LOGPROB_ROWS_HELD_STEPS = 16
 
 
 def token_logprobs(
@@ -61,7 +59,8 @@ def token_logprobs(
 class LogprobRows:
     """The `TokenLogprobs` of a batch's rows, made Python lists when first read: a step's rows
     are read when its requests finish or stream, and leave the step's time (one `.tolist()`
-    per array then)."""
+    per array then). A request `take`s its row once, which leaves the batch holding only the
+    rows not taken yet."""
 
     __slots__ = ("_arrays", "_rows")
 
@@ -75,25 +74,34 @@ class LogprobRows:
             num_logprobs,
             k,
         )
-        self._rows: Optional[list[TokenLogprobs]] = None
+        self._rows: Optional[list[Optional[TokenLogprobs]]] = None
 
-    def __getitem__(self, index: int) -> TokenLogprobs:
+    def take(self, index: int) -> TokenLogprobs:
+        """Row `index`, handed over: the batch forgets it (each row is taken once)."""
+        rows = self._rows if self._rows is not None else self._materialize()
+        row = rows[index]
+        assert row is not None, f"logprob row {index} was taken already"
+        rows[index] = None
+        return row
+
+    def __getitem__(self, index: int) -> Optional[TokenLogprobs]:
         rows = self._rows
         return (rows if rows is not None else self._materialize())[index]
 
     def __len__(self) -> int:
         return len(self._rows if self._rows is not None else self._materialize())
 
-    def __iter__(self) -> Iterator[TokenLogprobs]:
+    def __iter__(self) -> Iterator[Optional[TokenLogprobs]]:
         return iter(self._rows if self._rows is not None else self._materialize())
 
-    def _materialize(self) -> list[TokenLogprobs]:
+    def _materialize(self) -> list[Optional[TokenLogprobs]]:
         assert self._arrays is not None
         ids, values, rank_array, num_logprobs, k = self._arrays
         id_rows, value_rows = ids.tolist(), values.tolist()
         ranks: Iterable[Optional[int]] = (
             itertools.repeat(None) if rank_array is None else rank_array.tolist()
         )
+        rows: list[Optional[TokenLogprobs]]
         if min(num_logprobs, default=0) == k:  # every row asks for the same top k: as they are
             rows = list(zip(id_rows, value_rows, ranks))
         else:  # rows asking for fewer than k keep their first ones (ranked over all k first)

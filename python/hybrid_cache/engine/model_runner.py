@@ -46,7 +46,7 @@ from hybrid_cache.attention.selector import (
 )
 from hybrid_cache.engine import host_memory
 from hybrid_cache.engine.kv_cache import KVCacheManager
-from hybrid_cache.engine.logprobs import LOGPROB_ROWS_HELD_STEPS, token_logprobs
+from hybrid_cache.engine.logprobs import token_logprobs
 from hybrid_cache.engine.parallel.step_inputs import (
     PROMPT_LOGPROBS_CHUNK,
     StepInputs,
@@ -192,7 +192,6 @@ class ModelRunner:
             index for index, group in enumerate(kv_cache.groups) if group.kind == "full"
         )
         self.may_replay: bool = kv_cache.tail_replay_tokens is not None
-        self.num_logprob_steps: int = 0  # steps that recorded sampled tokens' logprobs
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -311,11 +310,6 @@ class ModelRunner:
                 entries = token_logprobs(logits[rows], sampled[rows], [counts[row] for row in rows])
                 for index, row in enumerate(rows):
                     sampling[row].append_sample_logprobs(entries, index)
-        self.num_logprob_steps += 1
-        if self.num_logprob_steps % LOGPROB_ROWS_HELD_STEPS == 0:
-            # Each request takes its rows out of the steps' arrays (one `.tolist()` per step
-            # then), so that no step's rows are held for the whole of a long request.
-            deque(map(Request.resolve_sample_logprobs, sampling), maxlen=0)
         return dict(zip(request_ids, sampled.tolist()))
 
     def _record_prompt_logprobs(

@@ -106,9 +106,8 @@ class Request:
         self.num_sample_logprobs: Optional[int] = (
             0 if track_logprobs and sampling_params.logprobs is None else sampling_params.logprobs
         )
-        # Per sampled token its logprob row: resolved, then the newest as references to a
-        # row of a step's `LogprobRows` (resolved when read, and by the runner every few
-        # steps, so that a request holds no step's rows for long).
+        # Per sampled token its logprob row: those read, then the others as references to a
+        # row of a step's `LogprobRows` (taken out of it when read).
         self.sample_logprobs: list[TokenLogprobs] = []
         self.logprob_refs: list[tuple[LogprobRows, int]] = []
         # The sum of the sampled tokens' logprobs over the first `_num_summed` rows (summed
@@ -176,10 +175,10 @@ class Request:
         self.logprob_refs.append((rows, index))
 
     def resolve_sample_logprobs(self) -> None:
-        """Moves the referenced rows into `sample_logprobs` (their steps' rows are read)."""
+        """Takes the referenced rows out of their steps' rows into `sample_logprobs`."""
         refs = self.logprob_refs
         if refs:
-            self.sample_logprobs.extend([rows[index] for rows, index in refs])
+            self.sample_logprobs.extend([rows.take(index) for rows, index in refs])
             refs.clear()
 
     def sample_logprob_rows(self, start: int = 0, end: Optional[int] = None) -> list[TokenLogprobs]:
