@@ -11,6 +11,7 @@ the engine: scheduling, batch metadata, sampling, token bookkeeping, step figure
     PYTHONPATH=/other/checkout/python python scripts/profile_engine_step.py   # A/B a copy
     python scripts/profile_engine_step.py --profile 30     # cProfile, top 30 by cumulative time
     python scripts/profile_engine_step.py --real-forward   # the real model; step minus model time
+    python scripts/profile_engine_step.py --tokenizer /tmp/tok --stop @@never --logprobs 5
 
 With `--real-forward` the model runs and the figure is the step's time outside the model's
 forward and LM head (as `hybrid-cache bench` measures it): higher than the zero-forward figure,
@@ -24,6 +25,8 @@ import cProfile
 import pstats
 import statistics
 import time
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 from hybrid_cache.bench.engine_run import ForwardTimer, LogitsTimer
@@ -33,13 +36,30 @@ from hybrid_cache.engine.sampling_params import SamplingParams
 PROMPT_LEN = 512
 
 
-def decoding_llm(num_requests: int, model: str = "tiny-llama", zero: bool = True) -> LLM:
+def decoding_llm(
+    num_requests: int,
+    model: str = "tiny-llama",
+    zero: bool = True,
+    tokenizer: Optional[str] = None,
+    stop: Sequence[str] = (),
+    logprobs: Optional[int] = None,
+) -> LLM:
     """An LLM whose `num_requests` requests are all decoding, with a zero forward unless
-    `zero` is False."""
-    llm = LLM(model, load_format="dummy", kv_cache_memory="128MiB", max_model_len=1024, seed=0)
+    `zero` is False; each request checks `stop` and asks for `logprobs` (these need
+    `tokenizer`, a tokenizer folder, for text)."""
+    llm = LLM(
+        model,
+        load_format="dummy",
+        kv_cache_memory="128MiB",
+        max_model_len=1024,
+        seed=0,
+        tokenizer=tokenizer,
+    )
     generator = torch.Generator().manual_seed(0)
     vocab_size = llm.engine.vocab_size
-    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=300, temperature=0.0, ignore_eos=True, stop=list(stop), logprobs=logprobs
+    )
     for index in range(num_requests):
         prompt = torch.randint(0, vocab_size, (PROMPT_LEN,), generator=generator).tolist()
         llm.engine.add_request(str(index), prompt, params)
@@ -70,11 +90,15 @@ def main() -> None:
     parser.add_argument(
         "--real-forward", action="store_true", help="run the model; time the step outside it"
     )
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (for --stop)")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeat)")
+    parser.add_argument("--logprobs", type=int, default=None, help="top logprobs per token")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    options = dict(tokenizer=args.tokenizer, stop=args.stop, logprobs=args.logprobs)
 
     if args.profile:
-        llm = decoding_llm(args.requests, args.model, zero=not args.real_forward)
+        llm = decoding_llm(args.requests, args.model, zero=not args.real_forward, **options)
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(args.steps):
@@ -88,7 +112,7 @@ def main() -> None:
     mean_step_ms = []
     clock = time.perf_counter
     for _ in range(args.repeats):
-        llm = decoding_llm(args.requests, args.model, zero=not args.real_forward)
+        llm = decoding_llm(args.requests, args.model, zero=not args.real_forward, **options)
         step = llm.engine.step
         for _ in range(5):  # warm-up
             step()

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
+from hybrid_cache.engine import logprobs as logprobs_module
 from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.errors import InvalidSamplingParamsError
-from hybrid_cache.engine.logprobs import token_logprobs
+from hybrid_cache.engine.llm import LLM
+from hybrid_cache.engine.logprobs import chosen_rank, token_logprobs
 from hybrid_cache.engine.penalties import apply_min_p, apply_penalties
 from hybrid_cache.engine.request import FinishReason, Request
 from hybrid_cache.engine.sampler import Sampler, apply_top_k_top_p
@@ -246,12 +249,98 @@ def test_token_logprobs_are_the_log_softmax_with_ranks():
     chosen = torch.tensor([3, logits[1].argmax().item()])
     rows = token_logprobs(logits, chosen, [2, 0])
     reference = logits.log_softmax(dim=-1)
-    ids, values, ranks = rows[0]
+    ids, values, rank = rows[0]
     top = reference[0].topk(2)
-    assert ids == [3, *top.indices.tolist()] and ranks[1:] == [1, 2]
+    assert ids == [3, *top.indices.tolist()]
     assert values == pytest.approx([reference[0, 3].item(), *top.values.tolist()], abs=1e-6)
-    assert ranks[0] == int((reference[0] >= reference[0, 3]).sum())
-    assert rows[1] == ([chosen[1].item()], [pytest.approx(reference[1].max().item())], [1])
+    assert rank == int((reference[0] >= reference[0, 3]).sum())
+    assert rows[1] == ([chosen[1].item()], [pytest.approx(reference[1].max().item())], 1)
+
+
+def whole_row_logprobs(logits, chosen, counts):
+    """`token_logprobs` the slow way: one row at a time with torch's top k, each rank counted
+    over the whole row."""
+    reference = logits.float().log_softmax(dim=-1)
+    rows = []
+    for row, count in enumerate(counts):
+        value = reference[row, chosen[row]]
+        top = reference[row].topk(count)
+        rows.append(
+            (
+                [int(chosen[row]), *top.indices.tolist()],
+                [value.item(), *top.values.tolist()],
+                int((reference[row] >= value).sum()),
+            )
+        )
+    return rows
+
+
+@pytest.mark.parametrize("counts", [[5, 5, 5, 5, 5, 5], [5, 0, 2, 5, 1, 3], [0] * 6, [20] * 6])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_token_logprobs_of_a_batch_are_each_rows_own(counts, in_place, monkeypatch):
+    """The batched rows (top k from argmax passes, ranks counted over the top k when they can
+    be) equal each row's own from torch's top k, ranked over the whole row: greedy tokens,
+    tokens outside the top k, ties, -inf and NaN, the logprobs copied or masked in place."""
+    if in_place:
+        monkeypatch.setattr(logprobs_module, "MAX_COPY_BYTES", 0)
+    torch.manual_seed(7)
+    logits = torch.randn(6, 40)
+    logits[2, :8] = logits[2].max() + 1  # eight tokens tie for first place
+    logits[3, 5:] = float("-inf")
+    logits[4, 9] = float("nan")
+    chosen = torch.tensor(
+        [logits[0].argmax().item(), logits[1].argmin().item(), 4, 20, 9, logits[5].argmax()]
+    )
+    clean = torch.randn(6, 40)  # every row's top k + 1 distinct: the argmax passes alone
+    cases = [(logits, chosen), (logits, logits.argmax(dim=-1)), (clean, clean.argmax(dim=-1))]
+    for rows, batch in cases:
+        got = [(*row[:2], chosen_rank(row)) for row in token_logprobs(rows, batch, counts)]
+        want = whole_row_logprobs(rows, batch, counts)
+        assert repr(got) == repr(want)  # the same floats (repr: NaN equals itself)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_top_k_takes_argmax_passes_only_where_they_are_exact(in_place, monkeypatch):
+    if in_place:
+        monkeypatch.setattr(logprobs_module, "MAX_COPY_BYTES", 0)
+    torch.manual_seed(11)
+    logprobs = torch.randn(5, 64).log_softmax(dim=-1)
+    logprobs[1, [3, 9]] = logprobs[1].max() + 0.5  # a tie inside the top k: torch's order
+    logprobs[2, :] = float("-inf")
+    logprobs[2, 7] = 0.0  # one finite value
+    logprobs[3, 30] = float("nan")
+    before = logprobs.clone()
+    calls = []
+    real_topk = torch.Tensor.topk
+    monkeypatch.setattr(
+        torch.Tensor,
+        "topk",
+        lambda self, *a, **kw: calls.append(len(self)) or real_topk(self, *a, **kw),
+    )
+    chosen = np.array([0, 1, 2, 3, 4])
+    ids, values = logprobs_module.top_k(logprobs, 4, chosen)
+    monkeypatch.undo()
+    want_values, want_ids = logprobs.topk(4, dim=-1)
+    assert ids[:, 0].tolist() == chosen.tolist() and ids[:, 1:].tolist() == want_ids.tolist()
+    assert repr(values[:, 0].tolist()) == repr(logprobs[range(5), chosen].tolist())
+    assert repr(values[:, 1:].tolist()) == repr(want_values.tolist())
+    assert calls == [3]  # one torch top k, over the three rows the passes cannot settle
+    assert torch.equal(logprobs.nan_to_num(), before.nan_to_num())  # left as it was
+
+
+def test_a_rank_left_to_chosen_rank_is_counted_over_the_top_k():
+    torch.manual_seed(3)
+    logits = torch.randn(4, 30)
+    reference = logits.log_softmax(dim=-1)
+    third = reference.topk(3, dim=-1).indices[:, 2]
+    rows = token_logprobs(logits, third, [5] * 4)  # each row's third: above the fifth
+    assert [row[2] for row in rows] == [None] * 4 and list(map(chosen_rank, rows)) == [3] * 4
+    last = reference.argmin(dim=-1)
+    rows = token_logprobs(logits, torch.cat([third[:2], last[2:]]), [5] * 4)
+    assert [row[2] for row in rows] == [3, 3, 30, 30]  # one row below the fifth: all counted
+    assert list(map(chosen_rank, rows)) == [3, 3, 30, 30]
+    rows = token_logprobs(logits, third, [1, 5, 0, 2])  # fewer asked: ranked before the cut
+    assert list(map(chosen_rank, rows)) == [3] * 4 and [len(row[0]) for row in rows] == [2, 6, 1, 3]
 
 
 @pytest.mark.parametrize(
@@ -333,12 +422,16 @@ def test_incremental_text_equals_the_full_decode_and_reads_a_small_window(make):
 
 @pytest.mark.parametrize("make", [byte_level_bpe, metaspace_bpe])
 def test_streamed_text_equals_the_full_decode(make):
-    # A fast tokenizer decodes through `tokenizers`' stream decoder, not the window decodes.
+    # A fast tokenizer decodes through `tokenizers`' stream decoder, not the window decodes; a
+    # byte-level one from its token bytes (tests/test_detokenizer_byte_level.py).
     tokenizer = make()
     prompt = tokenizer.encode("the old barn")
     output = tokenizer.encode(" héllo wörld, naïve café — the quick brown fox")
     detokenizer = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
-    assert detokenizer.stream is not None
+    if make is byte_level_bpe:
+        assert detokenizer.vocab is not None and detokenizer.stream is None
+    else:
+        assert detokenizer.vocab is None and detokenizer.stream is not None
     for token in output:
         detokenizer.add_tokens([token])
     detokenizer.add_tokens([], final=True)
@@ -426,3 +519,34 @@ def test_a_stop_token_is_left_out_of_the_text_unless_asked(stop):
         assert request.stop_reason == reason and request.output_token_ids == output
         request.finish_text()
         assert request.output_text == expected
+
+
+def test_logprob_rows_read_late_equal_rows_read_every_step():
+    """A step's rows stay arrays until read; a request read at the end (`LLM.generate`) gets
+    the rows one read after every step (streaming) gets, and takes them out of the steps'."""
+
+    def run(read_every_step):
+        llm = LLM("tiny-llama", load_format="dummy", kv_cache_memory="16MiB", seed=0)
+        engine = llm.engine
+        long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=3)
+        short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=1)
+        engine.add_request("long", list(range(3, 40)), long)
+        for index in range(4):
+            engine.add_request(f"short{index}", list(range(5 + index, 20)), short)
+        request = next(r for r in engine.scheduler.waiting if r.request_id == "long")
+        while engine.has_unfinished_requests():
+            engine.step()
+            if read_every_step:
+                request.sample_logprob_rows()
+                assert not request.logprob_refs
+        steps = {id(rows): rows for rows, _ in request.logprob_refs}
+        assert len(request.logprob_refs) == (0 if read_every_step else 40)
+        rows = request.sample_logprob_rows()
+        assert not request.logprob_refs and len(request.sample_logprobs) == 40
+        for step_rows in steps.values():  # the long request's row is gone from each step's
+            assert step_rows[0] is None
+        return rows, request.cumulative_logprob
+
+    rows, cumulative = run(read_every_step=False)
+    assert len(rows) == 40 and all(len(row[0]) == 4 for row in rows)
+    assert (rows, cumulative) == run(read_every_step=True)

@@ -7,8 +7,15 @@ whole output again. The window starts on the last prompt tokens, so the first ou
 read as the prompt's continuation. A window whose text ends in an incomplete character
 (U+FFFD) waits for the next token.
 
+With a fast tokenizer, `tokenizers`' stream decoder replaces the window decodes; with a
+byte-level one (GPT-2, Llama-3, Qwen style) each token's bytes and text come from a table
+built once per tokenizer (`byte_level.py`) and the text is decoded in Python: a token of whole
+characters adds its text, the others' bytes wait until they decode to text that does not end
+in U+FFFD (as the stream decoder does), with no call into the tokenizer.
+
 Stop strings are looked for in the text each new token adds plus the `len(stop) - 1`
-characters before it.
+characters before it, and only when the new text holds the last character of some stop string
+(a stop string cannot end in text without its last character).
 """
 
 from __future__ import annotations
@@ -16,11 +23,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from hybrid_cache.engine.byte_level import (
+    REPLACEMENT_CHAR,
+    ByteLevelVocab,
+    TokenTexts,
+    byte_level_vocab,
+)
 from hybrid_cache.engine.sampling_params import SamplingParams
 
 # Prompt tokens the first window starts on (as vLLM's detokenizer).
 PROMPT_CONTEXT_TOKENS = 5
-REPLACEMENT_CHAR = "\ufffd"
+# Without a byte-level vocabulary no token's text is known ahead (every id: None).
+NO_TEXTS = TokenTexts({}, size=1 << 62)
 
 
 class IncrementalDetokenizer:
@@ -44,14 +58,26 @@ class IncrementalDetokenizer:
         self.read_offset: int = len(context)
         self.pieces: list[str] = []
         self.num_chars: int = 0
-        # The last `max(len(stop)) - 1` characters: where a stop string may start.
+        # How many characters before the new text a stop string may start in.
         self.tail_chars: int = max(map(len, self.stop), default=1) - 1
-        self.tail: str = ""
+        # The stop strings' last characters: new text without any completes none.
+        self.stop_ends: frozenset[str] = frozenset(stop[-1] for stop in self.stop)
         self.truncate_at: Optional[int] = None  # where a matched stop string cuts the text
-        # With a fast tokenizer, `tokenizers`' own stream decoder (one call of about half a
-        # microsecond per token, primed with the context) replaces the two window decodes.
-        self.stream: Optional[Any] = _decode_stream(self.backend, context, self.skip_special_tokens)
-        self.num_unflushed: int = 0  # tokens the stream holds back (a character in pieces)
+        # A byte-level tokenizer's token bytes and texts (no stream decoder then), else, with
+        # a fast tokenizer, `tokenizers`' own stream decoder primed with the context (one
+        # call of about half a microsecond per token) in place of the two window decodes.
+        self.vocab: Optional[ByteLevelVocab] = byte_level_vocab(
+            tokenizer, self.backend, self.skip_special_tokens
+        )
+        self.texts: dict[int, Optional[str]] = NO_TEXTS if self.vocab is None else self.vocab.texts
+        self.pending: bytes = b""  # the bytes of the tokens held back (byte-level)
+        self.stream: Optional[Any] = (
+            None
+            if self.vocab is not None
+            else _decode_stream(self.backend, context, self.skip_special_tokens)
+        )
+        self.streamed: bool = self.vocab is not None or self.stream is not None
+        self.num_unflushed: int = 0  # tokens held back (a character in pieces)
 
     @property
     def num_output_tokens(self) -> int:
@@ -68,7 +94,7 @@ class IncrementalDetokenizer:
         it waits for more). `final`: the output ends here, an incomplete character is kept
         (as U+FFFD, as a full decode shows it)."""
         self.token_ids.extend(token_ids)
-        if self.stream is not None:
+        if self.streamed:
             return self._add_streamed(token_ids, final)
         if self.read_offset == len(self.token_ids):
             return ""
@@ -85,8 +111,11 @@ class IncrementalDetokenizer:
 
     def _add_streamed(self, token_ids: Sequence[int], final: bool) -> str:
         chunks = []
+        texts = self.texts
         for token_id in token_ids:
-            chunk = self.stream.step(self.backend, token_id)
+            chunk = None if self.num_unflushed else texts[token_id]
+            if chunk is None:
+                chunk = self._step(token_id)
             if chunk is None:
                 self.num_unflushed += 1
             else:
@@ -96,6 +125,7 @@ class IncrementalDetokenizer:
             # An incomplete character at the very end: as a full decode shows it.
             chunks.append(self._decode(self.token_ids[-self.num_unflushed :]))
             self.num_unflushed = 0
+            self.pending = b""
         delta = "".join(chunks)
         if delta:
             self.pieces.append(delta)
@@ -105,15 +135,46 @@ class IncrementalDetokenizer:
     def add_token_and_match(self, token_id: int, check_stop: bool) -> Optional[str]:
         """Adds one token; returns the stop string its text completes, if any (only looked
         for when `check_stop`). A match cuts the text before the stop string, or after it
-        with `include_stop_str_in_output`."""
-        delta = self.add_tokens((token_id,))
-        if not delta:
+        with `include_stop_str_in_output`. Called once per token: the streamed case is
+        inlined (`_add_streamed` for one token), and the search runs only when the new text
+        holds a stop string's end."""
+        if not self.streamed:
+            delta = self.add_tokens((token_id,))
+        else:
+            self.token_ids.append(token_id)
+            delta = None if self.num_unflushed else self.texts[token_id]
+            if delta is None:
+                delta = self._step(token_id)
+                if delta is None:
+                    self.num_unflushed += 1
+                    return None
+                self.num_unflushed = 0
+            if delta:
+                self.pieces.append(delta)
+                self.num_chars += len(delta)
+        if not delta or not check_stop or self.stop_ends.isdisjoint(delta):
             return None
-        window = self.tail + delta
+        return self._match(delta)
+
+    def _step(self, token_id: int) -> Optional[str]:
+        """One token through the stream decoder, or its bytes after the held-back ones
+        (byte-level): the text they complete, None while it ends in U+FFFD or is empty."""
+        if self.vocab is None:
+            return self.stream.step(self.backend, token_id)
+        pending = self.pending + self.vocab.bytes_of(token_id)
+        text = pending.decode("utf-8", "replace")
+        if not text or text.endswith(REPLACEMENT_CHAR):
+            self.pending = pending
+            return None
+        self.pending = b""
+        return text
+
+    def _match(self, delta: str) -> Optional[str]:
+        """The first stop string (in the params' order) that ends in `delta`, the text just
+        added (the last of `pieces`); sets `truncate_at` on a match."""
+        tail = self._text_before_last(self.tail_chars)
+        window = tail + delta
         start = self.num_chars - len(window)  # the window's first character in the text
-        self.tail = window[-self.tail_chars :] if self.tail_chars else ""
-        if not check_stop:
-            return None
         for stop in self.stop:
             # A match must end in the new text: earlier ones were looked for before.
             index = window.find(stop, max(0, len(window) - len(delta) - len(stop) + 1))
@@ -122,6 +183,21 @@ class IncrementalDetokenizer:
                 self.truncate_at = end
                 return stop
         return None
+
+    def _text_before_last(self, num_chars: int) -> str:
+        """The last `num_chars` characters of the text before the last piece (fewer at the
+        start of the text)."""
+        if num_chars == 0:
+            return ""
+        parts: list[str] = []
+        count = 0
+        pieces = self.pieces
+        for index in range(len(pieces) - 2, -1, -1):
+            parts.append(pieces[index])
+            count += len(pieces[index])
+            if count >= num_chars:
+                break
+        return "".join(reversed(parts))[-num_chars:]
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.backend is not None:
@@ -136,12 +212,24 @@ class IncrementalDetokenizer:
 
 def _decode_stream(backend: Optional[Any], context: list[int], skip_special_tokens: bool) -> Any:
     """A `tokenizers.decoders.DecodeStream` primed with `context`; None without a fast
-    tokenizer or with a `tokenizers` release that lacks it (the window decodes then)."""
+    tokenizer or with a `tokenizers` release that lacks it (the window decodes then).
+
+    A context whose text ends in an incomplete character (a prompt of ids cut inside one) is
+    primed without its last tokens up to a whole character: a stream primed on it would hand
+    the context's whole text out with the first output token. The output then reads as the
+    window decodes read it, after the prompt's text."""
     if backend is None:
         return None
     try:
         from tokenizers.decoders import DecodeStream
-
-        return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-    except (ImportError, TypeError):
+    except ImportError:
+        return None
+    end = len(context)
+    while end and backend.decode(context[:end], skip_special_tokens=skip_special_tokens).endswith(
+        REPLACEMENT_CHAR
+    ):
+        end -= 1
+    try:
+        return DecodeStream(ids=context[:end], skip_special_tokens=skip_special_tokens)
+    except TypeError:
         return None

@@ -1,60 +1,171 @@
 """Logprobs: the chosen token's and the top-k of each row of raw logits, and their output form.
 
-Rows are kept compact while a request runs (`TokenLogprobs`: token ids, logprobs, ranks, the
-chosen token first, then the top k) and turned into vLLM's form, one dict token id ->
-`Logprob(logprob, rank, decoded_token)` per position, when the request's output is built.
+Rows are kept compact while a request runs (`TokenLogprobs`: the ids and logprobs of the chosen
+token and then the top k, and the chosen token's rank) and turned into vLLM's form, one dict
+token id -> `Logprob(logprob, rank, decoded_token)` per position, when the request's output is
+built. A batch's rows stay arrays until first read (`LogprobRows`), then come from one
+`.tolist()` per array, with no per-row Python when every row asks for the same k; on the CPU
+its top k comes from numpy argmax passes when they are exact (`top_k`).
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from hybrid_cache.engine.outputs import Logprob
 
-# (token ids, logprobs, ranks) of one position: the chosen token first, then the top k.
-TokenLogprobs = tuple[list[int], list[float], list[int]]
+# One position: the ids and logprobs of the chosen token and then the top k (most likely
+# first, ranks 1..k), and the chosen token's rank, or None when the chosen token is more
+# likely than the k-th: then only top k tokens can be at least as likely (`chosen_rank`).
+TokenLogprobs = tuple[list[int], list[float], Optional[int]]
+
+# Top k this size or less come from argmax passes on the CPU (`top_k`); larger ones from torch.
+MAX_ARGMAX_K = 20
+# Logprobs up to this size are copied for the argmax passes; larger ones are masked in place.
+MAX_COPY_BYTES = 1 << 20
 
 
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: Sequence[int]
-) -> list[TokenLogprobs]:
+) -> LogprobRows:
     """Per row of `logits` [rows, vocab]: the logprob and rank of `token_ids[row]` and the
-    `num_logprobs[row]` most likely tokens, from the log_softmax of the logits as given (rank
-    1 = most likely; the chosen token's rank counts the tokens at least as likely)."""
+    `num_logprobs[row]` most likely tokens, from torch's log_softmax of the logits as given
+    (rank 1 = most likely; the chosen token's rank counts the tokens at least as likely)."""
     logprobs = logits.float().log_softmax(dim=-1)
-    chosen = logprobs.gather(1, token_ids.view(-1, 1).to(logprobs.device))
-    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
-    chosen_values = chosen.squeeze(1).tolist()
-    chosen_ids = token_ids.tolist()
-    k = max(num_logprobs, default=0)
-    top_values: list[list[float]] = []
-    top_ids: list[list[int]] = []
-    if k > 0:
-        values, indices = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-        top_values, top_ids = values.tolist(), indices.tolist()
-    if k > 0 and min(num_logprobs) == k:  # every row asks for the same top k: no slicing
-        top_ranks = list(range(1, k + 1))
-        return [
-            ([token, *ids], [value, *values], [rank, *top_ranks])
-            for token, value, rank, ids, values in zip(
-                chosen_ids, chosen_values, ranks, top_ids, top_values
-            )
-        ]
-    rows: list[TokenLogprobs] = []
-    for row, count in enumerate(num_logprobs):
-        ids = [chosen_ids[row]]
-        values_row = [chosen_values[row]]
-        ranks_row = [ranks[row]]
-        if count:
-            ids += top_ids[row][:count]
-            values_row += top_values[row][:count]
-            ranks_row += list(range(1, count + 1))
-        rows.append((ids, values_row, ranks_row))
-    return rows
+    k = min(max(num_logprobs, default=0), logprobs.shape[-1])
+    if logprobs.device.type == "cpu":
+        array = logprobs.numpy()
+        ids, values = top_k(logprobs, k, token_ids.numpy())
+    else:
+        chosen_ids = token_ids.to(logprobs.device).view(-1, 1)
+        ids, values = chosen_ids, logprobs.gather(1, chosen_ids)
+        if k:
+            top_values, top_ids = logprobs.topk(k, dim=-1)
+            ids, values = torch.cat([ids, top_ids], 1), torch.cat([values, top_values], 1)
+        array = logprobs
+    chosen = values[:, :1]
+    ranks = None  # `chosen_rank` counts over the top k
+    if not (k and bool((chosen > values[:, k:]).all())):
+        ranks = (array >= chosen).sum(-1)
+    return LogprobRows(ids, values, ranks, num_logprobs, k)
+
+
+class LogprobRows:
+    """The `TokenLogprobs` of a batch's rows, made Python lists when first read: a step's rows
+    are read when its requests finish or stream, and leave the step's time (one `.tolist()`
+    per array then). A request `take`s its row once, which leaves the batch holding only the
+    rows not taken yet."""
+
+    __slots__ = ("_arrays", "_rows")
+
+    def __init__(
+        self, ids: Any, values: Any, ranks: Any, num_logprobs: Sequence[int], k: int
+    ) -> None:
+        self._arrays: Optional[tuple[Any, Any, Any, Sequence[int], int]] = (
+            ids,
+            values,
+            ranks,
+            num_logprobs,
+            k,
+        )
+        self._rows: Optional[list[Optional[TokenLogprobs]]] = None
+
+    def take(self, index: int) -> TokenLogprobs:
+        """Row `index`, handed over: the batch forgets it (each row is taken once)."""
+        rows = self._rows if self._rows is not None else self._materialize()
+        row = rows[index]
+        assert row is not None, f"logprob row {index} was taken already"
+        rows[index] = None
+        return row
+
+    def __getitem__(self, index: int) -> Optional[TokenLogprobs]:
+        rows = self._rows
+        return (rows if rows is not None else self._materialize())[index]
+
+    def __len__(self) -> int:
+        return len(self._rows if self._rows is not None else self._materialize())
+
+    def __iter__(self) -> Iterator[Optional[TokenLogprobs]]:
+        return iter(self._rows if self._rows is not None else self._materialize())
+
+    def _materialize(self) -> list[Optional[TokenLogprobs]]:
+        assert self._arrays is not None
+        ids, values, rank_array, num_logprobs, k = self._arrays
+        id_rows, value_rows = ids.tolist(), values.tolist()
+        ranks: Iterable[Optional[int]] = (
+            itertools.repeat(None) if rank_array is None else rank_array.tolist()
+        )
+        rows: list[Optional[TokenLogprobs]]
+        if min(num_logprobs, default=0) == k:  # every row asks for the same top k: as they are
+            rows = list(zip(id_rows, value_rows, ranks))
+        else:  # rows asking for fewer than k keep their first ones (ranked over all k first)
+            rows = [
+                (row[0][: count + 1], row[1][: count + 1], chosen_rank(row))
+                for row, count in zip(zip(id_rows, value_rows, ranks), num_logprobs)
+            ]
+        self._rows, self._arrays = rows, None
+        return rows
+
+
+def chosen_rank(row: TokenLogprobs) -> int:
+    """The chosen token's rank in `row`: as recorded, or (None) how many of the top k are at
+    least as likely (the chosen token is above the k-th, so no other token can be)."""
+    ids, values, rank = row
+    if rank is not None:
+        return rank
+    chosen = values[0]
+    return sum(value >= chosen for value in values[1:])
+
+
+def top_k(logprobs: torch.Tensor, k: int, chosen_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and values [rows, 1 + k] of each row's chosen token (`chosen_ids`) and then its k
+    largest, descending, from CPU `logprobs` [rows, vocab].
+
+    The k largest come from k + 1 numpy argmax passes (each masks the token it found) where a
+    row's top k + 1 are strictly decreasing: then the top k is the only one there is and
+    equals `torch.topk`'s. The other rows (ties, NaN, fewer than k + 1 finite values) take
+    `torch.topk`, whose order among equal values is its own. On one thread torch's top k is
+    several times slower than the passes."""
+    num_rows, vocab_size = logprobs.shape
+    array = logprobs.numpy()
+    rows = np.arange(num_rows)[:, None]
+    if k == 0:
+        ids = np.array(chosen_ids, dtype=np.int64).reshape(num_rows, 1)
+        return ids, array[rows, ids]
+    if k > MAX_ARGMAX_K or k >= vocab_size:
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+        ids = np.concatenate([chosen_ids.reshape(num_rows, 1), top_ids.numpy()], axis=1)
+        return ids, array[rows, ids]
+    ids = np.empty((num_rows, k + 2), dtype=np.int64)
+    ids[:, 0] = chosen_ids
+    column = rows[:, 0]
+    if array.nbytes <= MAX_COPY_BYTES:
+        work = array.copy()
+        for index in range(1, k + 2):
+            best = ids[:, index] = work.argmax(axis=1)
+            work[column, best] = -np.inf
+    else:  # masked in place, then put back (the first found last: a row may repeat an id)
+        masked = []
+        for index in range(1, k + 2):
+            best = ids[:, index] = array.argmax(axis=1)
+            masked.append(array[column, best])
+            array[column, best] = -np.inf
+        for index in range(k + 1, 0, -1):
+            array[column, ids[:, index]] = masked[index - 1]
+    values = array[rows, ids]
+    decreasing = values[:, 1:-1] > values[:, 2:]
+    ids, values = ids[:, :-1], values[:, :-1]
+    if not decreasing.all():
+        others = np.flatnonzero(~decreasing.all(axis=1))
+        other_values, other_ids = logprobs[torch.from_numpy(others)].topk(k, dim=-1)
+        ids[others, 1:], values[others, 1:] = other_ids.numpy(), other_values.numpy()
+    return ids, values
 
 
 # Each token's own text, per tokenizer, decoded once (forgotten with the tokenizer).
@@ -71,14 +182,16 @@ def logprob_dicts(
     texts: dict[int, str] = {}
     if tokenizer is not None:
         texts = _token_texts.setdefault(tokenizer, {})
-        unique = sorted({token for ids, _, _ in rows for token in ids} - texts.keys())
+        unique = sorted(set().union(*(row[0] for row in rows)) - texts.keys())
         if unique:
             texts.update(zip(unique, tokenizer.batch_decode([[token] for token in unique])))
     result = []
-    for ids, values, ranks in rows:
-        position: dict[int, Logprob] = {}
-        for token, value, rank in zip(ids, values, ranks):
+    for row in rows:
+        ids, values, _ = row
+        position = {ids[0]: Logprob(values[0], chosen_rank(row), texts.get(ids[0]))}
+        for rank in range(1, len(ids)):
+            token = ids[rank]
             if token not in position:
-                position[token] = Logprob(value, rank, texts.get(token))
+                position[token] = Logprob(values[rank], rank, texts.get(token))
         result.append(position)
     return result

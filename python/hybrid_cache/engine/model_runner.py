@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Protocol
@@ -298,15 +299,17 @@ class ModelRunner:
             tokens = self.sampler.sample_token_ids(logits, request_ids, params)
             return dict(zip(request_ids, tokens))
         sampled = self.sampler.sample(logits, request_ids, params, sampling)
-        rows = [
-            row for row, request in enumerate(sampling) if request.num_sample_logprobs is not None
-        ]
-        if rows:
-            entries = token_logprobs(
-                logits[rows], sampled[rows], [sampling[row].num_sample_logprobs for row in rows]
-            )
-            for row, entry in zip(rows, entries):
-                sampling[row].append_sample_logprobs(entry)
+        counts = list(map(_NUM_SAMPLE_LOGPROBS, sampling))
+        if None not in counts:  # every row: no gathers, one C-level append per request
+            entries = token_logprobs(logits, sampled, counts)
+            references = zip(itertools.repeat(entries), range(len(counts)))
+            deque(map(list.append, map(_LOGPROB_REFS, sampling), references), maxlen=0)
+        else:
+            rows = [row for row, count in enumerate(counts) if count is not None]
+            if rows:
+                entries = token_logprobs(logits[rows], sampled[rows], [counts[row] for row in rows])
+                for index, row in enumerate(rows):
+                    sampling[row].append_sample_logprobs(entries, index)
         return dict(zip(request_ids, sampled.tolist()))
 
     def _record_prompt_logprobs(
@@ -472,6 +475,8 @@ _ALL_TOKEN_IDS = operator.attrgetter("all_token_ids")
 _REQUEST_ID = operator.attrgetter("request_id")
 _SAMPLING_PARAMS = operator.attrgetter("sampling_params")
 _WANTS_PROMPT_LOGPROBS = operator.attrgetter("wants_prompt_logprobs")
+_NUM_SAMPLE_LOGPROBS = operator.attrgetter("num_sample_logprobs")
+_LOGPROB_REFS = operator.attrgetter("logprob_refs")
 _NEEDS_SAMPLING_EXTRAS = operator.attrgetter("needs_sampling_extras")
 
 

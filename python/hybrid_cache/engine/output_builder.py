@@ -55,7 +55,7 @@ def completion_output(index: int, request: Request, decoder: Optional[Any]) -> C
         text=request.output_text if reason is not FinishReason.ERROR else None,
         finish_reason=reason.value,
         cumulative_logprob=request.cumulative_logprob if tracked else None,
-        logprobs=logprob_dicts(request.sample_logprobs, decoder) if asked else None,
+        logprobs=logprob_dicts(request.sample_logprob_rows(), decoder) if asked else None,
         stop_reason=request.stop_reason,
     )
 

@@ -10,7 +10,7 @@ from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from hybrid_cache.engine.logprobs import TokenLogprobs
+    from hybrid_cache.engine.logprobs import LogprobRows, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -106,8 +106,14 @@ class Request:
         self.num_sample_logprobs: Optional[int] = (
             0 if track_logprobs and sampling_params.logprobs is None else sampling_params.logprobs
         )
+        # Per sampled token its logprob row: those read, then the others as references to a
+        # row of a step's `LogprobRows` (taken out of it when read).
         self.sample_logprobs: list[TokenLogprobs] = []
-        self.cumulative_logprob: float = 0.0
+        self.logprob_refs: list[tuple[LogprobRows, int]] = []
+        # The sum of the sampled tokens' logprobs over the first `_num_summed` rows (summed
+        # when read, in order: the same float as a running sum).
+        self._cumulative_logprob: float = 0.0
+        self._num_summed: int = 0
         self.prompt_logprobs: list[TokenLogprobs] = []
         # True until every prompt token's logprobs are recorded (no prefix-cache hit till then).
         self.wants_prompt_logprobs: bool = (
@@ -162,10 +168,34 @@ class Request:
             return FinishReason.LENGTH
         return None
 
-    def append_sample_logprobs(self, entry: TokenLogprobs) -> None:
-        """Records the logprobs of the token sampled this step (before it is appended)."""
-        self.sample_logprobs.append(entry)
-        self.cumulative_logprob += entry[1][0]
+    def append_sample_logprobs(self, rows: LogprobRows, index: int) -> None:
+        """Records the logprobs of the token sampled this step (before it is appended): row
+        `index` of the step's `rows`. The runner appends to `logprob_refs` directly for a
+        whole batch."""
+        self.logprob_refs.append((rows, index))
+
+    def resolve_sample_logprobs(self) -> None:
+        """Takes the referenced rows out of their steps' rows into `sample_logprobs`."""
+        refs = self.logprob_refs
+        if refs:
+            self.sample_logprobs.extend([rows.take(index) for rows, index in refs])
+            refs.clear()
+
+    def sample_logprob_rows(self, start: int = 0, end: Optional[int] = None) -> list[TokenLogprobs]:
+        """The sampled tokens' logprob rows from `start` to `end` (all by default)."""
+        self.resolve_sample_logprobs()
+        return self.sample_logprobs[start:end]
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of the sampled tokens' logprobs so far."""
+        self.resolve_sample_logprobs()
+        rows = self.sample_logprobs
+        total = self._cumulative_logprob
+        for index in range(self._num_summed, len(rows)):
+            total += rows[index][1][0]
+        self._cumulative_logprob, self._num_summed = total, len(rows)
+        return total
 
     def finish_text(self) -> None:
         """Decodes what the detokenizer has not seen yet (the stop token only with

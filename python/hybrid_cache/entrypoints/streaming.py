@@ -103,7 +103,7 @@ class SampleStream:
             self.index,
             text,
             request.output_token_ids[start:num_tokens],
-            request.sample_logprobs[start:num_tokens] if self.wants_logprobs else None,
+            request.sample_logprob_rows(start, num_tokens) if self.wants_logprobs else None,
         )
         if finished:
             self.done = True
