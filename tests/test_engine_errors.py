@@ -101,6 +101,16 @@ def test_every_bad_prompt_is_listed_with_its_index(llm):
 
 
 @needs_coordinator
+def test_a_bad_prompt_is_named_by_its_index_not_the_engine_s_id(llm):
+    llm.generate([GOOD] * 3, PARAMS, use_tqdm=False)  # the engine's ids move on
+    with pytest.raises(InvalidRequestsError) as caught:
+        llm.generate([GOOD, {"prompt_token_ids": [1] * (MAX_MODEL_LEN + 1)}], PARAMS)
+    ((index, error),) = caught.value.errors
+    assert index == 1 and str(error).startswith("prompt 1: the prompt has")
+    assert "request '" not in str(caught.value)
+
+
+@needs_coordinator
 def test_token_ids_as_tensor_or_array_are_accepted(llm):
     import numpy as np
 

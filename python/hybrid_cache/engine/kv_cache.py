@@ -114,11 +114,15 @@ class KVCacheManager:
         (block 0 is the null block and never handed out)."""
         return self.coordinator.max_blocks_needed(num_kv_tokens) <= self.num_blocks - 1
 
-    def does_not_fit(self, request: Request, when: str = "") -> InsufficientKVCacheError:
+    def does_not_fit(
+        self, request: Request, when: str = "", name: Optional[str] = None
+    ) -> InsufficientKVCacheError:
         """The one error (and wording) for a request the pool can never hold: at admission,
-        when the core refuses it, or (`when`) when it fails alone in an empty pool."""
+        when the core refuses it, or (`when`) when it fails alone in an empty pool; `name`
+        names the request in the message (default "request '<id>'")."""
+        who = name or f"request {request.request_id!r}"
         return InsufficientKVCacheError(
-            f"request {request.request_id!r} needs KV for {num_kv_tokens(request)} tokens, "
+            f"{who} needs KV for {num_kv_tokens(request)} tokens, "
             f"which does not fit the whole pool of {self.num_blocks - 1} blocks{when}; raise "
             "kv_cache_memory, or lower max_tokens, the prompt length or max_num_batched_tokens"
         )

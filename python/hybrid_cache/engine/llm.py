@@ -341,7 +341,12 @@ class LLM:
                 text, token_ids = tokens()
                 request_id = str(next(self.request_counter))
                 checked.append(
-                    (self.engine.check_request(request_id, token_ids, prompt_params), text)
+                    (
+                        self.engine.check_request(
+                            request_id, token_ids, prompt_params, name=f"prompt {index}"
+                        ),
+                        text,
+                    )
                 )
             except InvalidRequestError as error:
                 errors.append((index, error))

@@ -151,24 +151,30 @@ class LLMEngine:
         return self.enqueue(self.check_request(request_id, prompt_token_ids, params))
 
     def check_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        name: Optional[str] = None,
     ) -> Finished:
         """What `add_request` would queue, validated (the same errors) but not queued:
-        `LLM.generate` checks a whole batch this way before queuing any of it."""
+        `LLM.generate` checks a whole batch this way before queuing any of it. `name`: how
+        error messages name the request (default "request '<id>'"; `LLM` names batch entries
+        by index, since their ids are the engine's own)."""
+        who = name or f"request {request_id!r}"
         if request_id in self.unfinished_request_ids or request_id in self.group_of_child:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if len(prompt_token_ids) == 0:
-            raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
+            raise InvalidRequestError(f"{who}: the prompt is empty")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
-                f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
-                f"[0, {self.vocab_size})"
+                f"{who}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
         max_model_len = self.limits.max_model_len
         if len(prompt_token_ids) > max_model_len:
             raise PromptTooLongError(
-                f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens, more "
+                f"{who}: the prompt has {len(prompt_token_ids)} tokens, more "
                 f"than max_model_len={max_model_len}; shorten it or raise max_model_len"
             )
         self.check_sampling_params(params)
@@ -176,7 +182,7 @@ class LLMEngine:
         if num_samples == 1 and params.n == 1:
             request = self._make_request(request_id, prompt_token_ids, params)
             if not self.kv_cache.can_ever_fit(num_kv_tokens(request)):
-                raise self.kv_cache.does_not_fit(request)
+                raise self.kv_cache.does_not_fit(request, name=name)
             return request
         child_ids = [child_request_id(request_id, index) for index in range(num_samples)]
         in_use = [
@@ -185,9 +191,7 @@ class LLMEngine:
             if child_id in self.unfinished_request_ids or child_id in self.group_of_child
         ]
         if in_use:
-            raise InvalidRequestError(
-                f"request {request_id!r}: its samples' ids {in_use} are already in use"
-            )
+            raise InvalidRequestError(f"{who}: its samples' ids {in_use} are already in use")
         children = [
             self._make_request(
                 child_id,
@@ -198,7 +202,7 @@ class LLMEngine:
             for index, child_id in enumerate(child_ids)
         ]
         if not self.kv_cache.can_ever_fit(num_kv_tokens(children[0])):
-            raise self.kv_cache.does_not_fit(children[0])
+            raise self.kv_cache.does_not_fit(children[0], name=name)
         return SampleGroup(request_id, params, children)
 
     def _make_request(
