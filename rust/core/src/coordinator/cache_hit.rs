@@ -155,9 +155,7 @@ impl<P: BlockAllocator> Coordinator<P> {
         }
         let sizes = &self.keys.chain_block_sizes;
         let mut chains = vec![Vec::new(); sizes.len()];
-        let full_groups: Vec<usize> = (0..self.managers.len())
-            .filter(|&group| self.config.groups[group].kind == AttentionKind::Full)
-            .collect();
+        let full_groups = &self.full_groups;
         let first = PROBE_FIRST_BLOCKS * sizes.iter().copied().max().unwrap_or(1);
         let mut prefix = if full_groups.is_empty() {
             tokens.len()
@@ -166,7 +164,7 @@ impl<P: BlockAllocator> Coordinator<P> {
         };
         loop {
             extend_chains(&self.hasher, sizes, &tokens[..prefix], extra, &mut chains);
-            if prefix == tokens.len() || self.full_run_ends_before(&full_groups, &chains, prefix) {
+            if prefix == tokens.len() || self.full_run_ends_before(full_groups, &chains, prefix) {
                 return Ok(self.common_hit(&chains, prefix).tokens());
             }
             prefix = (PROBE_GROWTH * prefix).min(tokens.len());
@@ -216,12 +214,10 @@ impl<P: BlockAllocator> Coordinator<P> {
             .collect();
         let mut hit = alone.iter().copied().min().expect("at least one group");
         // The group whose cached prefix ends first: among full-attention groups if any.
-        let full_groups = self
-            .hit_order
+        let limiting = self
+            .full_groups
             .iter()
             .copied()
-            .filter(|&group| self.config.groups[group].kind == AttentionKind::Full);
-        let limiting = full_groups
             .min_by_key(|&group| alone[group])
             .or_else(|| {
                 self.hit_order
@@ -233,9 +229,10 @@ impl<P: BlockAllocator> Coordinator<P> {
         // A group accepts the length it answered (before the rounding to `alignment`: a
         // windowed or chunked group's rounded answer needs blocks further left, looked up
         // again), and a full-attention group keyed by its own blocks accepts any shorter length
-        // (its cached run starts at block 0): neither is looked up again.
+        // (its cached run starts at block 0): neither is looked up again. Every entry stays a
+        // length its group accepts, so a replay's settle over the full-attention groups reuses
+        // them.
         let mut accepted_at = longest;
-        let full_accepted_at = self.tail_replay_tokens.map(|_| accepted_at.clone());
         hit = self.settle(
             &lookup,
             chains,
@@ -245,15 +242,9 @@ impl<P: BlockAllocator> Coordinator<P> {
             &mut accepted_at,
         );
         let replay = self.tail_replay_tokens.and_then(|replay_tokens| {
-            let mut accepted_at = full_accepted_at.expect("cloned when replaying");
-            let full: Vec<usize> = self
-                .hit_order
-                .iter()
-                .copied()
-                .filter(|&group| self.config.groups[group].kind == AttentionKind::Full)
-                .collect();
+            let full = &self.full_groups;
             let start = full.iter().map(|&group| alone[group]).min()?;
-            let frontier = self.settle(&lookup, chains, &full, start, &alone, &mut accepted_at);
+            let frontier = self.settle(&lookup, chains, full, start, &alone, &mut accepted_at);
             let replay_start = frontier.saturating_sub(replay_tokens) / alignment * alignment;
             // Taken when it saves at least the tokens it recomputes below the frontier (whose
             // windowed KV is never cached): a replay that gains a block for hundreds of

@@ -95,6 +95,9 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     managers: Vec<Box<dyn AttentionManager>>,
     /// Groups in the order the fixed-point hit asks them: full attention first.
     hit_order: Vec<usize>,
+    /// The full-attention groups, in group order (the probe's stop test, the limiting group,
+    /// a tail replay's frontier).
+    full_groups: Vec<usize>,
     hasher: BlockHasher,
     /// Hit lengths are multiples of it (`CoordinatorConfig::hit_alignment`).
     hit_alignment: usize,
@@ -182,6 +185,9 @@ impl<P: BlockAllocator> Coordinator<P> {
         let managers: Vec<_> = config.groups.iter().map(GroupSpec::manager).collect();
         let mut hit_order: Vec<usize> = (0..config.groups.len()).collect();
         hit_order.sort_by_key(|&group| config.groups[group].kind != AttentionKind::Full);
+        let full_groups: Vec<usize> = (0..config.groups.len())
+            .filter(|&group| config.groups[group].kind == AttentionKind::Full)
+            .collect();
         let max_units = (0..config.groups.len())
             .map(|group| config.units_per_block(group))
             .max()
@@ -202,6 +208,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             num_references: vec![0; config.groups.len()],
             managers,
             hit_order,
+            full_groups,
             keys: KeyLayout::new(&config),
             table,
             pool,
