@@ -3,7 +3,8 @@
 //! twice, over the lock-free `BlockPool` (the default) and over `MutexPool`: single-threaded,
 //! both must keep the same contract, LRU order included; then once more with tail replay on
 //! where the groups allow it (a replay's hit blocks, and no partial-window windowed block ever
-//! handed out by a hit). The harness (operations, reference model, invariants) lives in
+//! handed out by a hit), and once with token tails on (hits ending inside a block where a freed
+//! request's tokens ended). The harness (operations, reference model, invariants) lives in
 //! `src/lib.rs`.
 #![no_main]
 
@@ -14,4 +15,5 @@ fuzz_target!(|data: &[u8]| {
     hybrid_cache_fuzz::run_ops(data, BlockPool::new);
     hybrid_cache_fuzz::run_ops(data, MutexPool::new);
     hybrid_cache_fuzz::run_replay_ops(data, BlockPool::new);
+    hybrid_cache_fuzz::run_tail_ops(data, BlockPool::new);
 });

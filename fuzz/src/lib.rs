@@ -31,14 +31,17 @@
 //! - with tail replay on (`run_replay_ops`): a replay's full-attention blocks up to its frontier
 //!   hold the request's tokens, its windowed blocks are fresh, and the windowed blocks it
 //!   computes from a partial window are recorded as holding nobody's tokens, so a hit that ever
-//!   hands one out fails the content check.
+//!   hands one out fails the content check;
+//! - with token tails on (`run_tail_ops`, replay too where allowed): the block a tail hit ends
+//!   inside holds the request's tokens up to the hit (the same content check as any hit ending
+//!   inside a block).
 //!
 //! A violation panics (libFuzzer records it as a crash with the input).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use arbitrary::{Arbitrary, Unstructured};
-use hybrid_cache_core::coordinator::RowRef;
+use hybrid_cache_core::coordinator::{HitStats, RowRef};
 use hybrid_cache_core::{
     AllocateStep, AttentionKind, BlockAllocator, BlockId, Coordinator, CoordinatorConfig,
     CoreError, ExtraKeys, GroupSpec, HashAlgo, NewRequest, NULL_BLOCK,
@@ -135,7 +138,7 @@ struct Snapshot {
 
 /// Runs one fuzz input against a coordinator over the pool `make_pool` builds.
 pub fn run_ops<P: BlockAllocator>(data: &[u8], make_pool: impl Fn(usize) -> Result<P, CoreError>) {
-    run_ops_in(data, make_pool, false);
+    run_ops_in(data, make_pool, false, false);
 }
 
 /// `run_ops` with tail replay on wherever the configuration allows it (full-attention and
@@ -147,34 +150,45 @@ pub fn run_replay_ops<P: BlockAllocator>(
     data: &[u8],
     make_pool: impl Fn(usize) -> Result<P, CoreError>,
 ) -> u64 {
-    run_ops_in(data, make_pool, true)
+    run_ops_in(data, make_pool, true, false).replays
 }
 
-/// Runs the input; returns the lookups that took a tail replay.
+/// `run_ops` with token tails on (`Coordinator::set_token_tails`), and tail replay as in
+/// `run_replay_ops`. Returns the lookups whose hit ended on token tails.
+pub fn run_tail_ops<P: BlockAllocator>(
+    data: &[u8],
+    make_pool: impl Fn(usize) -> Result<P, CoreError>,
+) -> u64 {
+    run_ops_in(data, make_pool, true, true).tail_hits
+}
+
+/// Runs the input; returns the coordinator's hit counters.
 fn run_ops_in<P: BlockAllocator>(
     data: &[u8],
     make_pool: impl Fn(usize) -> Result<P, CoreError>,
     replay: bool,
-) -> u64 {
+    tails: bool,
+) -> HitStats {
     let mut input = Unstructured::new(data);
     let Ok(config) = arbitrary_config(&mut input) else {
-        return 0;
+        return HitStats::default();
     };
     let valid = config.validate().is_ok();
     let pool = match make_pool(config.num_blocks) {
         Ok(pool) => pool,
         Err(_) => {
             assert!(config.num_blocks < 2, "a pool of >= 2 blocks is valid");
-            return 0;
+            return HitStats::default();
         }
     };
     let mut coordinator = match Coordinator::with_pool(config.clone(), pool) {
         Ok(coordinator) => coordinator,
         Err(error) => {
             assert!(!valid, "a valid config was refused: {error}");
-            return 0;
+            return HitStats::default();
         }
     };
+    coordinator.set_token_tails(tails);
     assert!(valid, "an invalid config was accepted: {config:?}");
     let replay_tokens = if replay {
         replay_tokens(&config, data.first().copied().unwrap_or(0))
@@ -190,6 +204,7 @@ fn run_ops_in<P: BlockAllocator>(
     // Read from the last byte without consuming it, so saved inputs keep their meaning.
     let observe_queue = data.last().is_none_or(|byte| byte % 4 != 0);
     let mut harness = Harness::new(coordinator, observe_queue, replay_tokens);
+    harness.tails = tails;
     harness.check();
     let mut admitted: Vec<Tracked> = Vec::new();
     for _ in 0..MAX_OPS {
@@ -213,7 +228,7 @@ fn run_ops_in<P: BlockAllocator>(
     );
     let stats = harness.coordinator.stats();
     assert_eq!(stats.pool.num_cached_blocks, 0);
-    stats.hits.replays
+    stats.hits
 }
 
 fn arbitrary_config(input: &mut Unstructured<'_>) -> arbitrary::Result<CoordinatorConfig> {
@@ -327,6 +342,8 @@ pub struct Harness<P: BlockAllocator> {
     observe_queue: bool,
     /// `R` of the coordinator's tail replay, if on.
     replay_tokens: Option<usize>,
+    /// Whether token tails are on (hits may end off the alignment).
+    tails: bool,
     /// Windowed blocks a replay computed from a partial window (recorded as
     /// `poisoned_content` until handed out fresh).
     poisoned: HashSet<BlockId>,
@@ -337,6 +354,7 @@ impl<P: BlockAllocator> Harness<P> {
         let config = coordinator.config().clone();
         Harness {
             replay_tokens,
+            tails: false,
             poisoned: HashSet::new(),
             specs: config.groups.clone(),
             alignment: config.hit_alignment().expect("validated"),
@@ -502,7 +520,11 @@ impl<P: BlockAllocator> Harness<P> {
                     hit < request.tokens.len(),
                     "a hit leaves one token to compute"
                 );
-                assert_eq!(hit % self.alignment, 0, "hits are aligned to the lcm");
+                // A token-tail hit may end anywhere; the content checks at its allocate cover it.
+                assert!(
+                    hit % self.alignment == 0 || self.tails,
+                    "hits are aligned to the lcm"
+                );
                 assert!(caching || hit == 0, "no hits with prefix caching off");
                 request.pending_hit = hit;
             }
@@ -1373,6 +1395,22 @@ mod tests {
         assert!(
             replays > 0,
             "no input took a replay: the harness never checked one"
+        );
+    }
+
+    #[test]
+    fn the_real_pools_pass_the_inputs_with_token_tails() {
+        let seeds = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/seeds"))
+            .expect("the committed seeds")
+            .map(|entry| std::fs::read(entry.expect("a seed").path()).expect("a seed file"));
+        let mut tail_hits = 0;
+        for data in seeds.chain(inputs(300)) {
+            tail_hits += run_tail_ops(&data, BlockPool::new);
+            run_tail_ops(&data, MutexPool::new);
+        }
+        assert!(
+            tail_hits > 0,
+            "no input hit a token tail: the harness never checked one"
         );
     }
 

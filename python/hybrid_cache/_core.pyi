@@ -103,11 +103,15 @@ class Coordinator:
         hash_algo: Literal["xxh3", "sha256"] = "xxh3",
         hash_seed: int = 0,
         tail_replay_tokens: Optional[int] = None,
+        token_tails: bool = False,
     ) -> None:
         """`tail_replay_tokens` (R): let a hit replay a lost window tail, keeping the
         full-attention blocks up to their hit point F and starting the windowed groups over at
         F - R (rounded down to the hit alignment) when that is later than every group's common
-        hit; R is the sum of W - 1 over the windowed layers. None: no replay."""
+        hit; R is the sum of W - 1 over the windowed layers. None: no replay.
+        `token_tails`: a freed request's last, partly filled block in each group stays cached
+        under a key of exactly its tokens, and a hit may end there, inside a block (the next
+        turn of a conversation hits every token the previous turn computed)."""
     @property
     def num_groups(self) -> int: ...
     @property
@@ -207,7 +211,9 @@ class Coordinator:
         multiple of the hit alignment); per group (lists): prefix_alone_hits_per_group (what the
         group alone would have hit) and prefix_shortened_per_group (of that, what other groups
         cut); tail replays: prefix_replays (lookups), prefix_replay_tokens (tokens they
-        recompute below F), prefix_replay_gain (tokens they hit beyond the common hit)."""
+        recompute below F), prefix_replay_gain (tokens they hit beyond the common hit); token
+        tails: prefix_tail_hits (lookups whose hit ended on them), prefix_tail_gain (tokens
+        beyond the aligned hit)."""
 
 def paged_attention_cpu(
     q: npt.NDArray[np.float32],

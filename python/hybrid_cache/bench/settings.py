@@ -54,6 +54,7 @@ class BenchSettings:
     scheduling_policy: str = "fcfs"
     hold_waiting_prefixes: bool = True
     tail_replay: bool = True
+    token_tails: bool = True
     tokenizer: Optional[str] = None
     load_format: str = "dummy"
     hf_overrides: dict[str, Any] = field(default_factory=dict)

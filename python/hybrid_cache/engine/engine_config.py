@@ -72,6 +72,7 @@ class SchedulerLimits:
     scheduling_policy: str = "fcfs"
     hold_waiting_prefixes: bool = True
     tail_replay: bool = True
+    token_tails: bool = True
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,9 @@ class EngineConfig:
     hit when it arrives, so admissions before it cannot evict it (`scheduler.py`);
     `tail_replay`: a prefix hit whose windowed blocks were evicted keeps its full-attention
     blocks and recomputes only the windows (docs/PREFIX_CACHING.md, "Tail replay");
+    `token_tails`: a finished request's last, partly filled block stays cached under a key of
+    exactly its tokens, so the next turn of a conversation hits every token the previous turn
+    computed, not only whole blocks (docs/PREFIX_CACHING.md, "Token tails");
     `generation_config`: "auto" (the model folder's `generation_config.json`: EOS ids and
     default sampling values), "vllm" (the engine's sampling defaults) or a folder to read it
     from (`generation_config.py`); `tokenizer`: a tokenizer folder instead of the model
@@ -116,6 +120,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     hold_waiting_prefixes: bool = True
     tail_replay: bool = True
+    token_tails: bool = True
     # The runtime.
     dtype: Union[str, torch.dtype] = "auto"
     device: Union[str, torch.device, None] = None
@@ -213,6 +218,7 @@ class EngineConfig:
             _hint("hold_waiting_prefixes"),
         )
         check_bool(self.tail_replay, "--tail-replay", EngineConfigError, _hint("tail_replay"))
+        check_bool(self.token_tails, "--token-tails", EngineConfigError, _hint("token_tails"))
         check_bool(
             self.enforce_eager,
             "--enforce-eager: enforce_eager",
@@ -309,6 +315,7 @@ class EngineConfig:
             scheduling_policy=self.scheduling_policy,
             hold_waiting_prefixes=self.hold_waiting_prefixes,
             tail_replay=self.tail_replay,
+            token_tails=self.token_tails,
         )
 
 
@@ -446,6 +453,14 @@ def add_engine_arguments(
         default=defaults.get("tail_replay", True),
         help="when a prefix hit's windowed blocks were evicted, keep its full-attention blocks "
         "and recompute only the tokens the windows need (exact; taken when it saves tokens)",
+    )
+    add(
+        "token_tails",
+        "--token-tails",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.get("token_tails", True),
+        help="keep a finished request's last, partly filled block cached, so the next turn of "
+        "a conversation hits every computed token instead of whole blocks only",
     )
     if not plan_only:
         parser.add_argument(

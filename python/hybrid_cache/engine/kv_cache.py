@@ -37,9 +37,12 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hash_seed: int = 0,
         tail_replay: bool = True,
+        token_tails: bool = True,
     ) -> KVCacheManager:
         """A manager for the planner's layout (its groups, in group-id order, and pool size);
-        with `tail_replay`, hits may replay a lost window tail where the layout allows it."""
+        with `tail_replay`, hits may replay a lost window tail where the layout allows it; with
+        `token_tails`, a hit may end where a freed request's computed tokens ended, inside a
+        block."""
         return cls(
             layout.num_blocks,
             layout.core_specs(),
@@ -49,6 +52,7 @@ class KVCacheManager:
             enable_prefix_caching,
             hash_seed,
             tail_replay_tokens=layout.tail_replay_tokens() if tail_replay else None,
+            token_tails=token_tails,
         )
 
     def __init__(
@@ -61,6 +65,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hash_seed: int = 0,
         tail_replay_tokens: Optional[int] = None,
+        token_tails: bool = False,
     ) -> None:
         self.groups: list[_core.GroupSpec] = list(groups)
         # R of the core's tail replay (None: off); see `replay_frontier`.
@@ -77,6 +82,7 @@ class KVCacheManager:
             enable_prefix_caching=enable_prefix_caching,
             hash_seed=hash_seed,
             tail_replay_tokens=self.tail_replay_tokens,
+            token_tails=token_tails,
         )
         self.core_ids: dict[str, int] = {}
         self.rows: dict[str, int] = {}

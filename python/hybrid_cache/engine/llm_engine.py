@@ -79,6 +79,7 @@ class LLMEngine:
             enable_prefix_caching=limits.enable_prefix_caching,
             hash_seed=seed,
             tail_replay=limits.tail_replay,
+            token_tails=limits.token_tails,
         )
         self.scheduler: Scheduler = Scheduler(
             self.kv_cache,
@@ -329,6 +330,8 @@ class LLMEngine:
             stats.num_tail_replays = core.get("prefix_replays", 0)
             stats.num_tail_replay_tokens = core.get("prefix_replay_tokens", 0)
             stats.num_tail_replay_gain_tokens = core.get("prefix_replay_gain", 0)
+            stats.num_token_tail_hits = core.get("prefix_tail_hits", 0)
+            stats.num_token_tail_gain_tokens = core.get("prefix_tail_gain", 0)
         stats.max_used_blocks_per_group = [
             max(a, b) for a, b in zip(stats.max_used_blocks_per_group, used)
         ]

@@ -158,6 +158,10 @@ class EngineStats:
     num_tail_replays: int = 0
     num_tail_replay_tokens: int = 0
     num_tail_replay_gain_tokens: int = 0
+    # Token tails (a hit ending where a finished request's computed tokens ended, inside a
+    # block): lookups whose hit ended on one, and the hit tokens beyond the aligned hit.
+    num_token_tail_hits: int = 0
+    num_token_tail_gain_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -140,6 +140,27 @@ impl BlockHasher {
         }
     }
 
+    /// Hash of the `tokens` a block of index `index` (first token at `start`) holds, given its
+    /// parent (the previous block's hash, or the root for block 0), when it is not full: the
+    /// key of a freed request's *token tail* (see `coordinator::tails`). The length is hashed
+    /// in, so it never equals the hash of a full block after the same parent.
+    pub fn hash_partial(
+        &self,
+        parent: BlockHash,
+        index: usize,
+        start: usize,
+        tokens: &[u32],
+        extra: &ExtraKeys,
+    ) -> BlockHash {
+        let mut buffer = Vec::with_capacity(24 + 4 * tokens.len());
+        let block = BlockSpan {
+            index,
+            start,
+            tokens,
+        };
+        self.hash_block(parent, &block, extra, &mut buffer)
+    }
+
     /// Hash of one block given its parent; `buffer` is scratch space reused across blocks.
     fn hash_block(
         &self,

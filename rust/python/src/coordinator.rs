@@ -169,7 +169,8 @@ impl PyCoordinator {
     #[new]
     #[pyo3(signature = (
         num_blocks, groups, max_num_reqs, max_model_len, max_num_batched_tokens,
-        enable_prefix_caching=true, hash_algo="xxh3", hash_seed=0, tail_replay_tokens=None
+        enable_prefix_caching=true, hash_algo="xxh3", hash_seed=0, tail_replay_tokens=None,
+        token_tails=false
     ))]
     #[allow(clippy::too_many_arguments)] // mirrors the Python signature in _core.pyi
     fn new(
@@ -182,6 +183,7 @@ impl PyCoordinator {
         hash_algo: &str,
         hash_seed: u64,
         tail_replay_tokens: Option<i64>,
+        token_tails: bool,
     ) -> PyResult<Self> {
         let hash = match hash_algo {
             "xxh3" => HashAlgo::Xxh3,
@@ -207,6 +209,7 @@ impl PyCoordinator {
             .map(|tokens| size("tail_replay_tokens", tokens))
             .transpose()?;
         inner.set_tail_replay(replay).map_err(to_py)?;
+        inner.set_token_tails(token_tails);
         Ok(PyCoordinator { inner })
     }
 
@@ -452,6 +455,8 @@ impl PyCoordinator {
         dict.set_item("prefix_replays", hits.replays)?;
         dict.set_item("prefix_replay_tokens", hits.replay_tokens)?;
         dict.set_item("prefix_replay_gain", hits.replay_gain)?;
+        dict.set_item("prefix_tail_hits", hits.tail_hits)?;
+        dict.set_item("prefix_tail_gain", hits.tail_gain)?;
         Ok(dict)
     }
 }

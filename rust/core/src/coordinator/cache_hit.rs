@@ -69,7 +69,24 @@ impl<P: BlockAllocator> Coordinator<P> {
         let num_tokens = state.tokens.len();
         // Lent out while the lookup reads the coordinator; given back below.
         let chains = std::mem::take(&mut state.hash_chains);
+        let tokens = std::mem::take(&mut state.tokens);
+        let extra = std::mem::take(&mut state.extra);
         let common = self.common_hit(&chains, num_tokens);
+        let tail = self.tail_hit(
+            &chains,
+            &tokens,
+            &extra,
+            &common.alone,
+            num_tokens - 1,
+            common.tokens(),
+        );
+        if let Some(tail) = tail {
+            let state = self.requests.get_mut(&request_id).expect("checked above");
+            state.hash_chains = chains;
+            state.tokens = tokens;
+            state.extra = extra;
+            return Ok(self.take_tail_hit(request_id, &common, tail));
+        }
         let (max_hit, alone, limiting) = (common.max_hit, &common.alone, common.limiting);
         let mut hit = common.tokens();
         let frontier = common.replay.map_or(0, |replay| replay.frontier);
@@ -115,9 +132,12 @@ impl<P: BlockAllocator> Coordinator<P> {
             prefix_cached: alone[limiting],
             next_was_cached,
             replay: replay.map(|replay| (common.hit, replay.frontier)),
+            tail_from: None,
         });
         let state = self.requests.get_mut(&request_id).expect("checked above");
         state.hash_chains = chains;
+        state.tokens = tokens;
+        state.extra = extra;
         // Counted once the request computes (`allocate`); a later lookup replaces it.
         state.pending_lookup = Some(lookup_figures);
         if hit > 0 {
@@ -165,7 +185,11 @@ impl<P: BlockAllocator> Coordinator<P> {
         loop {
             extend_chains(&self.hasher, sizes, &tokens[..prefix], extra, &mut chains);
             if prefix == tokens.len() || self.full_run_ends_before(full_groups, &chains, prefix) {
-                return Ok(self.common_hit(&chains, prefix).tokens());
+                let common = self.common_hit(&chains, prefix);
+                let plain = common.tokens();
+                let prompt = &tokens[..prefix];
+                let tail = self.tail_hit(&chains, prompt, extra, &common.alone, prefix - 1, plain);
+                return Ok(tail.map_or(plain, |tail| tail.num_tokens));
             }
             prefix = (PROBE_GROWTH * prefix).min(tokens.len());
         }
@@ -317,19 +341,19 @@ impl<P: BlockAllocator> Coordinator<P> {
 }
 
 /// What `common_hit` found.
-struct CommonHit {
-    max_hit: usize,
+pub(super) struct CommonHit {
+    pub max_hit: usize,
     /// The longest prefix every group hits.
-    hit: usize,
-    alone: Vec<usize>,
-    limiting: usize,
+    pub hit: usize,
+    pub alone: Vec<usize>,
+    pub limiting: usize,
     /// A tail replay that starts later than `hit` (only when replay is on).
     replay: Option<Replay>,
 }
 
 impl CommonHit {
     /// Tokens the request need not compute: the replay's start, else the hit.
-    fn tokens(&self) -> usize {
+    pub fn tokens(&self) -> usize {
         self.replay.map_or(self.hit, |replay| replay.start)
     }
 }

@@ -18,7 +18,10 @@
 //! Per group: `alone` sums `a_g`, `shortened` sums `a_g - h` (the hit this group lost to the
 //! others). A tail replay's hit `h` is where it starts the windowed groups over; `replays`
 //! counts those lookups, `replay_tokens` sums what they recompute below the full-attention hit
-//! point (`F - h`) and `replay_gain` the tokens they hit beyond the plain hit. "Was it ever cached" is a Bloom filter over the keys this coordinator cached: no
+//! point (`F - h`) and `replay_gain` the tokens they hit beyond the plain hit. A token-tail hit
+//! (`tails`) may end past `h_max`, inside a block: `h_max` is then taken as the hit, each group
+//! as accepting it; `tail_hits` counts those lookups and `tail_gain` the tokens they took beyond
+//! the aligned hit. "Was it ever cached" is a Bloom filter over the keys this coordinator cached: no
 //! false "never cached", some false "evicted" (under 1% while the filter is at most 1/16 full;
 //! it is cleared when fuller, after which keys cached before count as never cached).
 //!
@@ -51,6 +54,10 @@ pub struct HitStats {
     pub replay_tokens: u64,
     /// Tokens those replays hit beyond the hit every group had.
     pub replay_gain: u64,
+    /// Lookups whose hit ended on token tails (`tails`).
+    pub tail_hits: u64,
+    /// Tokens those hits took beyond the aligned hit (or replay start) they replaced.
+    pub tail_gain: u64,
 }
 
 /// One lookup's figures, as `HitStats::record` takes them.
@@ -67,6 +74,8 @@ pub(super) struct Lookup<'a> {
     /// For a tail replay (`hit` is its start): the hit every group had, and the full-attention
     /// hit point.
     pub replay: Option<(usize, usize)>,
+    /// For a token-tail hit: the tokens the lookup would have hit without tails.
+    pub tail_from: Option<usize>,
 }
 
 impl HitStats {
@@ -96,6 +105,8 @@ impl HitStats {
         op(&mut self.replays, one.replays);
         op(&mut self.replay_tokens, one.replay_tokens);
         op(&mut self.replay_gain, one.replay_gain);
+        op(&mut self.tail_hits, one.tail_hits);
+        op(&mut self.tail_gain, one.tail_gain);
         for (total, &value) in self.alone.iter_mut().zip(&one.alone) {
             op(total, value);
         }
@@ -121,6 +132,10 @@ impl HitStats {
             self.replays += 1;
             self.replay_tokens += (frontier - lookup.hit) as u64;
             self.replay_gain += (lookup.hit - plain_hit) as u64;
+        }
+        if let Some(without) = lookup.tail_from {
+            self.tail_hits += 1;
+            self.tail_gain += lookup.hit.saturating_sub(without) as u64;
         }
         for (group, &alone) in lookup.alone.iter().enumerate() {
             self.alone[group] += alone as u64;
@@ -214,6 +229,7 @@ mod tests {
             prefix_cached: 32,
             next_was_cached: true,
             replay: None,
+            tail_from: None,
         }));
         assert_eq!(stats.hits, 16);
         assert_eq!(stats.miss_window_tail, 16);

@@ -45,6 +45,7 @@ mod hit_stats;
 mod keys;
 mod request;
 mod table;
+mod tails;
 
 pub use allocate::AllocateStep;
 pub use config::{AttentionKind, CoordinatorConfig, GroupSpec};
@@ -140,6 +141,8 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     /// `R - (W_min - 1)`: a replay from `S` recomputes right windowed KV from `S` plus this on
     /// (cached from there; below it never).
     replay_exact_after: usize,
+    /// The token tails cached so far (`set_token_tails`); `None`: tails are off.
+    tails: Option<tails::TailIndex>,
 }
 
 /// A cached full block one of whose keys a hit may end at (see `Coordinator::prefix_index`).
@@ -226,6 +229,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             copy_epoch: 0,
             tail_replay_tokens: None,
             replay_exact_after: 0,
+            tails: None,
         })
     }
 
@@ -399,14 +403,27 @@ impl<P: BlockAllocator> Coordinator<P> {
             let computed = state.num_allocated.min(state.tokens.len());
             for (group, manager) in self.managers.iter().enumerate() {
                 let keys = self.keys.keys(&state.hash_chains, group);
-                let cached = keys::cache_partial_tail(
-                    &self.pool,
-                    &mut self.seen_keys,
-                    keys,
-                    &state.groups[group],
-                    manager.block_size(),
-                    computed,
-                );
+                let cached = match &mut self.tails {
+                    Some(index) => tails::cache_token_tail(
+                        &self.pool,
+                        index,
+                        &self.hasher,
+                        keys,
+                        &state.groups[group],
+                        manager.block_size(),
+                        &state.tokens,
+                        &state.extra,
+                        computed,
+                    ),
+                    None => keys::cache_partial_tail(
+                        &self.pool,
+                        &mut self.seen_keys,
+                        keys,
+                        &state.groups[group],
+                        manager.block_size(),
+                        computed,
+                    ),
+                };
                 debug_assert!(
                     cached.is_ok(),
                     "the request holds its tail block: {cached:?}"
@@ -478,6 +495,9 @@ impl<P: BlockAllocator> Coordinator<P> {
         let reset = self.pool.reset_prefix_cache();
         if reset {
             self.prefix_index.clear();
+            if let Some(tails) = &mut self.tails {
+                tails.clear();
+            }
         }
         reset
     }
@@ -531,6 +551,21 @@ impl<P: BlockAllocator> Coordinator<P> {
         }
         self.tail_replay_tokens = replay_tokens;
         Ok(())
+    }
+
+    /// Token tails on or off (off by default): when on, a freed request's last, partly filled
+    /// block in each group is cached under a key of exactly the tokens it holds, and a hit may
+    /// end there, inside a block, when every group has it (see `tails`): the next turn of a
+    /// conversation then hits every token the previous turn computed, not only up to the last
+    /// multiple of the hit alignment. In a group keyed by sub-blocks the tail key takes the
+    /// place of the partial key of the tail's whole units. Turning them off forgets the tails
+    /// recorded (their blocks stay cached until evicted).
+    pub fn set_token_tails(&mut self, on: bool) {
+        self.tails = on.then(|| {
+            self.tails
+                .take()
+                .unwrap_or_else(|| tails::TailIndex::new(self.config.num_blocks))
+        });
     }
 
     /// The full-attention hit point of the tail replay the request's hit took (0 without one):
