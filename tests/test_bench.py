@@ -156,13 +156,18 @@ def test_simulation_steps_through_the_engine(monkeypatch) -> None:
     settings = BenchSettings("gemma-3-27b", 2048, 32, 16, prefix_len=512, kv_cache_memory="4GB")
     result = simulate_mode(settings, "uniform")
     assert calls["step"] == calls["execute"] == result.num_steps == 131
-    assert sum(result.running_per_step) == 522 and sum(result.tokens_per_step) == 25607
+    # The 2 preempted requests resume from every token they computed (their token tails):
+    # 23 tokens fewer than resuming from their last full block (25607 with --no-token-tails).
+    assert sum(result.running_per_step) == 522 and sum(result.tokens_per_step) == 25584
     assert result.num_preemptions == 2 and result.peak_blocks_per_group == [611]
     # 15 requests hit the 512-token prefix, the 2 preempted ones hit again when readmitted;
     # lookups that did not lead to computing are not counted (once per admission).
-    assert result.prefix_cache_hit_rate == pytest.approx(0.2769097222222222)
+    assert result.prefix_cache_hit_rate == pytest.approx(0.2775336371527778)
     assert result.num_requests == 16 and result.num_output_tokens == 16 * 32
-    assert result.elapsed_s == pytest.approx(5.80473517269518, rel=1e-9)
+    assert result.elapsed_s == pytest.approx(5.802352737636241, rel=1e-9)
+    without = simulate_mode(dataclasses.replace(settings, token_tails=False), "uniform")
+    assert sum(without.tokens_per_step) == 25607
+    assert without.prefix_cache_hit_rate == pytest.approx(0.2769097222222222)
 
 
 def test_simulation_rejects_a_request_larger_than_the_pool() -> None:

@@ -522,7 +522,7 @@ impl<P: BlockAllocator> Harness<P> {
                 );
                 // A token-tail hit may end anywhere; the content checks at its allocate cover it.
                 assert!(
-                    hit % self.alignment == 0 || self.tails,
+                    hit.is_multiple_of(self.alignment) || self.tails,
                     "hits are aligned to the lcm"
                 );
                 assert!(caching || hit == 0, "no hits with prefix caching off");

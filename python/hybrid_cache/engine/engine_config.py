@@ -87,10 +87,10 @@ class EngineConfig:
     "fcfs" or "lpm" (`scheduler.py`); `hold_waiting_prefixes`: a request takes its prefix-cache
     hit when it arrives, so admissions before it cannot evict it (`scheduler.py`);
     `tail_replay`: a prefix hit whose windowed blocks were evicted keeps its full-attention
-    blocks and recomputes only the windows (docs/PREFIX_CACHING.md, "Tail replay");
+    blocks and recomputes only the windows (docs/DESIGN.md, "Tail replay");
     `token_tails`: a finished request's last, partly filled block stays cached under a key of
     exactly its tokens, so the next turn of a conversation hits every token the previous turn
-    computed, not only whole blocks (docs/PREFIX_CACHING.md, "Token tails");
+    computed, not only whole blocks (docs/DESIGN.md, "Token tails");
     `generation_config`: "auto" (the model folder's `generation_config.json`: EOS ids and
     default sampling values), "vllm" (the engine's sampling defaults) or a folder to read it
     from (`generation_config.py`); `tokenizer`: a tokenizer folder instead of the model
