@@ -119,18 +119,21 @@ def test_max_model_len_must_hold_the_last_turn() -> None:
     assert settings.num_prompts == 9 and settings.workload == "multi-turn"
 
 
+@pytest.mark.parametrize("token_tails", [True, False])
 @pytest.mark.parametrize("layout", ["equal", "auto"])
-def test_a_budget_that_holds_everything_hits_every_history(layout) -> None:
+def test_a_budget_that_holds_everything_hits_every_history(layout, token_tails) -> None:
     """With room for every history, each turn after the first hits all of its reusable tokens
-    up to the smallest block size (16), with equal groups and with the default per-type layout
-    (Gemma-3's full-attention blocks of 80 tokens are keyed by 16-token units): the simulation
-    runs the real scheduler and allocator."""
+    (with token tails, the default), or them rounded down to the smallest block size (16)
+    without, with equal groups and with the default per-type layout (Gemma-3's full-attention
+    blocks of 80 tokens are keyed by 16-token units): the simulation runs the real scheduler and
+    allocator."""
     settings = BenchSettings.for_multi_turn(
         "tiny-gemma3",
         SHAPE,
         kv_cache_memory="4MiB",
         kv_group_layout=layout,
         hf_overrides={"sliding_window": 32},
+        token_tails=token_tails,
     )
     for mode in ("hybrid", "uniform"):
         result = simulate_mode(settings, mode)
@@ -138,8 +141,9 @@ def test_a_budget_that_holds_everything_hits_every_history(layout) -> None:
         assert result.num_requests == 9
         for turn in reuse.turns[1:]:
             assert turn.reusable_tokens == 3 * (SHAPE.prompt_len(turn.turn - 1) + 8 - 1)
-            # Each session hits its reusable tokens rounded down to a block.
-            expected = 3 * ((SHAPE.prompt_len(turn.turn - 1) + 8 - 1) // 16 * 16)
+            # Each session hits its reusable tokens (without tails: rounded down to a block).
+            reusable = SHAPE.prompt_len(turn.turn - 1) + 8 - 1
+            expected = 3 * (reusable if token_tails else reusable // 16 * 16)
             assert turn.hit_tokens == expected, (mode, turn)
         # Sessions 1 and 2 hit the system prompt, which they share with session 0 in the step
         # that computes it; with the per-type layout it ends inside a full-attention block

@@ -160,7 +160,9 @@ def test_a_replay_range_too_short_changes_the_output(tiny, monkeypatch):
     rule = KVCacheLayout.tail_replay_tokens
     monkeypatch.setattr(KVCacheLayout, "tail_replay_tokens", lambda self: rule(self) // 2)
     llm = engine(tiny)
-    assert distance_to_cold(tiny, llm) > 1e-4
+    # A right replay is bit for bit (0.0, asserted within 1e-6 above); a wrong one is off by
+    # 4e-5 (Gemma-3 per-type) to 2e-1.
+    assert distance_to_cold(tiny, llm) > 1e-5
 
 
 def test_a_replay_that_rewrites_the_cached_full_attention_kv_changes_the_output(tiny):
