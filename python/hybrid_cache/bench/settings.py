@@ -15,6 +15,7 @@ from hybrid_cache.engine.engine_config import (
     DEFAULT_DISTRIBUTED_TIMEOUT_S,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PROTECTED_PREFIX_FRACTION,
     EngineConfig,
 )
 from hybrid_cache.errors import EngineConfigError, InvalidRequestError
@@ -55,6 +56,7 @@ class BenchSettings:
     hold_waiting_prefixes: bool = True
     tail_replay: bool = True
     token_tails: bool = True
+    protected_prefix_fraction: float = DEFAULT_PROTECTED_PREFIX_FRACTION
     tokenizer: Optional[str] = None
     load_format: str = "dummy"
     hf_overrides: dict[str, Any] = field(default_factory=dict)

@@ -59,6 +59,9 @@ BOTH_MODES = "both"
 # Seconds a tensor-parallel collective (the step broadcast, an all-reduce) may wait for a rank
 # before the engine ends with `WorkerFailedError` naming it (`engine/parallel/`).
 DEFAULT_DISTRIBUTED_TIMEOUT_S = 300.0
+# Share of the KV blocks freed prefix chains may hold protected (`docs/DESIGN.md`, "Protected
+# chains"; measured in BENCHMARKS.md).
+DEFAULT_PROTECTED_PREFIX_FRACTION = 0.75
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class SchedulerLimits:
     hold_waiting_prefixes: bool = True
     tail_replay: bool = True
     token_tails: bool = True
+    protected_prefix_fraction: float = DEFAULT_PROTECTED_PREFIX_FRACTION
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,9 @@ class EngineConfig:
     `token_tails`: a finished request's last, partly filled block stays cached under a key of
     exactly its tokens, so the next turn of a conversation hits every token the previous turn
     computed, not only whole blocks (docs/DESIGN.md, "Token tails");
+    `protected_prefix_fraction`: the share of the KV blocks that finished requests' cached
+    prefixes may hold in a free tier evicted last, so conversations served round-robin beyond
+    what the cache holds keep hitting (0: plain LRU; docs/DESIGN.md, "Protected chains");
     `generation_config`: "auto" (the model folder's `generation_config.json`: EOS ids and
     default sampling values), "vllm" (the engine's sampling defaults) or a folder to read it
     from (`generation_config.py`); `tokenizer`: a tokenizer folder instead of the model
@@ -121,6 +128,7 @@ class EngineConfig:
     hold_waiting_prefixes: bool = True
     tail_replay: bool = True
     token_tails: bool = True
+    protected_prefix_fraction: float = DEFAULT_PROTECTED_PREFIX_FRACTION
     # The runtime.
     dtype: Union[str, torch.dtype] = "auto"
     device: Union[str, torch.device, None] = None
@@ -219,6 +227,16 @@ class EngineConfig:
         )
         check_bool(self.tail_replay, "--tail-replay", EngineConfigError, _hint("tail_replay"))
         check_bool(self.token_tails, "--token-tails", EngineConfigError, _hint("token_tails"))
+        fraction = self.protected_prefix_fraction
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, (int, float))
+            or not 0.0 <= fraction <= 1.0
+        ):
+            raise EngineConfigError(
+                f"--protected-prefix-fraction must be a number from 0 to 1 (0: plain LRU "
+                f"eviction), got {fraction!r}" + _hint("protected_prefix_fraction")
+            )
         check_bool(
             self.enforce_eager,
             "--enforce-eager: enforce_eager",
@@ -316,6 +334,7 @@ class EngineConfig:
             hold_waiting_prefixes=self.hold_waiting_prefixes,
             tail_replay=self.tail_replay,
             token_tails=self.token_tails,
+            protected_prefix_fraction=float(self.protected_prefix_fraction),
         )
 
 
@@ -461,6 +480,14 @@ def add_engine_arguments(
         default=defaults.get("token_tails", True),
         help="keep a finished request's last, partly filled block cached, so the next turn of "
         "a conversation hits every computed token instead of whole blocks only",
+    )
+    add(
+        "protected_prefix_fraction",
+        "--protected-prefix-fraction",
+        type=float,
+        help="share of the KV blocks finished requests' cached prefixes may hold in a free tier "
+        "evicted last, so conversations served round-robin beyond what the cache holds keep "
+        "hitting (0: plain LRU)",
     )
     if not plan_only:
         parser.add_argument(

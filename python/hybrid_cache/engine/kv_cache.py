@@ -38,6 +38,7 @@ class KVCacheManager:
         hash_seed: int = 0,
         tail_replay: bool = True,
         token_tails: bool = True,
+        protected_fraction: float = 0.0,
     ) -> KVCacheManager:
         """A manager for the planner's layout (its groups, in group-id order, and pool size);
         with `tail_replay`, hits may replay a lost window tail where the layout allows it; with
@@ -53,6 +54,7 @@ class KVCacheManager:
             hash_seed,
             tail_replay_tokens=layout.tail_replay_tokens() if tail_replay else None,
             token_tails=token_tails,
+            protected_blocks=int(protected_fraction * layout.num_blocks) or None,
         )
 
     def __init__(
@@ -66,6 +68,7 @@ class KVCacheManager:
         hash_seed: int = 0,
         tail_replay_tokens: Optional[int] = None,
         token_tails: bool = False,
+        protected_blocks: Optional[int] = None,
     ) -> None:
         self.groups: list[_core.GroupSpec] = list(groups)
         # R of the core's tail replay (None: off); see `replay_frontier`.
@@ -83,6 +86,7 @@ class KVCacheManager:
             hash_seed=hash_seed,
             tail_replay_tokens=self.tail_replay_tokens,
             token_tails=token_tails,
+            protected_blocks=protected_blocks,
         )
         self.core_ids: dict[str, int] = {}
         self.rows: dict[str, int] = {}

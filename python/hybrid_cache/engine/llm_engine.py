@@ -80,6 +80,7 @@ class LLMEngine:
             hash_seed=seed,
             tail_replay=limits.tail_replay,
             token_tails=limits.token_tails,
+            protected_fraction=limits.protected_prefix_fraction,
         )
         self.scheduler: Scheduler = Scheduler(
             self.kv_cache,

@@ -9,8 +9,8 @@ use crate::types::{BlockId, CacheKey, PoolStats};
 
 /// Where a freed block that still carries a cache key waits for reuse. Allocation takes free
 /// blocks without a key first (they hold nothing anyone can hit), then `Low` ones, then
-/// `Normal` ones; oldest first within each. A block freed without a key always joins the first
-/// queue, whatever the tier asked for.
+/// `Normal` ones, then `High` ones; oldest first within each. A block freed without a key
+/// always joins the first queue, whatever the tier asked for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum FreeTier {
     /// Worth less than the rest: e.g. a windowed block no hit point near the request's end needs.
@@ -18,21 +18,25 @@ pub enum FreeTier {
     /// The default.
     #[default]
     Normal,
+    /// Expected to be hit again soon: the blocks of a request that still waits to run (a
+    /// preempted request, a waiting request's hold given back).
+    High,
 }
 
 impl FreeTier {
-    /// Index of the free queue a block joins: 0 without a key, 1 `Low`, 2 `Normal`.
+    /// Index of the free queue a block joins: 0 without a key, 1 `Low`, 2 `Normal`, 3 `High`.
     pub(crate) fn queue(self, cached: bool) -> usize {
         match (cached, self) {
             (false, _) => 0,
             (true, FreeTier::Low) => 1,
             (true, FreeTier::Normal) => 2,
+            (true, FreeTier::High) => 3,
         }
     }
 }
 
 /// Free queues of a pool, in eviction order (see [`FreeTier`]).
-pub(crate) const NUM_FREE_QUEUES: usize = 3;
+pub(crate) const NUM_FREE_QUEUES: usize = 4;
 
 pub trait BlockAllocator: Send + Sync {
     /// Blocks in the pool, the null block included.
@@ -42,8 +46,8 @@ pub trait BlockAllocator: Send + Sync {
     fn num_free_blocks(&self) -> usize;
 
     /// All-or-nothing: takes `count` blocks from the front of the free queues (blocks without a
-    /// key first, then [`FreeTier::Low`], then [`FreeTier::Normal`]; least recently freed first
-    /// within each), each with ref count 1, and appends them to `out`. A block taken that still
+    /// key first, then [`FreeTier::Low`], [`FreeTier::Normal`], [`FreeTier::High`]; least
+    /// recently freed first within each), each with ref count 1, and appends them to `out`. A block taken that still
     /// carries a cache key loses it (lazy eviction). Asking for more than are free returns
     /// `CoreError::NoFreeBlocks` and takes nothing.
     fn get_new_blocks(&self, count: usize, out: &mut Vec<BlockId>) -> Result<(), CoreError>;

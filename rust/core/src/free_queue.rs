@@ -1,5 +1,5 @@
 //! The LRU free queue: lock-free FIFOs of `(block, generation)` entries with lazy deletion, one
-//! per eviction tier (keyless blocks, then `FreeTier::Low`, then `FreeTier::Normal`), and a
+//! per eviction tier (keyless blocks, then `FreeTier::Low`, `Normal`, `High`), and a
 //! counter of the free blocks that may be handed out.
 //!
 //! # Algorithm

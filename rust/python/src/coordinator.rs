@@ -170,7 +170,7 @@ impl PyCoordinator {
     #[pyo3(signature = (
         num_blocks, groups, max_num_reqs, max_model_len, max_num_batched_tokens,
         enable_prefix_caching=true, hash_algo="xxh3", hash_seed=0, tail_replay_tokens=None,
-        token_tails=false
+        token_tails=false, protected_blocks=None
     ))]
     #[allow(clippy::too_many_arguments)] // mirrors the Python signature in _core.pyi
     fn new(
@@ -184,6 +184,7 @@ impl PyCoordinator {
         hash_seed: u64,
         tail_replay_tokens: Option<i64>,
         token_tails: bool,
+        protected_blocks: Option<i64>,
     ) -> PyResult<Self> {
         let hash = match hash_algo {
             "xxh3" => HashAlgo::Xxh3,
@@ -210,6 +211,10 @@ impl PyCoordinator {
             .transpose()?;
         inner.set_tail_replay(replay).map_err(to_py)?;
         inner.set_token_tails(token_tails);
+        let protected = protected_blocks
+            .map(|blocks| size("protected_blocks", blocks))
+            .transpose()?;
+        inner.set_protected_blocks(protected);
         Ok(PyCoordinator { inner })
     }
 

@@ -182,10 +182,25 @@ impl<P: BlockAllocator> Coordinator<P> {
 
         // 2. Touch the hit.
         if let Some(hit) = &hit {
+            if let Some(protected) = &mut self.protected {
+                for &block in hit.rows.iter().flatten() {
+                    if block != NULL_BLOCK && self.pool.ref_count(block) == 0 {
+                        protected.reused(block);
+                    }
+                }
+            }
             if !touch_hit(&self.pool, hit, &key_of, &mut state.copy_sources) {
                 // Evicted between the lookup and now (only with a pool shared across threads):
                 // the request must look its hit up again.
                 return Ok(false);
+            }
+            if let Some(protected) = &mut self.protected {
+                let rows = hit.rows.iter().flatten();
+                for &block in rows.chain(&state.copy_sources) {
+                    if block != NULL_BLOCK {
+                        protected.left(block);
+                    }
+                }
             }
             state.hit_tokens = hit.num_tokens;
             state.replay_frontier = hit.frontier;
@@ -236,7 +251,7 @@ impl<P: BlockAllocator> Coordinator<P> {
                 };
                 match tier {
                     FreeTier::Low => low.push(block),
-                    FreeTier::Normal => scratch.push(block),
+                    FreeTier::Normal | FreeTier::High => scratch.push(block),
                 }
             }
             let released = release_nulls(manager.as_ref(), blocks, computed);
@@ -270,6 +285,11 @@ impl<P: BlockAllocator> Coordinator<P> {
             self.scratch = scratch;
             self.dirty_from = dirty_from;
             return Ok(false);
+        }
+        if let Some(protected) = &mut self.protected {
+            for &block in &scratch {
+                protected.left(block);
+            }
         }
 
         // 5. Hand them out, mirror into the table, cache.

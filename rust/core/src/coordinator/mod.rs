@@ -43,6 +43,7 @@ mod config;
 mod eviction_order;
 mod hit_stats;
 mod keys;
+mod protect;
 mod request;
 mod table;
 mod tails;
@@ -55,7 +56,7 @@ pub use table::{BlockTable, RowRef};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::allocator::BlockAllocator;
+use crate::allocator::{BlockAllocator, FreeTier};
 use crate::error::CoreError;
 use crate::hashing::{BlockHasher, ExtraKeys};
 use crate::manager::{AdmissionLimits, AttentionManager, GroupBlocks};
@@ -122,6 +123,8 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     order_scratch: Vec<(usize, BlockId)>,
     /// Scratch: window-released blocks that join the `Low` free tier.
     low_scratch: Vec<BlockId>,
+    /// Scratch: a freed request's blocks with the keys they are cached under (protection).
+    keyed_scratch: Vec<(BlockId, CacheKey)>,
     /// Scratch: per group, the first table entry an `allocate` changed.
     dirty_from: Vec<usize>,
     /// Page copies hits asked for since the caller last took them (`take_block_copies`).
@@ -143,6 +146,8 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     replay_exact_after: usize,
     /// The token tails cached so far (`set_token_tails`); `None`: tails are off.
     tails: Option<tails::TailIndex>,
+    /// The protected free blocks (`set_protected_blocks`); `None`: none are.
+    protected: Option<protect::Protected>,
 }
 
 /// A cached full block one of whose keys a hit may end at (see `Coordinator::prefix_index`).
@@ -222,6 +227,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             scratch: Vec::new(),
             order_scratch: Vec::new(),
             low_scratch: Vec::new(),
+            keyed_scratch: Vec::new(),
             dirty_from: Vec::new(),
             block_copies: Vec::new(),
             prefix_index: HashMap::new(),
@@ -230,6 +236,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             tail_replay_tokens: None,
             replay_exact_after: 0,
             tails: None,
+            protected: None,
         })
     }
 
@@ -398,36 +405,39 @@ impl<P: BlockAllocator> Coordinator<P> {
             .ok_or(CoreError::UnknownRequest { request_id })?;
         let mut freed = std::mem::take(&mut self.scratch);
         freed.clear();
+        let mut keyed = std::mem::take(&mut self.keyed_scratch);
+        keyed.clear();
         if self.config.enable_prefix_caching {
             Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
             let computed = state.num_allocated.min(state.tokens.len());
             for (group, manager) in self.managers.iter().enumerate() {
                 let keys = self.keys.keys(&state.hash_chains, group);
-                let cached = match &mut self.tails {
+                let blocks = &state.groups[group];
+                let block_size = manager.block_size();
+                let tail = match &mut self.tails {
                     Some(index) => tails::cache_token_tail(
                         &self.pool,
                         index,
                         &self.hasher,
                         keys,
-                        &state.groups[group],
-                        manager.block_size(),
+                        blocks,
+                        block_size,
                         &state.tokens,
                         &state.extra,
                         computed,
                     ),
-                    None => keys::cache_partial_tail(
-                        &self.pool,
-                        &mut self.seen_keys,
-                        keys,
-                        &state.groups[group],
-                        manager.block_size(),
-                        computed,
-                    ),
+                    None => {
+                        let seen = &mut self.seen_keys;
+                        keys::cache_partial_tail(
+                            &self.pool, seen, keys, blocks, block_size, computed,
+                        )
+                        .map(|()| None)
+                    }
                 };
-                debug_assert!(
-                    cached.is_ok(),
-                    "the request holds its tail block: {cached:?}"
-                );
+                debug_assert!(tail.is_ok(), "the request holds its tail block: {tail:?}");
+                if self.protected.is_some() {
+                    protect::keyed_blocks(keys, blocks, tail.ok().flatten(), &mut keyed);
+                }
             }
             eviction_order::retouch_hit_points(
                 &self.pool,
@@ -437,12 +447,41 @@ impl<P: BlockAllocator> Coordinator<P> {
                 self.hit_alignment,
                 &mut self.order_scratch,
             );
+            if let Some(protected) = &mut self.protected {
+                for &(_, block) in &self.order_scratch {
+                    protected.left(block);
+                }
+            }
         } else {
             self.order_scratch.clear();
         }
+        let mut result = Ok(());
+        if self.protected.is_some() && !self.order_scratch.is_empty() {
+            // The windows of its hit points are no chain a later turn continues: plain LRU.
+            self.order_scratch
+                .sort_by_key(|&(end, _)| std::cmp::Reverse(end));
+            freed.extend(self.order_scratch.drain(..).map(|(_, block)| block));
+            result = self.pool.free_blocks(&freed);
+            freed.clear();
+        }
         eviction_order::order_for_free(&self.managers, state, &mut self.order_scratch, &mut freed);
         freed.extend_from_slice(&state.copy_sources);
-        let result = self.pool.free_blocks(&freed);
+        let protect = match &mut self.protected {
+            Some(protected) => protected.admits(&self.pool, keyed.len()),
+            None => false,
+        };
+        let tier = if protect {
+            FreeTier::High
+        } else {
+            FreeTier::Normal
+        };
+        if result.is_ok() {
+            result = self.pool.free_blocks_to(&freed, tier);
+        }
+        if let (Some(protected), true, Ok(())) = (&mut self.protected, protect, &result) {
+            protected.joined(&self.pool, &keyed);
+        }
+        self.keyed_scratch = keyed;
         self.scratch = freed;
         if let Err(error) = result {
             debug_assert!(false, "freeing a request's held blocks failed: {error}");
@@ -497,6 +536,9 @@ impl<P: BlockAllocator> Coordinator<P> {
             self.prefix_index.clear();
             if let Some(tails) = &mut self.tails {
                 tails.clear();
+            }
+            if let Some(protected) = &mut self.protected {
+                protected.clear();
             }
         }
         reset
@@ -566,6 +608,19 @@ impl<P: BlockAllocator> Coordinator<P> {
                 .take()
                 .unwrap_or_else(|| tails::TailIndex::new(self.config.num_blocks))
         });
+    }
+
+    /// Protects freed chains against cyclic reuse (see `protect`): a freed request whose blocks
+    /// fit under `budget` protected free blocks joins the `High` free tier, evicted after every
+    /// other free block. `None` (the default): every freed request joins `Normal` (plain LRU).
+    pub fn set_protected_blocks(&mut self, budget: Option<usize>) {
+        self.protected =
+            budget.map(|budget| protect::Protected::new(self.config.num_blocks, budget));
+    }
+
+    /// Free blocks currently protected (`set_protected_blocks`), as the coordinator counts them.
+    pub fn num_protected_blocks(&self) -> usize {
+        self.protected.as_ref().map_or(0, protect::Protected::count)
     }
 
     /// The full-attention hit point of the tail replay the request's hit took (0 without one):

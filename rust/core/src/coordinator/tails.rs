@@ -147,8 +147,8 @@ pub(super) fn parent_hash(
 }
 
 /// When a request is freed with `num_computed` tokens computed: caches the block its row in
-/// this group ends inside under the tail key, and records it in `index`. Nothing when the
-/// computed tokens end on a block boundary or the block was released.
+/// this group ends inside under the tail key, and records it in `index`; returns the block and
+/// its key. Nothing when the computed tokens end on a block boundary or the block was released.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn cache_token_tail<P: BlockAllocator>(
     pool: &P,
@@ -160,9 +160,9 @@ pub(super) fn cache_token_tail<P: BlockAllocator>(
     tokens: &[u32],
     extra: &ExtraKeys,
     num_computed: usize,
-) -> Result<(), CoreError> {
+) -> Result<Option<(BlockId, CacheKey)>, CoreError> {
     if num_computed.is_multiple_of(block_size) || num_computed > tokens.len() {
-        return Ok(());
+        return Ok(None);
     }
     let block_index = num_computed / block_size;
     let block: BlockId = blocks
@@ -171,27 +171,24 @@ pub(super) fn cache_token_tail<P: BlockAllocator>(
         .copied()
         .unwrap_or(NULL_BLOCK);
     if block == NULL_BLOCK {
-        return Ok(());
+        return Ok(None);
     }
     let (Some(parent), Some(key)) = (
         parent_hash(hasher, keys, block_index),
         tail_key(hasher, keys, block_size, tokens, extra, num_computed),
     ) else {
-        return Ok(());
+        return Ok(None);
     };
-    if pool.cache_block(block, key)? {
-        let parent = CacheKey {
-            group: keys.group as GroupId,
-            hash: parent,
-        };
-        index.insert(
-            pool,
-            parent,
-            num_computed - block_index * block_size,
-            key.hash,
-        );
+    if !pool.cache_block(block, key)? {
+        return Ok(None);
     }
-    Ok(())
+    let parent = CacheKey {
+        group: keys.group as GroupId,
+        hash: parent,
+    };
+    let tail_tokens = num_computed - block_index * block_size;
+    index.insert(pool, parent, tail_tokens, key.hash);
+    Ok(Some((block, key)))
 }
 
 /// A hit ending on token tails (see the module docs), in the shape of a pending hit.
