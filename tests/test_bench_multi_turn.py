@@ -180,6 +180,34 @@ def test_lpm_admission_and_holds_keep_the_histories_first_come_first_served_evic
     assert rates["fcfs", True] > rates["fcfs", False] + 0.2, rates
 
 
+def test_protected_chains_keep_round_robin_sessions_hitting_where_lru_flushes() -> None:
+    """12 sessions served one at a time (`max_num_seqs` 1: nothing waits holding a hit), a pool
+    of a third of what uniform needs (BENCHMARKS.md, "Protected chains"): plain LRU evicts each
+    history just before its session comes back, so only the system prompt hits after the first
+    turns; protected chains keep a fixed subset of the sessions whole."""
+    shape = MultiTurnShape(
+        num_sessions=12, num_turns=4, system_len=64, turn_input_len=96, output_len=32
+    )
+    rates = {}
+    for fraction in (0.0, 0.75):
+        settings = BenchSettings.for_multi_turn(
+            "tiny-gpt-oss",
+            shape,
+            kv_cache_memory="2.25MiB",
+            max_num_seqs=1,
+            hf_overrides={"sliding_window": 64},
+            protected_prefix_fraction=fraction,
+        )
+        result = simulate_mode(settings, "hybrid")
+        assert result.num_requests == 48
+        rates[fraction] = result.reuse
+    lru, protected = rates[0.0], rates[0.75]
+    # LRU: the last turn hits little beyond the system prompt (64 of ~447 tokens a session).
+    assert lru.turns[3].hit_rate < 0.2, lru.to_dict()
+    assert protected.turns[3].hit_rate > 0.5, protected.to_dict()
+    assert protected.hit_rate > lru.hit_rate + 0.3
+
+
 def test_the_default_layout_reuses_as_much_as_equal_groups_in_a_tight_pool() -> None:
     """The multi-turn benchmark of BENCHMARKS.md at a sixth of uniform's memory: with per-type
     blocks (80 tokens for the full-attention layer) each history costs more pages (its last

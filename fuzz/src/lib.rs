@@ -32,9 +32,10 @@
 //!   hold the request's tokens, its windowed blocks are fresh, and the windowed blocks it
 //!   computes from a partial window are recorded as holding nobody's tokens, so a hit that ever
 //!   hands one out fails the content check;
-//! - with token tails on (`run_tail_ops`, replay too where allowed): the block a tail hit ends
-//!   inside holds the request's tokens up to the hit (the same content check as any hit ending
-//!   inside a block).
+//! - with token tails on (`run_tail_ops`, protected chains and replay too where allowed): the
+//!   block a tail hit ends inside holds the request's tokens up to the hit (the same content
+//!   check as any hit ending inside a block); protected chains and their demotions keep every
+//!   check above (the LRU checks read the pool's own queue order).
 //!
 //! A violation panics (libFuzzer records it as a crash with the input).
 
@@ -153,8 +154,9 @@ pub fn run_replay_ops<P: BlockAllocator>(
     run_ops_in(data, make_pool, true, false).replays
 }
 
-/// `run_ops` with token tails on (`Coordinator::set_token_tails`), and tail replay as in
-/// `run_replay_ops`. Returns the lookups whose hit ended on token tails.
+/// `run_ops` with token tails on (`Coordinator::set_token_tails`), protected chains
+/// (`set_protected_blocks`) and tail replay as in `run_replay_ops`. Returns the lookups whose
+/// hit ended on token tails.
 pub fn run_tail_ops<P: BlockAllocator>(
     data: &[u8],
     make_pool: impl Fn(usize) -> Result<P, CoreError>,
@@ -189,6 +191,12 @@ fn run_ops_in<P: BlockAllocator>(
         }
     };
     coordinator.set_token_tails(tails);
+    // Protected chains with token tails: half the pool (the input's second byte picks a
+    // smaller budget sometimes, so both admission and demotion happen).
+    if tails {
+        let budget = config.num_blocks / (1 + usize::from(data.get(1).copied().unwrap_or(0) % 4));
+        coordinator.set_protected_blocks(Some(budget));
+    }
     assert!(valid, "an invalid config was accepted: {config:?}");
     let replay_tokens = if replay {
         replay_tokens(&config, data.first().copied().unwrap_or(0))

@@ -160,23 +160,26 @@ fn spare_copy_is_found_once_the_first_is_evicted<P: Pool>() {
 }
 
 /// Eviction order over the tiers: keyless free blocks first, then cached blocks freed `Low`,
-/// then `Normal` ones, oldest first within each; a keyless block asked into `Normal` still
-/// goes first. Reused blocks come back keyless; `reset_prefix_cache` leaves the order as it is.
+/// then `Normal` ones, then `High` ones, oldest first within each; a keyless block asked into
+/// `Normal` or `High` still goes first. Reused blocks come back keyless; `reset_prefix_cache`
+/// leaves the order as it is.
 fn keyless_blocks_go_first_then_low_then_normal<P: Pool>() {
-    let pool = P::with_blocks(7);
+    let pool = P::with_blocks(9);
     let mut out = Vec::new();
-    pool.get_new_blocks(6, &mut out).unwrap();
-    for block in [1, 2, 3, 4] {
+    pool.get_new_blocks(8, &mut out).unwrap();
+    for block in [1, 2, 3, 4, 7] {
         assert!(pool.cache_block(block, key(0, block as u128)).unwrap());
     }
+    pool.free_blocks_to(&[7], FreeTier::High).unwrap();
     pool.free_blocks_to(&[1], FreeTier::Normal).unwrap();
     pool.free_blocks_to(&[2, 5], FreeTier::Low).unwrap();
     pool.free_blocks_to(&[3, 6], FreeTier::Normal).unwrap();
     pool.free_blocks_to(&[4], FreeTier::Low).unwrap();
-    assert_eq!(pool.free_queue_order(), vec![5, 6, 2, 4, 1, 3]);
+    pool.free_blocks_to(&[8], FreeTier::High).unwrap();
+    assert_eq!(pool.free_queue_order(), vec![5, 6, 8, 2, 4, 1, 3, 7]);
     out.clear();
-    pool.get_new_blocks(3, &mut out).unwrap();
-    assert_eq!(out, vec![5, 6, 2]);
+    pool.get_new_blocks(4, &mut out).unwrap();
+    assert_eq!(out, vec![5, 6, 8, 2]);
     assert_eq!(pool.stats().num_evictions, 1);
     assert_eq!(
         pool.cached_block(key(0, 1)),
@@ -185,7 +188,7 @@ fn keyless_blocks_go_first_then_low_then_normal<P: Pool>() {
     );
     pool.free_blocks(&out).unwrap();
     assert!(pool.reset_prefix_cache());
-    assert_eq!(pool.free_queue_order(), vec![5, 6, 2, 4, 1, 3]);
+    assert_eq!(pool.free_queue_order(), vec![5, 6, 8, 2, 4, 1, 3, 7]);
 }
 
 /// The same free cached block touched and freed again many times (enough rounds to cross

@@ -1,0 +1,115 @@
+//! Protected chains: conversations served round-robin beyond what the pool holds keep hitting.
+
+use hybrid_cache_core::{
+    AllocateStep, AttentionKind, BlockAllocator, Coordinator, CoordinatorConfig, ExtraKeys,
+    GroupSpec, HashAlgo, NewRequest,
+};
+
+/// One full-attention group, blocks of 4 tokens, 24 usable blocks.
+fn coordinator(protected: Option<usize>) -> Coordinator {
+    let mut c = Coordinator::new(CoordinatorConfig {
+        num_blocks: 25,
+        groups: vec![GroupSpec {
+            kind: AttentionKind::Full,
+            block_size: 4,
+        }],
+        max_num_reqs: 4,
+        max_model_len: 256,
+        max_num_batched_tokens: 64,
+        enable_prefix_caching: true,
+        hash: HashAlgo::Xxh3,
+        hash_seed: 0,
+    })
+    .unwrap();
+    c.set_protected_blocks(protected);
+    c
+}
+
+/// Runs `tokens` as request `id` (its hit, then the rest in one step), frees it; returns the hit.
+fn run(c: &mut Coordinator, id: u64, tokens: &[u32]) -> usize {
+    c.add_request(NewRequest {
+        request_id: id,
+        prompt_token_ids: tokens,
+        max_total_tokens: None,
+        extra: ExtraKeys::default(),
+    })
+    .unwrap();
+    let hit = c.find_cache_hit(id).unwrap();
+    assert!(c
+        .allocate(AllocateStep {
+            request_id: id,
+            num_computed_tokens: hit,
+            num_new_tokens: tokens.len() - hit,
+        })
+        .unwrap());
+    c.free_request(id).unwrap();
+    hit
+}
+
+/// Eight "conversations" of 16 tokens (4 blocks each, 32 in all) served round-robin over 24
+/// blocks, six rounds; returns the hit tokens per round.
+fn round_robin(c: &mut Coordinator) -> Vec<usize> {
+    let prompt = |session: u32| -> Vec<u32> { (0..17).map(|i| 1000 * session + i).collect() };
+    let mut id = 0;
+    (0..6)
+        .map(|_| {
+            (0..8)
+                .map(|session| {
+                    id += 1;
+                    run(c, id, &prompt(session))
+                })
+                .sum()
+        })
+        .collect()
+}
+
+#[test]
+fn plain_lru_misses_every_round_of_a_loop_larger_than_the_pool() {
+    let mut c = coordinator(None);
+    assert!(round_robin(&mut c).iter().all(|&hit| hit == 0));
+}
+
+#[test]
+fn protected_chains_keep_hitting_round_after_round() {
+    // A budget of 16 blocks: four of the eight conversations (5 blocks each, the 17th token's
+    // block included) stay protected; the others cycle through what is left.
+    let mut c = coordinator(Some(16));
+    let hits = round_robin(&mut c);
+    assert_eq!(hits[0], 0);
+    for &hit in &hits[1..] {
+        assert!(
+            hit >= 3 * 16,
+            "rounds after the first hit protected chains: {hits:?}"
+        );
+    }
+    assert!(c.num_protected_blocks() <= 16);
+}
+
+#[test]
+fn a_protected_chain_nobody_hits_is_demoted_to_lru_order() {
+    // A budget of 2 blocks: request 1's two cached blocks fill it.
+    let mut c = coordinator(Some(2));
+    let first: Vec<u32> = (0..8).collect();
+    run(&mut c, 1, &first);
+    assert_eq!(c.num_protected_blocks(), 2);
+    let order = c.pool().free_queue_order();
+    let protected: Vec<u32> = order[order.len() - 2..].to_vec();
+    // 18 more frees that never hit it (3 tokens: no full block to cache): it is demoted.
+    for id in 2..20 {
+        let other: Vec<u32> = (0..3).map(|i| 5000 + 10 * id as u32 + i).collect();
+        run(&mut c, id, &other);
+    }
+    assert_eq!(c.num_protected_blocks(), 0);
+    // The budget is free again: the next chain is protected, and evicted after request 1's
+    // (without demotion it would not fit and would be evicted first).
+    let second: Vec<u32> = (100..108).collect();
+    run(&mut c, 20, &second);
+    assert_eq!(c.num_protected_blocks(), 2);
+    let order = c.pool().free_queue_order();
+    let position = |block: u32| order.iter().position(|&b| b == block).unwrap();
+    let newest = &order[order.len() - 2..];
+    assert!(protected.iter().all(|&b| !newest.contains(&b)));
+    assert!(protected.iter().all(|&b| position(b) < position(newest[0])));
+    // Still cached: demotion moves a block, it does not evict it.
+    assert_eq!(run(&mut c, 100, &(0..9).collect::<Vec<u32>>()), 8);
+}
