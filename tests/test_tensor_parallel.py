@@ -43,6 +43,9 @@ ENGINE = dict(
     enable_prefix_caching=True,
     dtype="float32",
     device="cpu",
+    # Plain LRU: in a pool this small protected chains change which cached blocks survive,
+    # and with them whether Mistral's run preempts at all (the preemption path is tested here).
+    protected_prefix_fraction=0.0,
 )
 ABORT_AT_STEP = 4
 ABORTED = "w1-2"

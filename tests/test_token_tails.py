@@ -9,12 +9,19 @@ inside a block. Turn 2 resends the prompt, the 8 outputs and 10 new tokens.
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 from hybrid_cache import _core
+from hybrid_cache.engine.engine_config import (
+    EngineConfig,
+    add_engine_arguments,
+    engine_config_from_args,
+)
 from hybrid_cache.engine.llm import LLM
 from hybrid_cache.engine.sampling_params import SamplingParams
+from hybrid_cache.errors import EngineConfigError
 
 from tests.test_engine_llm import TinyModel, assert_all_blocks_free, make_prompts
 
@@ -96,3 +103,32 @@ def test_a_third_turn_hits_the_second_turn_s_tail_after_writing_into_the_first_s
         history_cold = history_cold + list(out_cold.outputs[0].token_ids) + new
         history = history + list(out.outputs[0].token_ids) + new
     assert llm.stats.num_token_tail_hits == 2
+
+
+def test_the_flags_are_checked_and_reach_the_engine():
+    with pytest.raises(EngineConfigError, match="token-tails"):
+        EngineConfig("tiny-gemma3", token_tails="yes")
+    for bad in (-0.1, 1.5, float("nan"), True, "half"):
+        with pytest.raises(EngineConfigError, match="protected-prefix-fraction must be a number"):
+            EngineConfig("tiny-gemma3", protected_prefix_fraction=bad)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    config = engine_config_from_args(parser.parse_args(["--model", "tiny-gemma3"]))
+    assert config.token_tails and config.protected_prefix_fraction == 0.75
+    args = parser.parse_args(
+        ["--model", "tiny-gemma3", "--no-token-tails", "--protected-prefix-fraction", "0"]
+    )
+    config = engine_config_from_args(args)
+    assert config.token_tails is False and config.protected_prefix_fraction == 0.0
+
+
+def test_an_engine_protects_finished_prefixes_up_to_its_budget(tiny):
+    first, _ = turns()
+    llm = tiny.llm(protected_prefix_fraction=0.5)
+    run(llm, first)
+    coordinator = llm.engine.kv_cache.coordinator
+    protected = coordinator.num_protected_blocks()
+    assert 0 < protected <= llm.engine.kv_cache.num_blocks // 2
+    off = tiny.llm(protected_prefix_fraction=0.0)
+    run(off, first)
+    assert off.engine.kv_cache.coordinator.num_protected_blocks() == 0

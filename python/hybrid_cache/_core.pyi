@@ -104,6 +104,7 @@ class Coordinator:
         hash_seed: int = 0,
         tail_replay_tokens: Optional[int] = None,
         token_tails: bool = False,
+        protected_blocks: Optional[int] = None,
     ) -> None:
         """`tail_replay_tokens` (R): let a hit replay a lost window tail, keeping the
         full-attention blocks up to their hit point F and starting the windowed groups over at
@@ -111,7 +112,11 @@ class Coordinator:
         hit; R is the sum of W - 1 over the windowed layers. None: no replay.
         `token_tails`: a freed request's last, partly filled block in each group stays cached
         under a key of exactly its tokens, and a hit may end there, inside a block (the next
-        turn of a conversation hits every token the previous turn computed)."""
+        turn of a conversation hits every token the previous turn computed).
+        `protected_blocks`: a freed request's cached blocks join a free tier evicted last while
+        they fit this many blocks; protected blocks not hit within twice the reuse distance
+        seen lately are moved back to LRU order (conversations served round-robin beyond the
+        pool's size keep hitting). None: plain LRU."""
     @property
     def num_groups(self) -> int: ...
     @property
@@ -201,6 +206,9 @@ class Coordinator:
         """(src, dst) page copies the allocations since the last call asked for: the caller
         copies page src into page dst in every layer slot before running the step. A hit that
         ends inside a block another request uses gets a new block holding such a copy."""
+    def num_protected_blocks(self) -> int:
+        """Free blocks currently protected (`protected_blocks`), as the coordinator counts
+        them."""
     def reset_prefix_cache(self) -> bool: ...
     def stats(self) -> dict[str, Any]:
         """num_blocks, num_free_blocks, num_cached_blocks, num_spare_blocks, num_evictions,

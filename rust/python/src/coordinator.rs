@@ -436,6 +436,10 @@ impl PyCoordinator {
             .collect()
     }
 
+    fn num_protected_blocks(&self) -> usize {
+        self.inner.num_protected_blocks()
+    }
+
     fn reset_prefix_cache(&mut self) -> bool {
         self.inner.reset_prefix_cache()
     }
