@@ -149,9 +149,10 @@ class Coordinator:
     ) -> None:
         """One sampled token per request (a decode step) in one call; validated as a whole
         first (known ids, no id twice, room below max_model_len): an error changes nothing."""
-    def find_cache_hit(self, request_id: int) -> int:
-        """Longest prefix (tokens) every group can hit; multiple of the lcm of block sizes and at
-        most len(tokens) - 1. Stored as the request's pending hit; nothing is touched."""
+    def find_cache_hit(self, request_id: int, max_tokens: Optional[int] = None) -> int:
+        """Longest prefix (tokens) every group can hit, at most len(tokens) - 1 and
+        `max_tokens`; a multiple of the lcm of block sizes unless it ends on token tails. Stored
+        as the request's pending hit; nothing is touched."""
     def replay_frontier(self, request_id: int) -> int:
         """F of the tail replay the request's hit took (0 without one): until its computed
         tokens reach F, full-attention KV below F must be read, never written."""

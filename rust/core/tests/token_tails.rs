@@ -249,3 +249,30 @@ fn a_reset_forgets_the_tails() {
     add(&mut c, 2, &prompt);
     assert_eq!(c.find_cache_hit(2).unwrap(), 0);
 }
+
+#[test]
+fn a_lookup_within_a_limit_takes_a_shorter_hit() {
+    let mut c = coordinator(true);
+    let history = tokens(100, 10);
+    first_turn(&mut c, &history);
+    let mut prompt = history;
+    prompt.extend(tokens(500, 5));
+    add(&mut c, 2, &prompt);
+    for (limit, expected) in [
+        (Some(10), 10),
+        (Some(9), 8),
+        (Some(5), 4),
+        (Some(0), 0),
+        (None, 10),
+    ] {
+        assert_eq!(
+            c.find_cache_hit_within(2, limit).unwrap(),
+            expected,
+            "{limit:?}"
+        );
+    }
+    // The pending hit is the last lookup's: a shorter one is taken whole.
+    assert_eq!(c.find_cache_hit_within(2, Some(6)).unwrap(), 4);
+    assert!(allocate(&mut c, 2, 4, 11));
+    assert_eq!(c.request_blocks(2, FULL).unwrap().len(), 4);
+}

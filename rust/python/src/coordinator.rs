@@ -315,9 +315,15 @@ impl PyCoordinator {
             .map_err(to_py)
     }
 
-    fn find_cache_hit(&mut self, request_id: i64) -> PyResult<usize> {
+    #[pyo3(signature = (request_id, max_tokens=None))]
+    fn find_cache_hit(&mut self, request_id: i64, max_tokens: Option<i64>) -> PyResult<usize> {
         let request_id = crate::convert::request_id(request_id)?;
-        self.inner.find_cache_hit(request_id).map_err(to_py)
+        let max_tokens = max_tokens
+            .map(|tokens| size("max_tokens", tokens))
+            .transpose()?;
+        self.inner
+            .find_cache_hit_within(request_id, max_tokens)
+            .map_err(to_py)
     }
 
     fn replay_frontier(&self, request_id: i64) -> PyResult<usize> {

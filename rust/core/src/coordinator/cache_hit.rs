@@ -51,6 +51,18 @@ impl<P: BlockAllocator> Coordinator<P> {
     /// (applied by the next `allocate`); nothing in the pool is touched. 0 when prefix caching
     /// is off. Only valid before the request's first `allocate`.
     pub fn find_cache_hit(&mut self, request_id: u64) -> Result<usize, CoreError> {
+        self.find_cache_hit_within(request_id, None)
+    }
+
+    /// `find_cache_hit` for a hit of at most `max_tokens` tokens (`None`: no limit): a caller
+    /// that keeps only part of a hit (a waiting request's hold shrunk to give blocks back)
+    /// looks it up again within the part it keeps. The tokens past the limit are counted as
+    /// alignment misses.
+    pub fn find_cache_hit_within(
+        &mut self,
+        request_id: u64,
+        max_tokens: Option<usize>,
+    ) -> Result<usize, CoreError> {
         let state = self
             .requests
             .get_mut(&request_id)
@@ -71,13 +83,14 @@ impl<P: BlockAllocator> Coordinator<P> {
         let chains = std::mem::take(&mut state.hash_chains);
         let tokens = std::mem::take(&mut state.tokens);
         let extra = std::mem::take(&mut state.extra);
-        let common = self.common_hit(&chains, num_tokens);
+        let limit = max_tokens.map_or(num_tokens - 1, |max| max.min(num_tokens - 1));
+        let common = self.common_hit(&chains, limit + 1);
         let tail = self.tail_hit(
             &chains,
             &tokens,
             &extra,
             &common.alone,
-            num_tokens - 1,
+            limit,
             common.tokens(),
         );
         if let Some(tail) = tail {
