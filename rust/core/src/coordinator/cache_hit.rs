@@ -81,23 +81,21 @@ impl<P: BlockAllocator> Coordinator<P> {
         let num_tokens = state.tokens.len();
         // Lent out while the lookup reads the coordinator; given back below.
         let chains = std::mem::take(&mut state.hash_chains);
-        let tokens = std::mem::take(&mut state.tokens);
-        let extra = std::mem::take(&mut state.extra);
         let limit = max_tokens.map_or(num_tokens - 1, |max| max.min(num_tokens - 1));
         let common = self.common_hit(&chains, limit + 1);
+        let state = &self.requests[&request_id];
+        let plain = common.tokens();
         let tail = self.tail_hit(
             &chains,
-            &tokens,
-            &extra,
+            &state.tokens,
+            &state.extra,
             &common.alone,
             limit,
-            common.tokens(),
+            plain,
         );
         if let Some(tail) = tail {
             let state = self.requests.get_mut(&request_id).expect("checked above");
             state.hash_chains = chains;
-            state.tokens = tokens;
-            state.extra = extra;
             return Ok(self.take_tail_hit(request_id, &common, tail));
         }
         let (max_hit, alone, limiting) = (common.max_hit, &common.alone, common.limiting);
@@ -149,8 +147,6 @@ impl<P: BlockAllocator> Coordinator<P> {
         });
         let state = self.requests.get_mut(&request_id).expect("checked above");
         state.hash_chains = chains;
-        state.tokens = tokens;
-        state.extra = extra;
         // Counted once the request computes (`allocate`); a later lookup replaces it.
         state.pending_lookup = Some(lookup_figures);
         if hit > 0 {
