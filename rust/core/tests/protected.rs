@@ -1,47 +1,26 @@
 //! Protected chains: conversations served round-robin beyond what the pool holds keep hitting.
 
-use hybrid_cache_core::{
-    AllocateStep, AttentionKind, BlockAllocator, Coordinator, CoordinatorConfig, ExtraKeys,
-    GroupSpec, HashAlgo, NewRequest,
-};
+mod common;
+
+use common::{add, allocate, config};
+use hybrid_cache_core::{AttentionKind, BlockAllocator, Coordinator, GroupSpec};
 
 /// One full-attention group, blocks of 4 tokens, 24 usable blocks.
 fn coordinator(protected: Option<usize>) -> Coordinator {
-    let mut c = Coordinator::new(CoordinatorConfig {
-        num_blocks: 25,
-        groups: vec![GroupSpec {
-            kind: AttentionKind::Full,
-            block_size: 4,
-        }],
-        max_num_reqs: 4,
-        max_model_len: 256,
-        max_num_batched_tokens: 64,
-        enable_prefix_caching: true,
-        hash: HashAlgo::Xxh3,
-        hash_seed: 0,
-    })
-    .unwrap();
+    let groups = vec![GroupSpec {
+        kind: AttentionKind::Full,
+        block_size: 4,
+    }];
+    let mut c = Coordinator::new(config(groups, 25)).unwrap();
     c.set_protected_blocks(protected);
     c
 }
 
 /// Runs `tokens` as request `id` (its hit, then the rest in one step), frees it; returns the hit.
 fn run(c: &mut Coordinator, id: u64, tokens: &[u32]) -> usize {
-    c.add_request(NewRequest {
-        request_id: id,
-        prompt_token_ids: tokens,
-        max_total_tokens: None,
-        extra: ExtraKeys::default(),
-    })
-    .unwrap();
+    add(c, id, tokens);
     let hit = c.find_cache_hit(id).unwrap();
-    assert!(c
-        .allocate(AllocateStep {
-            request_id: id,
-            num_computed_tokens: hit,
-            num_new_tokens: tokens.len() - hit,
-        })
-        .unwrap());
+    assert!(allocate(c, id, hit, tokens.len() - hit));
     c.free_request(id).unwrap();
     hit
 }

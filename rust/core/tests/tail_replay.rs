@@ -1,10 +1,10 @@
 //! Tail replay: a hit that keeps the full-attention blocks up to `F` and starts the windowed
 //! groups over at `F - R`, when a windowed group's blocks for a hit point near `F` are gone.
 
-use hybrid_cache_core::{
-    AllocateStep, AttentionKind, Coordinator, CoordinatorConfig, CoreError, ExtraKeys, GroupSpec,
-    HashAlgo, NewRequest, NULL_BLOCK,
-};
+mod common;
+
+use common::{add, allocate, config, tokens};
+use hybrid_cache_core::{AttentionKind, Coordinator, CoreError, ExtraKeys, GroupSpec, NULL_BLOCK};
 
 const FULL: usize = 0;
 const WINDOW: usize = 1;
@@ -22,38 +22,9 @@ fn coordinator(replay_tokens: Option<usize>) -> Coordinator {
             block_size: 4,
         },
     ];
-    let mut c = Coordinator::new(CoordinatorConfig {
-        num_blocks: 34,
-        groups,
-        max_num_reqs: 4,
-        max_model_len: 256,
-        max_num_batched_tokens: 64,
-        enable_prefix_caching: true,
-        hash: HashAlgo::Xxh3,
-        hash_seed: 0,
-    })
-    .unwrap();
+    let mut c = Coordinator::new(config(groups, 34)).unwrap();
     c.set_tail_replay(replay_tokens).unwrap();
     c
-}
-
-fn add(c: &mut Coordinator, request_id: u64, tokens: &[u32]) {
-    c.add_request(NewRequest {
-        request_id,
-        prompt_token_ids: tokens,
-        max_total_tokens: None,
-        extra: ExtraKeys::default(),
-    })
-    .unwrap();
-}
-
-fn allocate(c: &mut Coordinator, request_id: u64, computed: usize, new: usize) -> bool {
-    c.allocate(AllocateStep {
-        request_id,
-        num_computed_tokens: computed,
-        num_new_tokens: new,
-    })
-    .unwrap()
 }
 
 /// Request 1 computes 64 tokens in chunks of 16 (the window releases its early blocks to the
@@ -71,10 +42,6 @@ fn lose_the_window(c: &mut Coordinator) -> Vec<u32> {
     assert!(allocate(c, 2, 0, 32));
     c.free_request(2).unwrap();
     full_row
-}
-
-fn tokens(first: u32, count: u32) -> Vec<u32> {
-    (first..first + count).collect()
 }
 
 /// A coordinator (replay `replay_tokens`) after `lose_the_window`, with request 3 added for
@@ -182,16 +149,6 @@ fn a_replay_whose_first_chunk_ends_before_the_frontier_keeps_the_frontier_blocks
 
 #[test]
 fn tail_replay_is_refused_where_its_rule_does_not_hold() {
-    let config = |groups: Vec<GroupSpec>| CoordinatorConfig {
-        num_blocks: 16,
-        groups,
-        max_num_reqs: 2,
-        max_model_len: 64,
-        max_num_batched_tokens: 16,
-        enable_prefix_caching: true,
-        hash: HashAlgo::Xxh3,
-        hash_seed: 0,
-    };
     let spec = |kind| GroupSpec {
         kind,
         block_size: 4,
@@ -203,7 +160,7 @@ fn tail_replay_is_refused_where_its_rule_does_not_hold() {
         spec(AttentionKind::ChunkedLocal { chunk: 8 }),
     ];
     for groups in [full_only, with_chunk] {
-        let mut c = Coordinator::new(config(groups)).unwrap();
+        let mut c = Coordinator::new(config(groups, 16)).unwrap();
         assert!(matches!(
             c.set_tail_replay(Some(4)),
             Err(CoreError::InvalidArgument(_))

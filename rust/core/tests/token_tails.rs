@@ -1,25 +1,14 @@
 //! Token tails: a hit that ends where a freed request's computed tokens ended, inside a block.
 
+mod common;
+
+use common::{add, add_with, allocate, config, tokens};
 use hybrid_cache_core::{
-    AllocateStep, AttentionKind, BlockAllocator, Coordinator, CoordinatorConfig, ExtraKeys,
-    GroupSpec, HashAlgo, NewRequest, NULL_BLOCK,
+    AttentionKind, BlockAllocator, Coordinator, ExtraKeys, GroupSpec, NULL_BLOCK,
 };
 
 const FULL: usize = 0;
 const WINDOW: usize = 1;
-
-fn config(groups: Vec<GroupSpec>) -> CoordinatorConfig {
-    CoordinatorConfig {
-        num_blocks: 40,
-        groups,
-        max_num_reqs: 4,
-        max_model_len: 256,
-        max_num_batched_tokens: 64,
-        enable_prefix_caching: true,
-        hash: HashAlgo::Xxh3,
-        hash_seed: 0,
-    }
-}
 
 /// Full attention and a window of 3, blocks of 4 tokens (the example in `tails`' docs).
 fn coordinator(tails: bool) -> Coordinator {
@@ -33,36 +22,9 @@ fn coordinator(tails: bool) -> Coordinator {
             block_size: 4,
         },
     ];
-    let mut c = Coordinator::new(config(groups)).unwrap();
+    let mut c = Coordinator::new(config(groups, 40)).unwrap();
     c.set_token_tails(tails);
     c
-}
-
-fn add_with(c: &mut Coordinator, request_id: u64, tokens: &[u32], extra: ExtraKeys) {
-    c.add_request(NewRequest {
-        request_id,
-        prompt_token_ids: tokens,
-        max_total_tokens: None,
-        extra,
-    })
-    .unwrap();
-}
-
-fn add(c: &mut Coordinator, request_id: u64, tokens: &[u32]) {
-    add_with(c, request_id, tokens, ExtraKeys::default());
-}
-
-fn allocate(c: &mut Coordinator, request_id: u64, computed: usize, new: usize) -> bool {
-    c.allocate(AllocateStep {
-        request_id,
-        num_computed_tokens: computed,
-        num_new_tokens: new,
-    })
-    .unwrap()
-}
-
-fn tokens(first: u32, count: u32) -> Vec<u32> {
-    (first..first + count).collect()
 }
 
 /// Request 1 computes `history` (in one step) and is freed; returns its rows (full, window).
@@ -184,7 +146,7 @@ fn tails_work_without_full_attention() {
         kind: AttentionKind::SlidingWindow { window: 5 },
         block_size: 4,
     }];
-    let mut c = Coordinator::new(config(groups)).unwrap();
+    let mut c = Coordinator::new(config(groups, 40)).unwrap();
     c.set_token_tails(true);
     let history = tokens(100, 14);
     add(&mut c, 1, &history);
@@ -222,7 +184,7 @@ fn a_group_keyed_by_sub_blocks_hits_its_tail_to_the_token() {
         },
     ];
     for (tails, expected) in [(false, 10), (true, 11)] {
-        let mut c = Coordinator::new(config(groups.clone())).unwrap();
+        let mut c = Coordinator::new(config(groups.clone(), 40)).unwrap();
         c.set_token_tails(tails);
         let history = tokens(100, 11);
         first_turn(&mut c, &history);
