@@ -1,6 +1,9 @@
 //! The vectors of docs/DESIGN.md ("Window release", "Cache-hit search", "Admission") and error
 //! cases, driven through the coordinator's public API.
 
+mod common;
+
+use common::{add, allocate, config};
 use hybrid_cache_core::coordinator::RowRef;
 use hybrid_cache_core::{
     AllocateStep, AttentionKind, BlockAllocator, BlockCopy, Coordinator, CoordinatorConfig,
@@ -24,38 +27,7 @@ fn chunked(block_size: usize, chunk: usize) -> GroupSpec {
 }
 
 fn coordinator(num_blocks: usize, groups: Vec<GroupSpec>) -> Coordinator {
-    Coordinator::new(CoordinatorConfig {
-        num_blocks,
-        groups,
-        max_num_reqs: 4,
-        max_model_len: 256,
-        max_num_batched_tokens: 64,
-        enable_prefix_caching: true,
-        hash: HashAlgo::Xxh3,
-        hash_seed: 0,
-    })
-    .unwrap()
-}
-
-fn add(coordinator: &mut Coordinator, request_id: u64, tokens: &[u32]) -> usize {
-    coordinator
-        .add_request(NewRequest {
-            request_id,
-            prompt_token_ids: tokens,
-            max_total_tokens: None,
-            extra: ExtraKeys::default(),
-        })
-        .unwrap()
-}
-
-fn allocate(coordinator: &mut Coordinator, request_id: u64, computed: usize, new: usize) -> bool {
-    coordinator
-        .allocate(AllocateStep {
-            request_id,
-            num_computed_tokens: computed,
-            num_new_tokens: new,
-        })
-        .unwrap()
+    Coordinator::new(config(groups, num_blocks)).unwrap()
 }
 
 /// Null (0) or not for each entry of a request's row.

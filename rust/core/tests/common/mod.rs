@@ -1,4 +1,4 @@
-//! Helpers the coordinator's scenario tests share (`tail_replay`, `token_tails`, `protected`).
+//! Helpers the coordinator's vector and scenario tests share.
 #![allow(dead_code)] // each test file uses some of them
 
 use hybrid_cache_core::{
@@ -20,18 +20,20 @@ pub fn config(groups: Vec<GroupSpec>, num_blocks: usize) -> CoordinatorConfig {
     }
 }
 
-pub fn add_with(c: &mut Coordinator, request_id: u64, tokens: &[u32], extra: ExtraKeys) {
+/// Adds a request; returns its row.
+pub fn add_with(c: &mut Coordinator, request_id: u64, tokens: &[u32], extra: ExtraKeys) -> usize {
     c.add_request(NewRequest {
         request_id,
         prompt_token_ids: tokens,
         max_total_tokens: None,
         extra,
     })
-    .unwrap();
+    .unwrap()
 }
 
-pub fn add(c: &mut Coordinator, request_id: u64, tokens: &[u32]) {
-    add_with(c, request_id, tokens, ExtraKeys::default());
+/// Adds a request without extra keys; returns its row.
+pub fn add(c: &mut Coordinator, request_id: u64, tokens: &[u32]) -> usize {
+    add_with(c, request_id, tokens, ExtraKeys::default())
 }
 
 pub fn allocate(c: &mut Coordinator, request_id: u64, computed: usize, new: usize) -> bool {
