@@ -9,7 +9,8 @@ some sharing a 64-token prefix (prefix caching), 24 generated tokens each, with 
 16-token windows releasing blocks as they go. Then a tail replay on the device (tiny-gemma3,
 tiny-gpt-oss): a prompt whose windowed blocks were evicted keeps its full-attention hit and
 recomputes the windows, with the full-attention KV below the hit point read, never written; its
-tokens must equal a cold CPU engine's. Prints per case the matching outputs and the first
+tokens must equal a cold CPU engine's. Then the next turn of a conversation on each preset: it
+hits every token the first turn computed, ending inside a block (token tails). Prints per case the matching outputs and the first
 divergence; exits non-zero if fewer than all match.
 
     python scripts/gpu_engine_check.py            # on a machine with CUDA
@@ -150,6 +151,40 @@ def replay_case(llm_class, sampling_params, preset: str, device: str, backend: s
     return same
 
 
+def tail_case(llm_class, sampling_params, preset: str, device: str, backend: str) -> bool:
+    """The next turn of a conversation on the device: it hits every token the first turn
+    computed, ending inside a block (token tails), and writes the rest of that block."""
+    options = dict(kv_cache_memory="4MiB", max_num_batched_tokens=64)
+    reference = build(
+        llm_class, preset, "hybrid", "cpu", "torch", enable_prefix_caching=False, **options
+    )
+    candidate = build(llm_class, preset, "hybrid", device, backend, **options)
+    candidate.model.load_state_dict(reference.model.state_dict())
+    sharpen(reference.model)
+    sharpen(candidate.model)
+    generator = torch.Generator().manual_seed(3)
+    vocab = reference.spec.vocab_size
+    first = torch.randint(
+        3, vocab, (203,), generator=generator
+    ).tolist()  # 226 computed: 2 in a block
+    new = torch.randint(3, vocab, (30,), generator=generator).tolist()
+    params = sampling_params(max_tokens=24, temperature=0.0, ignore_eos=True)
+    (one,) = candidate.generate({"prompt_token_ids": first}, params, use_tqdm=False)
+    turn = first + list(one.outputs[0].token_ids) + new
+    (have,) = candidate.generate({"prompt_token_ids": turn}, params, use_tqdm=False)
+    (want,) = reference.generate({"prompt_token_ids": turn}, params, use_tqdm=False)
+    a, b = want.outputs[0].token_ids, have.outputs[0].token_ids
+    computed = len(first) + len(one.outputs[0].token_ids) - 1
+    assert computed % 16 != 0, "the first turn must end inside a block"
+    same = a == b and have.num_cached_tokens == computed
+    divergence = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    print(
+        f"{preset:13} tails    hit {have.num_cached_tokens} of {computed} computed: "
+        + ("identical" if a == b else f"first divergence at {divergence}")
+    )
+    return same
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-dry-run", action="store_true", help="CPU 'reference' vs CPU torch")
@@ -181,6 +216,12 @@ def main() -> int:
         except Exception as error:  # noqa: BLE001 - report every case, fail at the end
             ok = False
             print(f"{preset:13} replay   FAILED: {type(error).__name__}: {error}")
+    for preset in PRESETS:
+        try:
+            ok &= tail_case(LLM, SamplingParams, preset, device, backend)
+        except Exception as error:  # noqa: BLE001 - report every case, fail at the end
+            ok = False
+            print(f"{preset:13} tails    FAILED: {type(error).__name__}: {error}")
     print("ALL IDENTICAL" if ok else "MISMATCH OR FAILURE")
     return 0 if ok else 1
 
