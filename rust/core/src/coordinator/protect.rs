@@ -125,13 +125,21 @@ impl Protected {
                 self.count += 1;
             }
         }
+        if self.queue.len() > 2 * self.joined.len() {
+            // Entries of blocks that left since stay until they reach the front: drop them.
+            let joined = &self.joined;
+            self.queue
+                .retain(|&(block, _, join, _)| joined[block as usize] == join);
+        }
     }
 
-    /// Records a hit on `block` while it was free: for a protected block, a reuse distance.
+    /// Records a hit on `block` while it was free: for a protected block, a reuse distance
+    /// (at most four times the budget, so that distances growing round after round cannot stop
+    /// demotion for good).
     pub fn reused(&mut self, block: BlockId) {
         let index = block as usize;
         if self.joined[index] != 0 {
-            let age = self.clock - self.joined_at[index];
+            let age = (self.clock - self.joined_at[index]).min(4 * self.budget as u64 + MIN_AGE);
             self.reuse_age = age.max(self.reuse_age - self.reuse_age / 16);
         }
     }
@@ -156,5 +164,54 @@ impl Protected {
 
     pub fn count(&self) -> usize {
         self.count
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::BlockHash;
+    use crate::{BlockPool, GroupId};
+
+    fn key(block: BlockId) -> CacheKey {
+        CacheKey {
+            group: 0 as GroupId,
+            hash: BlockHash(u128::from(block)),
+        }
+    }
+
+    #[test]
+    fn entries_of_blocks_that_left_do_not_pile_up() {
+        let pool = BlockPool::new(9).unwrap();
+        let mut protected = Protected::new(9, 1000);
+        // Block 1 holds the front of the queue (hit now and then, so never old enough to be
+        // demoted) while block 2 joins and leaves again and again behind it: the entries block 2
+        // leaves behind are dropped, not kept until they reach the front.
+        protected.joined(&pool, &[(1, key(1))]);
+        for _ in 0..1000 {
+            assert!(protected.admits(&pool, 1));
+            protected.reused(1);
+            protected.joined(&pool, &[(2, key(2))]);
+            protected.left(2);
+        }
+        assert_eq!(protected.queue.front().map(|entry| entry.0), Some(1));
+        assert!(
+            protected.queue.len() <= 2 * 9 + 1,
+            "{}",
+            protected.queue.len()
+        );
+        assert_eq!(protected.count(), 1);
+    }
+
+    #[test]
+    fn the_reuse_distance_is_capped() {
+        let pool = BlockPool::new(9).unwrap();
+        let mut protected = Protected::new(9, 2);
+        protected.joined(&pool, &[(1, key(1))]);
+        for _ in 0..10_000 {
+            protected.clock += 1;
+        }
+        protected.reused(1);
+        assert_eq!(protected.reuse_age, 4 * 2 + MIN_AGE);
     }
 }
