@@ -249,6 +249,12 @@ def test_multi_turn_bench_on_the_engine_reports_reuse(tmp_path, capsys) -> None:
         assert len(counters["prefix_alone_hits_per_group"]) == len(result["group_kinds"])
     assert printed.count("Prompt tokens looked up: hit ") == 2, printed
     assert "each group alone would hit: " in printed
+    # Each later turn ends on the previous turn's token tails, and the line says so.
+    tails = [
+        result["cache_counters"]["prefix_tail_hits"] for result in document["results"].values()
+    ]
+    assert all(count > 0 for count in tails), tails
+    assert printed.count("hits ended on token tails (+") == 2, printed
 
 
 def test_budget_sweep_prints_a_row_per_budget_and_plots(tmp_path, capsys) -> None:

@@ -131,6 +131,19 @@ def format_misses(result: RunResult) -> str:
     line = f"Prompt tokens looked up: {', '.join(parts)}"
     if len(alone) > 1:
         line += f"; each group alone would hit: {per_group}"
+    extras = []
+    if counters.get("prefix_tail_hits", 0):
+        extras.append(
+            f"{counters['prefix_tail_hits']} hits ended on token tails "
+            f"(+{counters.get('prefix_tail_gain', 0)} tokens)"
+        )
+    if counters.get("prefix_replays", 0):
+        extras.append(
+            f"{counters['prefix_replays']} tail replays (+{counters.get('prefix_replay_gain', 0)}"
+            f" tokens hit, {counters.get('prefix_replay_tokens', 0)} recomputed)"
+        )
+    if extras:
+        line += "; " + ", ".join(extras)
     return line
 
 
