@@ -4,8 +4,8 @@ Builds `LLM(MODEL, load_format="dummy", kv_cache_memory="128MiB", max_model_len=
 `--model`, default tiny-llama),
 adds `--requests` requests of 512 random tokens (greedy, `max_tokens=300`, EOS ignored), steps
 until every request is decoding, then times `--steps` `llm.engine.step()` calls. The model's
-forward is replaced by one returning zeros (logits and sampling still run), so the figure is
-the engine: scheduling, batch metadata, sampling, token bookkeeping, step figures.
+forward is replaced by one returning a fixed hidden state (logits and sampling still run, on
+distinct values), so the figure is the engine: scheduling, batch metadata, sampling, token bookkeeping, step figures.
 
     python scripts/profile_engine_step.py [--model tiny-gemma3] [--requests 64] [--steps 100]
     PYTHONPATH=/other/checkout/python python scripts/profile_engine_step.py   # A/B a copy
@@ -65,9 +65,12 @@ def decoding_llm(
         llm.engine.add_request(str(index), prompt, params)
 
     hidden_size = llm.spec.hidden_size  # 64 for tiny-llama
+    # A fixed hidden state per row, not zeros: zero rows give all-equal logits, whose ties send
+    # every row's top k down the exact fallback, unlike any real model's.
+    fixed = torch.randn(4096, hidden_size, generator=generator).to(llm.dtype)
 
     def zero_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(input_ids.shape[0], hidden_size, dtype=llm.dtype)
+        return fixed[: input_ids.shape[0]]
 
     if zero:
         llm.model.forward = zero_forward
