@@ -126,8 +126,10 @@ def test_a_stream_interval_sends_fewer_larger_outputs(llm):
     finally:
         engine.shutdown()
     sizes = [len(output.deltas[0].token_ids) for output in outputs]
-    # The first token, then 4 at a time (a consumer that lags reads several at once).
-    assert 2 <= len(outputs) <= 7 and sum(sizes) == 21
+    # The first token, then 4 at a time (a consumer that lags reads several at once: on a
+    # loaded machine even all 21 in one output, so the count is not bounded below; the sizes
+    # still show the interval whenever more than one output arrives).
+    assert 1 <= len(outputs) <= 7 and sum(sizes) == 21
     assert sizes[0] % 4 == 1 and all(size % 4 == 0 for size in sizes[1:-1])
     assert joined(outputs, 0)[:2] == (offline.outputs[0].text, offline.outputs[0].token_ids)
 
