@@ -236,6 +236,8 @@ def test_models_health_version_metrics(server, client):
     assert httpx.get(url + "/health").status_code == 200  # no key needed
     headers = {"Authorization": f"Bearer {API_KEY}"}
     assert httpx.get(url + "/version", headers=headers).json() == {"version": __version__}
+    # One request, so the engine has sent a snapshot even when this test runs alone.
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0.0)
     wait_idle(running)
     page = httpx.get(url + "/metrics", headers=headers).text
     assert metric(page, "hybrid_cache:healthy") == 1
@@ -246,6 +248,10 @@ def test_models_health_version_metrics(server, client):
     assert metric(page, "hybrid_cache:prefix_cache_queries_total") == stats.num_prefix_query_tokens
     assert metric(page, "hybrid_cache:prefix_cache_hits_total") == stats.num_prefix_hit_tokens
     assert metric(page, "hybrid_cache:prefix_cache_misses_total") == stats.prefix_misses.total
+    assert (
+        metric(page, "hybrid_cache:prefix_cache_token_tail_hits_total") == stats.num_token_tail_hits
+    )
+    assert metric(page, "hybrid_cache:prefix_cache_tail_replays_total") == stats.num_tail_replays
     assert (
         metric(page, "hybrid_cache:prefix_cache_group_hits_total", group="0")
         == (stats.prefix_alone_hit_tokens_per_group[0])

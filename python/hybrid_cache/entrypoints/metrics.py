@@ -11,7 +11,8 @@ every KV-cache group) and `prefix_cache_hits_total` the tokens served (the hybri
 shortest of the groups'); each looked-up token that missed counts once in
 `prefix_cache_misses_total{reason}` (`EngineStats.prefix_misses`). Per group,
 `prefix_cache_group_hits_total` counts the tokens that group alone would have hit and
-`prefix_cache_group_shortened_total` those of them another group cut.
+`prefix_cache_group_shortened_total` those of them another group cut. Token tails and tail
+replays count their lookups and the tokens they served beyond the aligned or common hit.
 """
 
 from __future__ import annotations
@@ -208,6 +209,26 @@ class ServerMetrics(RequestListener, Collector):
             "prefix_cache_hits",
             "Prompt tokens served from the prefix cache",
             stats.num_prefix_hit_tokens,
+        )
+        yield counter(
+            "prefix_cache_token_tail_hits",
+            "Lookups whose hit ended on token tails (where a finished request's tokens ended)",
+            stats.num_token_tail_hits,
+        )
+        yield counter(
+            "prefix_cache_token_tail_gain_tokens",
+            "Prompt tokens token-tail hits served beyond the block-aligned hit",
+            stats.num_token_tail_gain_tokens,
+        )
+        yield counter(
+            "prefix_cache_tail_replays",
+            "Lookups that kept a full-attention hit and recomputed lost windows (tail replay)",
+            stats.num_tail_replays,
+        )
+        yield counter(
+            "prefix_cache_tail_replay_gain_tokens",
+            "Prompt tokens tail replays served beyond the hit every group had",
+            stats.num_tail_replay_gain_tokens,
         )
         misses = stats.prefix_misses
         yield labelled(
