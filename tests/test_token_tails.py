@@ -132,3 +132,25 @@ def test_an_engine_protects_finished_prefixes_up_to_its_budget(tiny):
     off = tiny.llm(protected_prefix_fraction=0.0)
     run(off, first)
     assert off.engine.kv_cache.coordinator.num_protected_blocks() == 0
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> TinyModel:
+    return TinyModel("gemma3", tmp_path_factory.mktemp("tails-tp-gemma3"), group_layout="per-type")
+
+
+def test_a_tail_hit_on_two_ranks_gives_the_cold_engine_s_output(gemma3):
+    # The block tables and slots of a hit ending inside a block reach every rank: the next
+    # turn computes from the tail on both, as one rank does (per-type pages).
+    cold_one, cold_two = two_turns(gemma3.llm(enable_prefix_caching=False))
+    llm = gemma3.llm(tensor_parallel_size=2)
+    try:
+        one, two = two_turns(llm)
+        assert two.num_cached_tokens == COMPUTED
+        assert llm.stats.num_token_tail_hits == 1
+        assert two.outputs[0].token_ids == cold_two.outputs[0].token_ids
+        assert math.isclose(
+            two.outputs[0].cumulative_logprob, cold_two.outputs[0].cumulative_logprob, abs_tol=1e-4
+        )
+    finally:
+        llm.shutdown()
