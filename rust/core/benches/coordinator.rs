@@ -7,7 +7,9 @@
 //! - one decode step of a single long request while the window releases blocks;
 //! - the prefix lookup and the decode step again over Gemma-3's per-type layout (window blocks
 //!   of 16 tokens, full-attention blocks of 80 keyed by 16-token units, so a hit ends inside a
-//!   full-attention block).
+//!   full-attention block);
+//! - the next turn of a conversation (lookup, compute, free) with the core's defaults and with
+//!   the engine's (token tails, protected chains).
 //!
 //! Run: `cargo bench -p hybrid-cache-core --bench coordinator -- --warm-up-time 1
 //! --measurement-time 3`.
@@ -268,9 +270,54 @@ fn window_release_long_decode(criterion: &mut Criterion) {
     });
 }
 
+/// The next turn of a conversation: a 2049-token prompt whose first 2040 tokens a freed
+/// request computed (the last 8 inside a block); each iteration adds it, looks its hit up,
+/// computes the rest and frees it. Once with the core's defaults (plain LRU, hits at block
+/// boundaries) and once as the engine runs it (token tails, protected chains over 3/4 of the
+/// pool): what the two cost on the lookup and free paths.
+fn next_turn_2049(criterion: &mut Criterion) {
+    for (engine, name) in [
+        (false, "next_turn_2049_tokens"),
+        (true, "next_turn_2049_tokens_tails_protected"),
+    ] {
+        let mut coordinator = Coordinator::new(gemma2_config(2048, 4, 4096)).unwrap();
+        if engine {
+            coordinator.set_token_tails(true);
+            coordinator.set_protected_blocks(Some(1536));
+        }
+        let history = prompt(9, 2040);
+        let run = |coordinator: &mut Coordinator, request_id: u64, tokens: &[u32]| {
+            coordinator
+                .add_request(NewRequest {
+                    request_id,
+                    prompt_token_ids: tokens,
+                    max_total_tokens: None,
+                    extra: ExtraKeys::default(),
+                })
+                .unwrap();
+            let hit = coordinator.find_cache_hit(request_id).unwrap();
+            let step = AllocateStep {
+                request_id,
+                num_computed_tokens: hit,
+                num_new_tokens: tokens.len() - hit,
+            };
+            assert!(coordinator.allocate(step).unwrap());
+            coordinator.free_request(request_id).unwrap();
+            hit
+        };
+        run(&mut coordinator, 0, &history);
+        let mut turn = history.clone();
+        turn.extend((0..9).map(|i| 900_000 + i));
+        criterion.bench_function(name, |bench| {
+            bench.iter(|| run(&mut coordinator, 1, black_box(&turn)))
+        });
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20);
-    targets = decode_step_256, prefix_hit_2048, probe_2048, window_release_long_decode
+    targets = decode_step_256, prefix_hit_2048, probe_2048, window_release_long_decode,
+        next_turn_2049
 }
 criterion_main!(benches);
