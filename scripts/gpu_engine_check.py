@@ -117,10 +117,9 @@ def lose_windows(llm, branch: list[int], start: int) -> None:
         coordinator.free_request(core_id)
 
 
-def replay_case(llm_class, sampling_params, preset: str, device: str, backend: str) -> bool:
-    options = dict(kv_cache_memory="1MiB", max_num_batched_tokens=64, max_num_seqs=64)
-    if preset == "tiny-gemma3":  # its per-type pages (`auto` plans equal groups this small)
-        options["kv_group_layout"] = "per-type"
+def cold_and_cached(llm_class, preset: str, device: str, backend: str, **options):
+    """A cold CPU engine (no prefix caching) and an engine on the device with the same
+    sharpened weights, both hybrid."""
     reference = build(
         llm_class, preset, "hybrid", "cpu", "torch", enable_prefix_caching=False, **options
     )
@@ -128,6 +127,14 @@ def replay_case(llm_class, sampling_params, preset: str, device: str, backend: s
     candidate.model.load_state_dict(reference.model.state_dict())
     sharpen(reference.model)
     sharpen(candidate.model)
+    return reference, candidate
+
+
+def replay_case(llm_class, sampling_params, preset: str, device: str, backend: str) -> bool:
+    options = dict(kv_cache_memory="1MiB", max_num_batched_tokens=64, max_num_seqs=64)
+    if preset == "tiny-gemma3":  # its per-type pages (`auto` plans equal groups this small)
+        options["kv_group_layout"] = "per-type"
+    reference, candidate = cold_and_cached(llm_class, preset, device, backend, **options)
     generator = torch.Generator().manual_seed(2)
     vocab = reference.spec.vocab_size
     first = torch.randint(3, vocab, (400,), generator=generator).tolist()
@@ -155,18 +162,11 @@ def tail_case(llm_class, sampling_params, preset: str, device: str, backend: str
     """The next turn of a conversation on the device: it hits every token the first turn
     computed, ending inside a block (token tails), and writes the rest of that block."""
     options = dict(kv_cache_memory="4MiB", max_num_batched_tokens=64)
-    reference = build(
-        llm_class, preset, "hybrid", "cpu", "torch", enable_prefix_caching=False, **options
-    )
-    candidate = build(llm_class, preset, "hybrid", device, backend, **options)
-    candidate.model.load_state_dict(reference.model.state_dict())
-    sharpen(reference.model)
-    sharpen(candidate.model)
+    reference, candidate = cold_and_cached(llm_class, preset, device, backend, **options)
     generator = torch.Generator().manual_seed(3)
     vocab = reference.spec.vocab_size
-    first = torch.randint(
-        3, vocab, (203,), generator=generator
-    ).tolist()  # 226 computed: 2 in a block
+    # 203 + 24 - 1 = 226 tokens computed: 2 of them in a block.
+    first = torch.randint(3, vocab, (203,), generator=generator).tolist()
     new = torch.randint(3, vocab, (30,), generator=generator).tolist()
     params = sampling_params(max_tokens=24, temperature=0.0, ignore_eos=True)
     (one,) = candidate.generate({"prompt_token_ids": first}, params, use_tqdm=False)
