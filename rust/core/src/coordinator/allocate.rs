@@ -182,24 +182,22 @@ impl<P: BlockAllocator> Coordinator<P> {
 
         // 2. Touch the hit.
         if let Some(hit) = &hit {
-            if let Some(protected) = &mut self.protected {
-                for &block in hit.rows.iter().flatten() {
-                    if block != NULL_BLOCK && self.pool.ref_count(block) == 0 {
-                        protected.reused(block);
-                    }
-                }
-            }
             if !touch_hit(&self.pool, hit, &key_of, &mut state.copy_sources) {
                 // Evicted between the lookup and now (only with a pool shared across threads):
                 // the request must look its hit up again.
                 return Ok(false);
             }
             if let Some(protected) = &mut self.protected {
-                let rows = hit.rows.iter().flatten();
-                for &block in rows.chain(&state.copy_sources) {
-                    if block != NULL_BLOCK {
-                        protected.left(block);
-                    }
+                for &block in hit
+                    .rows
+                    .iter()
+                    .flatten()
+                    .filter(|&&block| block != NULL_BLOCK)
+                {
+                    protected.hit(block);
+                }
+                for &block in &state.copy_sources {
+                    protected.left(block);
                 }
             }
             state.hit_tokens = hit.num_tokens;

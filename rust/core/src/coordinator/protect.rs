@@ -133,10 +133,16 @@ impl Protected {
         }
     }
 
-    /// Records a hit on `block` while it was free: for a protected block, a reuse distance
-    /// (at most four times the budget, so that distances growing round after round cannot stop
-    /// demotion for good).
-    pub fn reused(&mut self, block: BlockId) {
+    /// Records that a hit took `block`: a protected block (free until then) leaves the set,
+    /// and how long it waited is a reuse distance.
+    pub fn hit(&mut self, block: BlockId) {
+        self.reused(block);
+        self.left(block);
+    }
+
+    /// Records a reuse distance for `block` if it is protected (at most four times the budget,
+    /// so that distances growing round after round cannot stop demotion for good).
+    fn reused(&mut self, block: BlockId) {
         let index = block as usize;
         if self.joined[index] != 0 {
             let age = (self.clock - self.joined_at[index]).min(4 * self.budget as u64 + MIN_AGE);

@@ -121,15 +121,30 @@ pub(super) fn tail_key(
     extra: &ExtraKeys,
     end: usize,
 ) -> Option<CacheKey> {
+    let parent = parent_hash(hasher, keys, end / block_size)?;
+    Some(tail_key_after(
+        hasher, parent, keys.group, block_size, tokens, extra, end,
+    ))
+}
+
+/// `tail_key` with the parent hash already known.
+fn tail_key_after(
+    hasher: &BlockHasher,
+    parent: BlockHash,
+    group: usize,
+    block_size: usize,
+    tokens: &[u32],
+    extra: &ExtraKeys,
+    end: usize,
+) -> CacheKey {
     let index = end / block_size;
     let start = index * block_size;
     debug_assert!(start < end && end < start + block_size && end <= tokens.len());
-    let parent = parent_hash(hasher, keys, index)?;
     let hash = hasher.hash_partial(parent, index, start, &tokens[start..end], extra);
-    Some(CacheKey {
-        group: keys.group as GroupId,
+    CacheKey {
+        group: group as GroupId,
         hash,
-    })
+    }
 }
 
 /// The hash a tail in block `index` of the group follows: its full chain entry for block
@@ -173,12 +188,18 @@ pub(super) fn cache_token_tail<P: BlockAllocator>(
     if block == NULL_BLOCK {
         return Ok(None);
     }
-    let (Some(parent), Some(key)) = (
-        parent_hash(hasher, keys, block_index),
-        tail_key(hasher, keys, block_size, tokens, extra, num_computed),
-    ) else {
+    let Some(parent) = parent_hash(hasher, keys, block_index) else {
         return Ok(None);
     };
+    let key = tail_key_after(
+        hasher,
+        parent,
+        keys.group,
+        block_size,
+        tokens,
+        extra,
+        num_computed,
+    );
     if !pool.cache_block(block, key)? {
         return Ok(None);
     }
@@ -241,22 +262,25 @@ impl<P: BlockAllocator> Coordinator<P> {
             if end > limit || end <= beyond || end > tokens.len() {
                 return None;
             }
-            let own = tail_key(&self.hasher, keys, block_size, tokens, extra, end)?;
+            let hasher = &self.hasher;
+            let own = tail_key_after(hasher, parent.hash, anchor, block_size, tokens, extra, end);
             if own.hash != hash {
                 return None;
             }
-            self.tail_hit_at(chains, tokens, extra, end)
+            self.tail_hit_at(chains, tokens, extra, end, (anchor, own))
         })
     }
 
     /// The rows of a hit of exactly `end` tokens in every group, ending on a free tail block
-    /// where `end` falls inside a block; `None` when some group cannot supply it.
+    /// where `end` falls inside a block; `None` when some group cannot supply it. `known`: a
+    /// group and its tail key at `end`, already hashed.
     fn tail_hit_at(
         &self,
         chains: &[Vec<BlockHash>],
         tokens: &[u32],
         extra: &ExtraKeys,
         end: usize,
+        known: (usize, CacheKey),
     ) -> Option<TailHit> {
         let pool = &self.pool;
         let mut rows = Vec::with_capacity(self.managers.len());
@@ -275,7 +299,10 @@ impl<P: BlockAllocator> Coordinator<P> {
             }
             let mut tail = None;
             if !end.is_multiple_of(block_size) {
-                let key = tail_key(&self.hasher, keys, block_size, tokens, extra, end)?;
+                let key = match known {
+                    (known_group, key) if known_group == group => key,
+                    _ => tail_key(&self.hasher, keys, block_size, tokens, extra, end)?,
+                };
                 let block = pool.cached_block(key)?;
                 if pool.ref_count(block) != 0 {
                     return None;
