@@ -18,6 +18,11 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_real(value: Any) -> bool:
+    """An int or a float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_positive_int(
     value: Any, what: str, error: type[HybridCacheError], hint: str = ""
 ) -> None:

@@ -29,6 +29,7 @@ from hybrid_cache.checks import (
     check_choice,
     check_positive_int,
     is_int,
+    is_real,
 )
 from hybrid_cache.config import LOAD_FORMATS, ModelSpec, load_model_spec, normalize_dtype
 from hybrid_cache.engine.generation_config import check_generation_config
@@ -228,11 +229,7 @@ class EngineConfig:
         check_bool(self.tail_replay, "--tail-replay", EngineConfigError, _hint("tail_replay"))
         check_bool(self.token_tails, "--token-tails", EngineConfigError, _hint("token_tails"))
         fraction = self.protected_prefix_fraction
-        if (
-            isinstance(fraction, bool)
-            or not isinstance(fraction, (int, float))
-            or not 0.0 <= fraction <= 1.0
-        ):
+        if not is_real(fraction) or not 0.0 <= fraction <= 1.0:
             raise EngineConfigError(
                 f"--protected-prefix-fraction must be a number from 0 to 1 (0: plain LRU "
                 f"eviction), got {fraction!r}" + _hint("protected_prefix_fraction")
@@ -258,11 +255,7 @@ class EngineConfig:
                 f"{self.attention_backend!r}{_hint('attention_backend')}"
             )
         utilization = self.gpu_memory_utilization
-        if (
-            isinstance(utilization, bool)
-            or not isinstance(utilization, (int, float))
-            or not (0.0 < utilization <= 1.0)
-        ):
+        if not is_real(utilization) or not (0.0 < utilization <= 1.0):
             raise EngineConfigError(
                 f"--gpu-memory-utilization must be in (0, 1], got {utilization!r}"
                 f"{_hint('gpu_memory_utilization')}"
@@ -274,7 +267,7 @@ class EngineConfig:
             _hint("tensor_parallel_size"),
         )
         timeout = self.distributed_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        if not is_real(timeout) or not timeout > 0:
             raise EngineConfigError(
                 f"--distributed-timeout must be a positive number of seconds, got {timeout!r}"
                 f"{_hint('distributed_timeout')}"

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from hybrid_cache.checks import is_int, is_real
 from hybrid_cache.engine.errors import InvalidSamplingParamsError
 
 # presence_penalty and frequency_penalty range (as vLLM and the OpenAI API).
@@ -110,7 +111,7 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} and "
                 f"max_tokens={self.max_tokens}"
             )
-        if not _is_number(self.temperature) or not 0.0 <= self.temperature < math.inf:
+        if not is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
             raise InvalidSamplingParamsError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
             )
@@ -120,20 +121,20 @@ class SamplingParams:
                 f"would be the same; got n={self.n}, best_of={self.best_of}. Set temperature > 0"
             )
         _check_int("top_k", self.top_k, -1, "(0 or -1 = no top-k filter)")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidSamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidSamplingParamsError(
                 f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+            if not is_real(value) or not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
                 raise InvalidSamplingParamsError(
                     f"{name} must be in [-2, 2] (0 = off), got {value!r}"
                 )
         penalty = self.repetition_penalty
-        if not _is_number(penalty) or not 0.0 < penalty < math.inf:
+        if not is_real(penalty) or not 0.0 < penalty < math.inf:
             raise InvalidSamplingParamsError(
                 f"repetition_penalty must be a finite number > 0 (1 = off), got {penalty!r}"
             )
@@ -176,12 +177,8 @@ class SamplingParams:
             )
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_int(name: str, value: object, minimum: Optional[int], hint: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise InvalidSamplingParamsError(
             f"{name} must be an int{' ' + hint if hint else ''}, got {value!r}"
         )
