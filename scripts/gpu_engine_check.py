@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 
 import torch
 from hybrid_cache.attention.selector import attention_backends_by_group
@@ -202,26 +203,27 @@ def main() -> int:
     else:
         print("no CUDA device (use --cpu-dry-run to check the script on the CPU)")
         return 2
+    common = (LLM, SamplingParams)
+    cases = [
+        (preset, mode, partial(run_case, *common, preset, mode, device, backend))
+        for preset in PRESETS
+        for mode in ("hybrid", "uniform")
+    ]
+    cases += [
+        (preset, "replay", partial(replay_case, *common, preset, device, backend))
+        for preset in REPLAY_PRESETS
+    ]
+    cases += [
+        (preset, "tails", partial(tail_case, *common, preset, device, backend))
+        for preset in PRESETS
+    ]
     ok = True
-    for preset in PRESETS:
-        for mode in ("hybrid", "uniform"):
-            try:
-                ok &= run_case(LLM, SamplingParams, preset, mode, device, backend)
-            except Exception as error:  # noqa: BLE001 - report every case, fail at the end
-                ok = False
-                print(f"{preset:13} {mode:8} FAILED: {type(error).__name__}: {error}")
-    for preset in REPLAY_PRESETS:
+    for preset, label, case in cases:
         try:
-            ok &= replay_case(LLM, SamplingParams, preset, device, backend)
+            ok &= case()
         except Exception as error:  # noqa: BLE001 - report every case, fail at the end
             ok = False
-            print(f"{preset:13} replay   FAILED: {type(error).__name__}: {error}")
-    for preset in PRESETS:
-        try:
-            ok &= tail_case(LLM, SamplingParams, preset, device, backend)
-        except Exception as error:  # noqa: BLE001 - report every case, fail at the end
-            ok = False
-            print(f"{preset:13} tails    FAILED: {type(error).__name__}: {error}")
+            print(f"{preset:13} {label:8} FAILED: {type(error).__name__}: {error}")
     print("ALL IDENTICAL" if ok else "MISMATCH OR FAILURE")
     return 0 if ok else 1
 
