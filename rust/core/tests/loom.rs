@@ -11,7 +11,7 @@
 //! explores in a few seconds once built.
 #![cfg(loom)]
 
-use hybrid_cache_core::{BlockAllocator, BlockHash, BlockId, BlockPool, CacheKey};
+use hybrid_cache_core::{BlockAllocator, BlockHash, BlockId, BlockPool, CacheKey, FreeTier};
 use loom::sync::Arc;
 use loom::thread;
 
@@ -383,6 +383,45 @@ fn tiers_under_a_racing_free() {
         freer.join().unwrap();
         if second.is_ok() {
             assert_eq!(got, vec![2, 1]);
+        }
+        check_quiescent(&pool, &got);
+    });
+}
+
+#[test]
+fn protected_free_races_an_allocation() {
+    model(|| {
+        // Blocks 1 and 2 cached and held. One thread frees block 1 to the High tier (a
+        // protected chain) while another frees block 2 to Normal and then allocates one block
+        // and, if it can, a second: the first is always block 2 (High goes last, even when the
+        // protected free landed first, which plain LRU would hand out first), the second can
+        // only be block 1, and every block ends free or held exactly once; a protected block
+        // not taken keeps its key.
+        let pool = Arc::new(BlockPool::new(3).unwrap());
+        let mut out = Vec::new();
+        pool.get_new_blocks(2, &mut out).unwrap();
+        assert!(pool.cache_block(1, key(7)).unwrap());
+        assert!(pool.cache_block(2, key(8)).unwrap());
+        let other = Arc::clone(&pool);
+        let freer = thread::spawn(move || other.free_blocks_to(&[1], FreeTier::High).unwrap());
+        pool.free_blocks_to(&[2], FreeTier::Normal).unwrap();
+        let mut got = Vec::new();
+        pool.get_new_blocks(1, &mut got).unwrap();
+        assert_eq!(
+            got,
+            vec![2],
+            "a protected block is evicted after a normal one"
+        );
+        let second = pool.get_new_blocks(1, &mut got);
+        freer.join().unwrap();
+        if second.is_ok() {
+            assert_eq!(got, vec![2, 1]);
+        } else {
+            assert_eq!(
+                pool.cached_block(key(7)),
+                Some(1),
+                "the protected block keeps its key"
+            );
         }
         check_quiescent(&pool, &got);
     });

@@ -1,7 +1,8 @@
 //! Multi-thread stress test of the lock-free `BlockPool` with exact accounting.
 //!
 //! Threads allocate (sometimes caching what they got under a key from a small shared space),
-//! hit the cache (`cached_block` + `touch_cached`) and free, all at once on one small pool so
+//! hit the cache (`cached_block` + `touch_cached`) and free into any of the four free tiers
+//! (`FreeTier`: the tier a freed request's blocks join), all at once on one small pool so
 //! that evictions, touches of free blocks and refused allocations race. Each block has a shadow
 //! holder count, an exclusive owner slot (written by the thread the pool allocated it to) and a
 //! content slot (the key value the allocator cached it under). Checked while running:
@@ -17,7 +18,9 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 
-use hybrid_cache_core::{BlockAllocator, BlockHash, BlockId, BlockPool, CacheKey};
+use hybrid_cache_core::{BlockAllocator, BlockHash, BlockId, BlockPool, CacheKey, FreeTier};
+
+const TIERS: [FreeTier; 3] = [FreeTier::Low, FreeTier::Normal, FreeTier::High];
 
 const NUM_KEYS: u64 = 24;
 
@@ -145,19 +148,34 @@ fn worker(
         } else {
             let keep = (xorshift(&mut rng) as usize) % (held.len() + 1);
             let released: Vec<Held> = held.drain(keep..).rev().collect();
-            free_all(pool, shadow, thread, &released, &mut counts);
+            let tier = TIERS[(xorshift(&mut rng) % 3) as usize];
+            free_all(pool, shadow, thread, &released, tier, &mut counts);
         }
         if held.len() > 8 {
             let released: Vec<Held> = held.drain(..).rev().collect();
-            free_all(pool, shadow, thread, &released, &mut counts);
+            free_all(pool, shadow, thread, &released, FreeTier::High, &mut counts);
         }
     }
     let released: Vec<Held> = held.drain(..).rev().collect();
-    free_all(pool, shadow, thread, &released, &mut counts);
+    free_all(
+        pool,
+        shadow,
+        thread,
+        &released,
+        FreeTier::Normal,
+        &mut counts,
+    );
     counts
 }
 
-fn free_all(pool: &BlockPool, shadow: &Shadow, thread: usize, held: &[Held], counts: &mut Counts) {
+fn free_all(
+    pool: &BlockPool,
+    shadow: &Shadow,
+    thread: usize,
+    held: &[Held],
+    tier: FreeTier,
+    counts: &mut Counts,
+) {
     let mut ids = Vec::with_capacity(held.len());
     for reference in held {
         let b = reference.block as usize;
@@ -172,7 +190,7 @@ fn free_all(pool: &BlockPool, shadow: &Shadow, thread: usize, held: &[Held], cou
         shadow.holders[b].fetch_sub(1, Ordering::Relaxed);
         ids.push(reference.block);
     }
-    pool.free_blocks(&ids).unwrap();
+    pool.free_blocks_to(&ids, tier).unwrap();
     counts.freed += ids.len() as u64;
 }
 
