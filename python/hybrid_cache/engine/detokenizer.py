@@ -15,11 +15,20 @@ in U+FFFD (as the stream decoder does), with no call into the tokenizer.
 
 Stop strings are looked for in the text each new token adds plus the `len(stop) - 1`
 characters before it, and only when the new text holds the last character of some stop string
-(a stop string cannot end in text without its last character).
+(a stop string cannot end in text without its last character). With a byte-level vocabulary a
+request does not even decode the tokens that cannot complete a stop string: a token of whole
+characters completes one only where its text, up to an occurrence of a stop string's last
+character, ends with that stop string's end (`StopFlags`, per vocabulary and stop strings,
+filled as tokens are seen). Those tokens wait, undecoded, until a token that may complete one
+(or one with a partial character) comes, or the text is read; then the waiting tokens are
+decoded together with it (`catch_up_and_match`): they hold no stop string's end, so the
+search finds what a decode per token would have found.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -35,6 +44,60 @@ from hybrid_cache.engine.sampling_params import SamplingParams
 PROMPT_CONTEXT_TOKENS = 5
 # Without a byte-level vocabulary no token's text is known ahead (every id: None).
 NO_TEXTS = TokenTexts({}, size=1 << 62)
+# Stop-string sets whose `StopFlags` are kept per vocabulary (the least recently used go).
+MAX_STOP_FLAG_SETS = 256
+
+
+class StopFlags(dict[int, bool]):
+    """Token id -> whether the token may complete one of `stop` (`may_complete`), filled on
+    first sight of each id: a plain dict lookup afterwards."""
+
+    def __init__(self, texts: TokenTexts, stop: tuple[str, ...]) -> None:
+        super().__init__()
+        self.texts = texts
+        self.stop = stop
+
+    def __missing__(self, token_id: int) -> bool:
+        flag = may_complete(self.texts[token_id], self.stop)
+        self[token_id] = flag
+        return flag
+
+
+def may_complete(text: Optional[str], stop: Sequence[str]) -> bool:
+    """Whether a token whose own text is `text` (None: not whole characters) may complete one
+    of `stop` when added after whole characters: some occurrence in `text` of a stop string's
+    last character is preceded in `text` by that stop string's characters before it (as many
+    as `text` has there)."""
+    if text is None:
+        return True
+    for string in stop:
+        last = string[-1]
+        index = text.find(last)
+        while index >= 0:
+            length = min(len(string), index + 1)
+            if text[index + 1 - length : index + 1] == string[len(string) - length :]:
+                return True
+            index = text.find(last, index + 1)
+    return False
+
+
+# Per byte-level vocabulary: stop strings -> their `StopFlags` (forgotten with the vocabulary).
+_stop_flags: weakref.WeakKeyDictionary[ByteLevelVocab, OrderedDict[tuple[str, ...], StopFlags]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def stop_flags(vocab: ByteLevelVocab, stop: tuple[str, ...]) -> StopFlags:
+    """The shared `StopFlags` of `stop` over `vocab`'s tokens."""
+    per_vocab = _stop_flags.setdefault(vocab, OrderedDict())
+    flags = per_vocab.get(stop)
+    if flags is None:
+        flags = per_vocab[stop] = StopFlags(vocab.texts, stop)
+        if len(per_vocab) > MAX_STOP_FLAG_SETS:
+            per_vocab.popitem(last=False)
+    else:
+        per_vocab.move_to_end(stop)
+    return flags
 
 
 class IncrementalDetokenizer:
@@ -78,6 +141,10 @@ class IncrementalDetokenizer:
         )
         self.streamed: bool = self.vocab is not None or self.stream is not None
         self.num_unflushed: int = 0  # tokens held back (a character in pieces)
+        # Which tokens may complete a stop string (None: every token is decoded as it comes).
+        self.stop_flags: Optional[StopFlags] = (
+            stop_flags(self.vocab, self.stop) if self.vocab is not None and self.stop else None
+        )
 
     @property
     def num_output_tokens(self) -> int:
@@ -152,6 +219,21 @@ class IncrementalDetokenizer:
             if delta:
                 self.pieces.append(delta)
                 self.num_chars += len(delta)
+        if not delta or not check_stop or self.stop_ends.isdisjoint(delta):
+            return None
+        return self._match(delta)
+
+    def catch_up_and_match(
+        self, output_token_ids: Sequence[int], check_stop: bool
+    ) -> Optional[str]:
+        """Decodes the output tokens not decoded yet (the last of `output_token_ids` is the
+        new one; the ones before it cannot complete a stop string, see the module docstring);
+        returns the stop string the new text completes, if any (only looked for when
+        `check_stop`)."""
+        start = self.num_output_tokens
+        if start == len(output_token_ids) - 1:
+            return self.add_token_and_match(output_token_ids[-1], check_stop)
+        delta = self.add_tokens(output_token_ids[start:])
         if not delta or not check_stop or self.stop_ends.isdisjoint(delta):
             return None
         return self._match(delta)

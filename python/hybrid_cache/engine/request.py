@@ -157,13 +157,17 @@ class Request:
             self.stop_reason = None if token_id in self.eos_stop_ids else token_id
             return FinishReason.STOP
         if self.checks_stop_strings:
-            assert self.detokenizer is not None
-            stop = self.detokenizer.add_token_and_match(
-                token_id, len(output_token_ids) > self.min_tokens
-            )
-            if stop is not None:
-                self.stop_reason = stop
-                return FinishReason.STOP
+            detokenizer = self.detokenizer
+            assert detokenizer is not None
+            flags = detokenizer.stop_flags
+            # A token that cannot complete a stop string waits undecoded (`detokenizer.py`).
+            if flags is None or flags[token_id] or detokenizer.num_unflushed:
+                stop = detokenizer.catch_up_and_match(
+                    output_token_ids, len(output_token_ids) > self.min_tokens
+                )
+                if stop is not None:
+                    self.stop_reason = stop
+                    return FinishReason.STOP
         if len(all_token_ids) >= self._length_limit:
             return FinishReason.LENGTH
         return None

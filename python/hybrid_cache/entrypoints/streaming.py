@@ -121,10 +121,11 @@ class SampleStream:
             self.num_chars += len(text)
             self.pending = ""
             return text
-        if not request.checks_stop_strings:  # those decode as they run
-            unseen = request.output_token_ids[detokenizer.num_output_tokens :]
-            if unseen:
-                detokenizer.add_tokens(unseen)
+        # Tokens not decoded yet (stop-string requests decode only the tokens that may
+        # complete one as they run: the others cannot, so no search is needed here).
+        unseen = request.output_token_ids[detokenizer.num_output_tokens :]
+        if unseen:
+            detokenizer.add_tokens(unseen)
         pieces = detokenizer.pieces
         if len(pieces) > self.num_pieces:
             self.pending += "".join(pieces[self.num_pieces :])
