@@ -276,13 +276,10 @@ def whole_row_logprobs(logits, chosen, counts):
 
 
 @pytest.mark.parametrize("counts", [[5, 5, 5, 5, 5, 5], [5, 0, 2, 5, 1, 3], [0] * 6, [20] * 6])
-@pytest.mark.parametrize("in_place", [False, True])
-def test_token_logprobs_of_a_batch_are_each_rows_own(counts, in_place, monkeypatch):
-    """The batched rows (top k from argmax passes, ranks counted over the top k when they can
-    be) equal each row's own from torch's top k, ranked over the whole row: greedy tokens,
-    tokens outside the top k, ties, -inf and NaN, the logprobs copied or masked in place."""
-    if in_place:
-        monkeypatch.setattr(logprobs_module, "MAX_COPY_BYTES", 0)
+def test_token_logprobs_of_a_batch_are_each_rows_own(counts):
+    """The batched rows (top k from the native pass, ranks counted over the top k when they
+    can be) equal each row's own from torch's top k, ranked over the whole row: greedy tokens,
+    tokens outside the top k, ties, -inf and NaN."""
     torch.manual_seed(7)
     logits = torch.randn(6, 40)
     logits[2, :8] = logits[2].max() + 1  # eight tokens tie for first place
@@ -291,7 +288,7 @@ def test_token_logprobs_of_a_batch_are_each_rows_own(counts, in_place, monkeypat
     chosen = torch.tensor(
         [logits[0].argmax().item(), logits[1].argmin().item(), 4, 20, 9, logits[5].argmax()]
     )
-    clean = torch.randn(6, 40)  # every row's top k + 1 distinct: the argmax passes alone
+    clean = torch.randn(6, 40)  # every row's top k + 1 distinct: the native pass alone
     cases = [(logits, chosen), (logits, logits.argmax(dim=-1)), (clean, clean.argmax(dim=-1))]
     for rows, batch in cases:
         got = [(*row[:2], chosen_rank(row)) for row in token_logprobs(rows, batch, counts)]
@@ -299,10 +296,7 @@ def test_token_logprobs_of_a_batch_are_each_rows_own(counts, in_place, monkeypat
         assert repr(got) == repr(want)  # the same floats (repr: NaN equals itself)
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-def test_top_k_takes_argmax_passes_only_where_they_are_exact(in_place, monkeypatch):
-    if in_place:
-        monkeypatch.setattr(logprobs_module, "MAX_COPY_BYTES", 0)
+def test_top_k_takes_the_native_pass_only_where_it_is_exact(monkeypatch):
     torch.manual_seed(11)
     logprobs = torch.randn(5, 64).log_softmax(dim=-1)
     logprobs[1, [3, 9]] = logprobs[1].max() + 0.5  # a tie inside the top k: torch's order
@@ -324,7 +318,7 @@ def test_top_k_takes_argmax_passes_only_where_they_are_exact(in_place, monkeypat
     assert ids[:, 0].tolist() == chosen.tolist() and ids[:, 1:].tolist() == want_ids.tolist()
     assert repr(values[:, 0].tolist()) == repr(logprobs[range(5), chosen].tolist())
     assert repr(values[:, 1:].tolist()) == repr(want_values.tolist())
-    assert calls == [3]  # one torch top k, over the three rows the passes cannot settle
+    assert calls == [3]  # one torch top k, over the three rows the native pass cannot settle
     assert torch.equal(logprobs.nan_to_num(), before.nan_to_num())  # left as it was
 
 
@@ -550,3 +544,20 @@ def test_logprob_rows_read_late_equal_rows_read_every_step():
     rows, cumulative = run(read_every_step=False)
     assert len(rows) == 40 and all(len(row[0]) == 4 for row in rows)
     assert (rows, cumulative) == run(read_every_step=True)
+
+
+@pytest.mark.parametrize("vocab_size", [7, 512, 4099])
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_the_native_top_k_equals_torchs_on_random_rows(vocab_size, k):
+    """Random logprobs (half-precision steps, so ties occur in the small vocabulary) of a
+    step's rows: ids and values equal `torch.topk`'s exactly, in order."""
+    torch.manual_seed(vocab_size + k)
+    k = min(k, vocab_size - 1)
+    logprobs = (torch.randn(33, vocab_size) * 4).half().float().log_softmax(dim=-1)
+    chosen = torch.randint(0, vocab_size, (33,))
+    ids, values = logprobs_module.top_k(logprobs, k, chosen.numpy())
+    want_values, want_ids = logprobs.topk(k, dim=-1)
+    assert ids[:, 1:].tolist() == want_ids.tolist()
+    assert values[:, 1:].tolist() == want_values.tolist()
+    assert ids[:, 0].tolist() == chosen.tolist()
+    assert values[:, 0].tolist() == logprobs[range(33), chosen].tolist()

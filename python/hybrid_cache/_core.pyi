@@ -295,3 +295,17 @@ def silu_mul_cpu(
     out: npt.NDArray[np.float32],
 ) -> None:
     """`out = silu(gate) * up` element-wise on the CPU, with `gelu_tanh_mul_cpu`'s arguments."""
+
+def top_k_rows_cpu(
+    logprobs: npt.NDArray[np.float32],
+    k: int,
+    chosen: npt.NDArray[np.int64],
+    ids_out: npt.NDArray[np.int64],
+    values_out: npt.NDArray[np.float32],
+) -> list[int]:
+    """Per row of `logprobs` [rows, cols] (C-contiguous): `ids_out` / `values_out` [rows, k + 1]
+    (writable, overlapping no input) get the chosen token `chosen[row]` and its value in column
+    0, then the row's k largest values and their ids, most likely first. Returns the rows whose
+    top k is not settled (a tie among the k + 1 largest, or a NaN): their top-k columns are a
+    guess, to be recomputed. `InvalidArgumentError` for shapes, `k >= cols` or a chosen id
+    outside the row."""

@@ -5,7 +5,7 @@ token and then the top k, and the chosen token's rank) and turned into vLLM's fo
 token id -> `Logprob(logprob, rank, decoded_token)` per position, when the request's output is
 built. A batch's rows stay arrays until first read (`LogprobRows`), then come from one
 `.tolist()` per array, with no per-row Python when every row asks for the same k; on the CPU
-its top k comes from numpy argmax passes when they are exact (`top_k`).
+its top k comes from one native pass per row where that is exact (`top_k`).
 """
 
 from __future__ import annotations
@@ -18,17 +18,13 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from hybrid_cache._core import top_k_rows_cpu
 from hybrid_cache.engine.outputs import Logprob
 
 # One position: the ids and logprobs of the chosen token and then the top k (most likely
 # first, ranks 1..k), and the chosen token's rank, or None when the chosen token is more
 # likely than the k-th: then only top k tokens can be at least as likely (`chosen_rank`).
 TokenLogprobs = tuple[list[int], list[float], Optional[int]]
-
-# Top k this size or less come from argmax passes on the CPU (`top_k`); larger ones from torch.
-MAX_ARGMAX_K = 20
-# Logprobs up to this size are copied for the argmax passes; larger ones are masked in place.
-MAX_COPY_BYTES = 1 << 20
 
 
 def token_logprobs(
@@ -127,43 +123,25 @@ def top_k(logprobs: torch.Tensor, k: int, chosen_ids: np.ndarray) -> tuple[np.nd
     """Ids and values [rows, 1 + k] of each row's chosen token (`chosen_ids`) and then its k
     largest, descending, from CPU `logprobs` [rows, vocab].
 
-    The k largest come from k + 1 numpy argmax passes (each masks the token it found) where a
-    row's top k + 1 are strictly decreasing: then the top k is the only one there is and
-    equals `torch.topk`'s. The other rows (ties, NaN, fewer than k + 1 finite values) take
-    `torch.topk`, whose order among equal values is its own. On one thread torch's top k is
-    several times slower than the passes."""
+    One native pass per row (`_core.top_k_rows_cpu`) where a row's top k + 1 are strictly
+    decreasing: then the top k is the only one there is and equals `torch.topk`'s. The other
+    rows (ties, NaN, fewer than k + 1 finite values) take `torch.topk`, whose order among
+    equal values is its own."""
     num_rows, vocab_size = logprobs.shape
     array = logprobs.numpy()
-    rows = np.arange(num_rows)[:, None]
-    if k == 0:
+    if k == 0 or k >= vocab_size or array.dtype != np.float32:
+        rows = np.arange(num_rows)[:, None]
         ids = np.array(chosen_ids, dtype=np.int64).reshape(num_rows, 1)
+        if k:
+            top_values, top_ids = logprobs.topk(k, dim=-1)
+            ids = np.concatenate([ids, top_ids.numpy()], axis=1)
         return ids, array[rows, ids]
-    if k > MAX_ARGMAX_K or k >= vocab_size:
-        top_values, top_ids = logprobs.topk(k, dim=-1)
-        ids = np.concatenate([chosen_ids.reshape(num_rows, 1), top_ids.numpy()], axis=1)
-        return ids, array[rows, ids]
-    ids = np.empty((num_rows, k + 2), dtype=np.int64)
-    ids[:, 0] = chosen_ids
-    column = rows[:, 0]
-    if array.nbytes <= MAX_COPY_BYTES:
-        work = array.copy()
-        for index in range(1, k + 2):
-            best = ids[:, index] = work.argmax(axis=1)
-            work[column, best] = -np.inf
-    else:  # masked in place, then put back (the first found last: a row may repeat an id)
-        masked = []
-        for index in range(1, k + 2):
-            best = ids[:, index] = array.argmax(axis=1)
-            masked.append(array[column, best])
-            array[column, best] = -np.inf
-        for index in range(k + 1, 0, -1):
-            array[column, ids[:, index]] = masked[index - 1]
-    values = array[rows, ids]
-    decreasing = values[:, 1:-1] > values[:, 2:]
-    ids, values = ids[:, :-1], values[:, :-1]
-    if not decreasing.all():
-        others = np.flatnonzero(~decreasing.all(axis=1))
-        other_values, other_ids = logprobs[torch.from_numpy(others)].topk(k, dim=-1)
+    ids = np.empty((num_rows, k + 1), dtype=np.int64)
+    values = np.empty((num_rows, k + 1), dtype=np.float32)
+    chosen = np.ascontiguousarray(chosen_ids, dtype=np.int64)
+    others = top_k_rows_cpu(np.ascontiguousarray(array), k, chosen, ids, values)
+    if others:
+        other_values, other_ids = logprobs[torch.tensor(others)].topk(k, dim=-1)
         ids[others, 1:], values[others, 1:] = other_ids.numpy(), other_values.numpy()
     return ids, values
 

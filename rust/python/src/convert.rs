@@ -120,3 +120,33 @@ pub fn contiguous_items<'b, T: Element>(
     }
     Items::new(buffer, name, dims)
 }
+
+/// `out` as a mutable slice: a writable, C-contiguous buffer of `shape` that overlaps none of
+/// the `inputs` (address ranges).
+pub fn output<'b, T: Element>(
+    out: &'b mut PyBuffer<T>,
+    name: &str,
+    shape: &[usize],
+    inputs: &[Range<usize>],
+) -> PyResult<&'b mut [T]> {
+    if !out.is_c_contiguous() || out.readonly() || out.shape() != shape {
+        return Err(invalid_argument(format!(
+            "{name} must be a writable C-contiguous array of shape {shape:?}, got shape {:?}",
+            out.shape()
+        )));
+    }
+    let len = out.item_count();
+    let start = out.buf_ptr() as usize;
+    let written = start..start + len * std::mem::size_of::<T>();
+    if inputs
+        .iter()
+        .any(|range| range.start < written.end && written.start < range.end)
+    {
+        return Err(invalid_argument(format!(
+            "{name} overlaps an input; pass a separate output array"
+        )));
+    }
+    // SAFETY: `out` is a writable, C-contiguous buffer of exactly `len` items that overlaps no
+    // input (checked above), held by the caller for the whole call under the GIL.
+    Ok(unsafe { std::slice::from_raw_parts_mut(out.buf_ptr() as *mut T, len) })
+}

@@ -2,43 +2,12 @@
 //! `silu_mul_cpu`, `rotary_neox_cpu`) on buffers (numpy arrays, e.g. `torch.Tensor.numpy()`
 //! views). Converts buffers to slices and errors to exceptions; nothing else.
 
-use std::ops::Range;
-
 use hybrid_cache_attention::{gelu_tanh_mul, rms_norm, rotate_neox, silu_mul, AttentionError};
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
-use crate::convert::contiguous_items;
+use crate::convert::{contiguous_items, output};
 use crate::errors::{attention_to_py, invalid_argument};
-
-/// `out` as a mutable slice: a writable, C-contiguous buffer of `shape` that overlaps none of
-/// the `inputs` (address ranges).
-fn output<'b>(
-    out: &'b mut PyBuffer<f32>,
-    shape: &[usize],
-    inputs: &[Range<usize>],
-) -> PyResult<&'b mut [f32]> {
-    if !out.is_c_contiguous() || out.readonly() || out.shape() != shape {
-        return Err(invalid_argument(format!(
-            "out must be a writable C-contiguous float32 array of shape {shape:?}, got shape {:?}",
-            out.shape()
-        )));
-    }
-    let len = out.item_count();
-    let start = out.buf_ptr() as usize;
-    let written = start..start + len * std::mem::size_of::<f32>();
-    if inputs
-        .iter()
-        .any(|range| range.start < written.end && written.start < range.end)
-    {
-        return Err(invalid_argument(
-            "out overlaps an input; pass a separate output array".to_owned(),
-        ));
-    }
-    // SAFETY: `out` is a writable, C-contiguous buffer of exactly `len` items that overlaps no
-    // input (checked above), held by the caller for the whole call under the GIL.
-    Ok(unsafe { std::slice::from_raw_parts_mut(out.buf_ptr() as *mut f32, len) })
-}
 
 /// RMSNorm over the last axis: `out = x / sqrt(mean(x^2) + eps) * (offset + weight)` for `x`
 /// of any shape [..., dim] (float32, C-contiguous), `weight` [dim]; `out` like `x`, writable,
@@ -62,6 +31,7 @@ pub fn rms_norm_cpu(
     let weight_items = contiguous_items(&weight, "weight", 1)?;
     let out_slice = output(
         &mut out,
+        "out",
         &x_items.shape,
         &[x_items.bytes(), weight_items.bytes()],
     )?;
@@ -97,6 +67,7 @@ fn gated(
     }
     let out_slice = output(
         out,
+        "out",
         &gate_items.shape,
         &[gate_items.bytes(), up_items.bytes()],
     )?;
@@ -142,6 +113,7 @@ pub fn rotary_neox_cpu(
     let sin_items = contiguous_items(&sin, "sin", sin.dimensions())?;
     let out_slice = output(
         &mut out,
+        "out",
         &x_items.shape,
         &[x_items.bytes(), cos_items.bytes(), sin_items.bytes()],
     )?;

@@ -9,6 +9,7 @@ mod coordinator;
 mod elementwise;
 mod errors;
 mod pool;
+mod sampling;
 mod table_view;
 
 #[pymodule]
@@ -28,5 +29,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(elementwise::gelu_tanh_mul_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise::silu_mul_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise::rotary_neox_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(sampling::top_k_rows_cpu, m)?)?;
     Ok(())
 }

@@ -1,0 +1,43 @@
+//! `top_k_rows_cpu`: hybrid-cache-sampling's top k of each row on buffers (numpy arrays, e.g.
+//! `torch.Tensor.numpy()` views of a step's logprobs). Converts buffers to slices and errors to
+//! exceptions; nothing else.
+
+use hybrid_cache_sampling::{top_k_rows, TopK};
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+
+use crate::convert::{contiguous_items, output};
+use crate::errors::invalid_argument;
+
+/// For `logprobs` [rows, cols] (float32, C-contiguous) and `chosen` [rows] (int64): writes
+/// `ids_out` / `values_out` [rows, k + 1] (int64 / float32, writable), column 0 the chosen
+/// token and its logprob, columns 1..=k the row's k largest, most likely first. Returns the
+/// rows whose top k is not settled (ties among the k + 1 largest, or a NaN): recompute those.
+#[pyfunction]
+#[pyo3(signature = (logprobs, k, chosen, ids_out, values_out))]
+pub fn top_k_rows_cpu(
+    logprobs: PyBuffer<f32>,
+    k: usize,
+    chosen: PyBuffer<i64>,
+    mut ids_out: PyBuffer<i64>,
+    mut values_out: PyBuffer<f32>,
+) -> PyResult<Vec<usize>> {
+    let values = contiguous_items(&logprobs, "logprobs", 2)?;
+    let chosen_items = contiguous_items(&chosen, "chosen", 1)?;
+    let (rows, cols) = (values.shape[0], values.shape[1]);
+    let inputs = [values.bytes(), chosen_items.bytes()];
+    let shape = [rows, k + 1];
+    let ids = output(&mut ids_out, "ids_out", &shape, &inputs)?;
+    let out_values = output(&mut values_out, "values_out", &shape, &inputs)?;
+    top_k_rows(
+        values.slice,
+        cols,
+        k,
+        chosen_items.slice,
+        TopK {
+            ids,
+            values: out_values,
+        },
+    )
+    .map_err(|error| invalid_argument(error.to_string()))
+}
