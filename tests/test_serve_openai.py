@@ -244,7 +244,11 @@ def test_models_health_version_metrics(server, client):
     assert metric(page, "hybrid_cache:num_requests_running") == 0
     assert metric(page, "hybrid_cache:kv_cache_blocks_used", kind="full") == 0
     assert metric(page, "hybrid_cache:kv_cache_blocks_used_by_kind", kind="sliding_window") == 0
-    stats = running.engine.snapshot.stats
+    snapshot = running.engine.snapshot
+    stats = snapshot.stats
+    # The finished request's chain is protected (the default fraction), and the gauge says so.
+    assert snapshot.num_protected_blocks > 0
+    assert metric(page, "hybrid_cache:kv_cache_blocks_protected") == snapshot.num_protected_blocks
     assert metric(page, "hybrid_cache:prefix_cache_queries_total") == stats.num_prefix_query_tokens
     assert metric(page, "hybrid_cache:prefix_cache_hits_total") == stats.num_prefix_hit_tokens
     assert metric(page, "hybrid_cache:prefix_cache_misses_total") == stats.prefix_misses.total

@@ -108,6 +108,11 @@ class KVCacheManager:
         return self.coordinator.num_free_blocks
 
     @property
+    def num_protected_blocks(self) -> int:
+        """Free cached blocks of protected chains (evicted last; `docs/DESIGN.md`)."""
+        return self.coordinator.num_protected_blocks()
+
+    @property
     def num_groups(self) -> int:
         return self.coordinator.num_groups
 

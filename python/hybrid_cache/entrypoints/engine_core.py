@@ -56,6 +56,7 @@ class EngineSnapshot:
     num_waiting: int = 0
     num_used_blocks_per_group: tuple[int, ...] = ()
     num_free_blocks: int = 0
+    num_protected_blocks: int = 0
     stats: EngineStats = field(default_factory=EngineStats)
 
 
@@ -173,6 +174,7 @@ class EngineCore:
             num_waiting=len(engine.scheduler.waiting),
             num_used_blocks_per_group=tuple(engine.kv_cache.num_used_blocks_per_group()),
             num_free_blocks=engine.kv_cache.num_free_blocks,
+            num_protected_blocks=engine.kv_cache.num_protected_blocks,
             stats=dataclasses.replace(
                 stats,
                 max_used_blocks_per_group=list(stats.max_used_blocks_per_group),

@@ -196,6 +196,11 @@ class ServerMetrics(RequestListener, Collector):
             "KV-cache blocks free (cached ones included)",
             snapshot.num_free_blocks,
         )
+        yield gauge(
+            "kv_cache_blocks_protected",
+            "Free cached blocks of protected prefix chains (evicted after every other free block)",
+            snapshot.num_protected_blocks,
+        )
         yield counter("engine_steps", "Engine steps run", stats.num_steps)
         yield counter(
             "num_preemptions", "Requests preempted (recomputed later)", stats.num_preemptions
