@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from hybrid_cache.engine.byte_level import byte_level_vocab
 from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.engine_config import SchedulerLimits
 from hybrid_cache.engine.errors import (
@@ -68,6 +69,10 @@ class LLMEngine:
         """`make_runner(kv_cache, sampler)` builds the runner of every step; `from_model` is
         the usual way in. `tokenizer` (optional) decodes outputs and matches stop strings."""
         self.tokenizer: Optional[Any] = tokenizer
+        if tokenizer is not None:
+            # A byte-level tokenizer's token table (`byte_level.py`) is built now, not on the
+            # first request that asks for text (about 0.3 s for a 128k vocabulary).
+            byte_level_vocab(tokenizer, getattr(tokenizer, "backend_tokenizer", None), True)
         self.limits: SchedulerLimits = limits
         self.vocab_size: int = vocab_size
         self.eos_token_ids: tuple[int, ...] = eos_token_ids
