@@ -65,7 +65,8 @@ pub trait BlockAllocator: Send + Sync {
     /// `free_blocks`, cached blocks joining the `tier` queue.
     fn free_blocks_to(&self, blocks: &[BlockId], tier: FreeTier) -> Result<(), CoreError>;
 
-    /// The block cached under `key`, if any. Does not take a reference.
+    /// The block cached under `key`: its first copy, else its spare (the first copy's twin,
+    /// left alone when that was evicted); None when neither exists. Does not take a reference.
     fn cached_block(&self, key: CacheKey) -> Option<BlockId>;
 
     /// Takes one reference on `block`, found by `cached_block(key)`, removing it from the free
@@ -75,17 +76,17 @@ pub trait BlockAllocator: Send + Sync {
 
     /// Takes `block`, found by `cached_block(key)`, for the caller alone: only when it is free
     /// and still holds `key`. It leaves the free queue with ref count 1 and without its key (its
-    /// spare, if any, becomes the key's first copy), its content intact: the caller reuses the
+    /// spare, if any, stays findable), its content intact: the caller reuses the
     /// part `key` names and overwrites the rest. Not counted as an eviction. Returns false and
     /// changes nothing when the block is held, holds another key, or (in a pool shared across
     /// threads) every free unit is reserved.
     fn take_cached(&self, block: BlockId, key: CacheKey) -> bool;
 
-    /// Records that `block`, held by the caller, now holds the full block `key`. When another
-    /// block already holds `key`, this one becomes its spare: it keeps the key, `cached_block`
-    /// still finds the first one, and when the first is evicted the spare takes its place, so
-    /// the content stays findable while either copy survives. Returns `Ok(false)` (nothing
-    /// changes) when `block` already carries a key or `key` already has a spare.
+    /// Records that `block`, held by the caller, now holds the full block `key`: as the key's
+    /// first copy when it has none, else as its spare when it has none: `cached_block` finds
+    /// the first copy while it lasts, then the spare, so the content stays findable while either
+    /// copy survives (nothing moves between first copy and spare). Returns `Ok(false)` (nothing
+    /// changes) when `block` already carries a key or `key` has both copies.
     fn cache_block(&self, block: BlockId, key: CacheKey) -> Result<bool, CoreError>;
 
     /// Forgets every cache key. Refused (returns false, changes nothing) while any block is in

@@ -5,20 +5,20 @@
 //! - `blocks`: one `BlockSlot` per block (state word + cache key in atomics, see
 //!   `block_state`). Block 0, the null block, has a slot that is never queued, claimed, touched,
 //!   cached or freed.
-//! - `free_queue`: the LRU free queues (keyless, `Low`, `Normal`: evicted in that order) with
-//!   lazy deletion and the reservation counter (see `free_queue`).
+//! - `free_queue`: the LRU free queues (keyless, `Low`, `Normal`, `High`: evicted in that
+//!   order) with lazy deletion and the reservation counter (see `free_queue`).
 //! - `cache`: a concurrent map `CacheKey -> BlockId` (`papaya` in the std build).
 //! - `spares`: the same kind of map for a key's second copy (a block that computed a key another
-//!   block already held), promoted into `cache` when the first copy is evicted.
+//!   block already held). A lookup that finds no first copy takes the spare, so a spare stays
+//!   findable when its twin is evicted without ever being moved: only the holder of a block
+//!   (the thread caching it, or the one that claimed it) adds or removes its map entry.
 //!
 //! # Protocol
 //!
 //! - `get_new_blocks(k)`: reserve `k` units from the free counter (all or nothing), then pop
 //!   entries and claim each valid one by CAS `(0, g, c) -> (1, g+1, 0)`, skipping stale entries.
-//!   A claimed block that was cached loses its key: the map entry is removed only if it still
-//!   maps that key to this block (then the key's spare, if any, is inserted in its place and
-//!   taken out again if it turns out evicted meanwhile), or else its spare entry is removed;
-//!   an eviction is counted.
+//!   A claimed block that was cached loses its key: its entry in `cache` or in `spares` (the
+//!   one that maps the key to this block) is removed; an eviction is counted.
 //! - `free_blocks_to(tier)`: validate every id against a snapshot, then release each; the
 //!   release that reaches 0 pushes `(block, g)` at the tail of the keyless queue when the state
 //!   word had no cached bit, else of `tier`'s queue, and then adds one unit to the counter.
@@ -28,11 +28,12 @@
 //!   block's queue entry stale.
 //! - `take_cached`: CAS `(0, g, 1) -> (1, g+1, 0)` from a snapshot under which the key slots
 //!   equal the key, after reserving one unit (no unit: refused); the queue entry goes stale and
-//!   the map entry is removed as an eviction's is (spare promoted), without counting one.
+//!   the map entry is removed as an eviction's is, without counting one.
 //! - `cache_block`: take the block's key slots (`pending` bit, block must be held and
 //!   uncached), insert `key -> block` into the map if absent (else into `spares` if absent
 //!   there; else give the slots back), write the key, then publish it by setting the cached
 //!   bit (Release).
+//! - `cached_block`: the key's first copy, else its spare.
 //!
 //! Invariants: a block is held (ref count > 0) or free with exactly one valid queue entry (or its
 //! release is between the CAS and the push); `cache[key] == b` (or `spares[key] == b`) and `b`
@@ -203,8 +204,8 @@ pub struct BlockPool {
     free_queue: FreeQueue,
     /// `key -> block` for cached blocks (and, transiently, blocks being cached or evicted).
     cache: CacheMap,
-    /// `key -> block` for the one spare copy of a key `cache` maps to another block: promoted
-    /// into `cache` when that block is evicted.
+    /// `key -> block` for the one spare copy of a key (its first copy in `cache`, or gone):
+    /// `cached_block` falls back to it.
     spares: CacheMap,
     /// Blocks whose cached bit is set, plus those between map insert and publishing; exact
     /// whenever no `cache_block` is in flight.
@@ -269,14 +270,14 @@ impl BlockPool {
         self.num_evictions.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Drops the key of a block this thread just claimed or took while it was cached; when it
-    /// was the key's first copy, its spare (if any) takes its place.
+    /// Drops the key of a block this thread just claimed or took while it was cached: its
+    /// entry as the key's first copy or as its spare. A spare left alone is found by lookups
+    /// (`cached_block`) as it is: nothing is moved, so no map entry ever names a block its
+    /// writer does not hold.
     fn drop_key(&self, block: BlockId) {
         // The claimer holds the block and the cached bit is clear, so nobody rewrites the slots.
         let key = self.blocks[block as usize].key();
-        if self.cache.remove_if_maps_to(key, block) {
-            self.promote_spare(key);
-        } else {
+        if !self.cache.remove_if_maps_to(key, block) {
             self.remove_spare(key, block);
         }
         // Relaxed: statistics only.
@@ -291,23 +292,6 @@ impl BlockPool {
                 .load()
                 .is_free_with(entry.generation)
         });
-    }
-
-    /// Moves the spare of `key` (if any) into the cache map. The spare may be evicted at any
-    /// moment: if it no longer holds `key` once inserted, the entry is taken out again (its own
-    /// eviction, if it ran before the insert, could not remove it).
-    fn promote_spare(&self, key: CacheKey) {
-        let Some(spare) = self.spares.get(key) else {
-            return;
-        };
-        if !self.cache.insert_if_absent(key, spare) {
-            return; // a new first copy was cached meanwhile; the spare stays a spare
-        }
-        self.remove_spare(key, spare);
-        let slot = &self.blocks[spare as usize];
-        if !(slot.load().is_cached() && slot.key() == key) {
-            self.cache.remove_if_maps_to(key, spare);
-        }
     }
 
     /// Removes the spare entry `key -> block`, if it is there.
@@ -396,7 +380,14 @@ impl BlockAllocator for BlockPool {
     }
 
     fn cached_block(&self, key: CacheKey) -> Option<BlockId> {
-        self.cache.get(key)
+        // The spares are looked up only when there are some (usually none): a miss then costs
+        // one probe. A spare being cached as this runs may be missed, as a first copy may.
+        // Relaxed: a hint; `touch_cached` checks whatever is found.
+        self.cache.get(key).or_else(|| {
+            (self.num_spares.load(Ordering::Relaxed) > 0)
+                .then(|| self.spares.get(key))
+                .flatten()
+        })
     }
 
     fn touch_cached(&self, block: BlockId, key: CacheKey) -> bool {
@@ -466,10 +457,6 @@ impl BlockAllocator for BlockPool {
             }
             self.num_cached.fetch_sub(1, Ordering::Relaxed);
             return Ok(false);
-        }
-        if spare && self.cache.get(key).is_none() {
-            // The first copy was evicted while this one became its spare: take its place.
-            self.promote_spare(key);
         }
         Ok(true)
     }

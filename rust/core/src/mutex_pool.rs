@@ -9,8 +9,9 @@
 //! Invariants (checked by `debug_assert!`s and by the tests in `tests/pool_contract.rs` and
 //! `tests/pool_model.rs`):
 //! - a block is in exactly one free list iff its ref count is 0 and it is not the null block;
-//! - `key_of[b] == Some(key)` iff `cache[key] == b` or `spares[key] == b`, and a key in
-//!   `spares` is in `cache` (mapped to another block).
+//! - `key_of[b] == Some(key)` iff `cache[key] == b` or `spares[key] == b`; a key in both maps
+//!   names two blocks. A lookup takes the first copy, else the spare (which stays where it is
+//!   when its twin is evicted, as in `BlockPool`).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -103,17 +104,14 @@ impl Sequential {
         self.num_free -= 1;
     }
 
-    /// Drops the key a block carries (its spare, if any, becomes the key's first copy).
-    /// Returns whether it had one.
+    /// Drops the key a block carries (its entry as first copy or as spare). Returns whether
+    /// it had one.
     fn drop_key(&mut self, block: u32) -> bool {
         let Some(key) = self.key_of[block as usize].take() else {
             return false;
         };
         if self.cache.get(&key) == Some(&block) {
             self.cache.remove(&key);
-            if let Some(spare) = self.spares.remove(&key) {
-                self.cache.insert(key, spare);
-            }
         } else {
             let removed = self.spares.remove(&key);
             debug_assert_eq!(removed, Some(block), "cache maps and key_of disagree");
@@ -216,7 +214,11 @@ impl BlockAllocator for MutexPool {
     }
 
     fn cached_block(&self, key: CacheKey) -> Option<BlockId> {
-        self.lock().cache.get(&key).copied()
+        let pool = self.lock();
+        pool.cache
+            .get(&key)
+            .or_else(|| pool.spares.get(&key))
+            .copied()
     }
 
     fn touch_cached(&self, block: BlockId, key: CacheKey) -> bool {
@@ -252,17 +254,18 @@ impl BlockAllocator for MutexPool {
                 "block {block} is free; only a block the caller holds can be cached"
             )));
         }
-        if pool.key_of[block as usize].is_some() || pool.spares.contains_key(&key) {
+        if pool.key_of[block as usize].is_some() {
             return Ok(false);
         }
-        match pool.cache.entry(key) {
-            std::collections::hash_map::Entry::Vacant(entry) => {
-                entry.insert(block);
-            }
-            std::collections::hash_map::Entry::Occupied(_) => {
-                pool.spares.insert(key, block);
-            }
-        }
+        let pool = &mut *pool;
+        let map = if !pool.cache.contains_key(&key) {
+            &mut pool.cache
+        } else if !pool.spares.contains_key(&key) {
+            &mut pool.spares
+        } else {
+            return Ok(false);
+        };
+        map.insert(key, block);
         pool.key_of[block as usize] = Some(key);
         Ok(true)
     }

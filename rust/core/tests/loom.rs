@@ -428,11 +428,11 @@ fn protected_free_races_an_allocation() {
 }
 
 #[test]
-fn spare_promotion_races_its_eviction() {
+fn both_copies_of_a_key_evicted_concurrently() {
     model(|| {
         // Key K cached by free block 1 with a spare, free block 2. Two allocators take one block
-        // each: both copies are evicted, in either order, concurrently with the promotion of
-        // the spare. Afterwards K maps to nothing (no stale entry), so K can be cached again.
+        // each: both copies are evicted, in either order and at once. Afterwards K maps to
+        // nothing (no stale entry in either map), so K can be cached again.
         let pool = Arc::new(BlockPool::new(3).unwrap());
         let mut out = Vec::new();
         pool.get_new_blocks(2, &mut out).unwrap();
@@ -491,5 +491,48 @@ fn two_takers_race_an_allocation() {
         assert_eq!(pool.cached_block(key(4)), None);
         assert_eq!(pool.stats().num_cached_blocks, 0);
         assert_eq!(pool.stats().num_evictions, u64::from(allocated));
+    });
+}
+
+#[test]
+fn a_spare_evicted_and_cached_again_while_its_twin_goes() {
+    model(|| {
+        // Key K: block 1 its first copy, block 2 its spare, both free (1 older). Two allocators
+        // take one block each: the one that gets block 1 evicts it and promotes the spare while
+        // the other gets block 2 (evicting the spare) and caches it under K again. Afterwards
+        // block 2 is K's only copy: found by a lookup (as first copy, or as a spare whose twin
+        // went meanwhile) and counted once. A promotion that moved the spare into the first
+        // copy's place lost the entry in one interleaving (K cached in block 2, not found).
+        let pool = Arc::new(BlockPool::new(3).unwrap());
+        let mut out = Vec::new();
+        pool.get_new_blocks(2, &mut out).unwrap();
+        assert!(pool.cache_block(1, key(9)).unwrap());
+        assert!(pool.cache_block(2, key(9)).unwrap());
+        pool.free_blocks(&[1, 2]).unwrap();
+        let other = Arc::clone(&pool);
+        let handle = thread::spawn(move || {
+            let mut mine = Vec::new();
+            other.get_new_blocks(1, &mut mine).unwrap();
+            if mine == [2] {
+                assert!(other.cache_block(2, key(9)).unwrap());
+            }
+            mine
+        });
+        let mut mine = Vec::new();
+        pool.get_new_blocks(1, &mut mine).unwrap();
+        if mine == [2] {
+            assert!(pool.cache_block(2, key(9)).unwrap());
+        }
+        let theirs = handle.join().unwrap();
+        mine.extend(theirs);
+        mine.sort_unstable();
+        assert_eq!(mine, vec![1, 2]);
+        let stats = pool.stats();
+        assert_eq!(pool.cached_block(key(9)), Some(2), "K's copy is found");
+        assert_eq!(stats.num_cached_blocks, 1);
+        assert!(stats.num_spare_blocks <= 1);
+        check_quiescent(&pool, &mine);
+        pool.free_blocks(&[2]).unwrap();
+        assert!(pool.touch_cached(2, key(9)), "and hit");
     });
 }

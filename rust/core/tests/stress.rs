@@ -233,21 +233,42 @@ fn run(num_threads: usize, num_blocks: usize, mix: Mix, iterations: usize) {
         assert_eq!(shadow.holders[block as usize].load(Ordering::Relaxed), 0);
     }
     let stats = pool.stats();
-    let still_cached = (0..NUM_KEYS)
-        .filter(|&value| pool.cached_block(key(value)).is_some())
-        .count();
-    assert_eq!(
-        stats.num_cached_blocks,
-        still_cached + stats.num_spare_blocks
-    );
-    assert!(
-        stats.num_spare_blocks <= still_cached,
-        "a spare's key is cached: {stats:?}"
-    );
     assert_eq!(
         total.cached,
         stats.num_evictions + stats.num_cached_blocks as u64,
         "every successful cache_block is evicted or still cached: {total:?} {stats:?}"
+    );
+    // Every copy of every key, found by touching each block under each key (and freeing it
+    // again): the lookup of a key names one of its copies (no entry naming a block that holds
+    // another key or none), a key with a copy is found, at most two copies (first and spare),
+    // and the counts agree with them.
+    let mut copies = 0;
+    let mut found = 0;
+    for value in 0..NUM_KEYS {
+        let holders: Vec<BlockId> = (1..num_blocks as BlockId)
+            .filter(|&block| pool.touch_cached(block, key(value)))
+            .collect();
+        pool.free_blocks(&holders).unwrap();
+        match pool.cached_block(key(value)) {
+            Some(block) => {
+                assert!(
+                    holders.contains(&block),
+                    "key {value} maps to block {block}, which does not hold it ({holders:?})"
+                );
+                found += 1;
+            }
+            None => assert!(
+                holders.is_empty(),
+                "key {value} is cached in {holders:?} but not found"
+            ),
+        }
+        assert!(holders.len() <= 2, "key {value} has copies {holders:?}");
+        copies += holders.len();
+    }
+    assert_eq!(stats.num_cached_blocks, copies, "{stats:?}");
+    assert!(
+        copies - found <= stats.num_spare_blocks && stats.num_spare_blocks <= found,
+        "{stats:?}"
     );
     // Everything is free and quiescent: a fresh allocation of the whole pool must succeed.
     let mut out = Vec::new();
