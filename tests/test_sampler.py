@@ -561,3 +561,26 @@ def test_the_native_top_k_equals_torchs_on_random_rows(vocab_size, k):
     assert values[:, 1:].tolist() == want_values.tolist()
     assert ids[:, 0].tolist() == chosen.tolist()
     assert values[:, 0].tolist() == logprobs[range(33), chosen].tolist()
+
+
+def test_the_native_top_k_refuses_bad_buffers_with_what_to_change():
+    from hybrid_cache._core import top_k_rows_cpu
+    from hybrid_cache.errors import InvalidArgumentError
+
+    logprobs = torch.randn(4, 10).log_softmax(dim=-1).numpy()
+    chosen = np.zeros(4, dtype=np.int64)
+    ids, values = np.empty((4, 3), np.int64), np.empty((4, 3), np.float32)
+    assert top_k_rows_cpu(logprobs, 2, chosen, ids, values) == []
+    # Values viewing the ids' memory: two writable views of one buffer are refused.
+    backing = np.empty(2 * 4 * 3, np.int64)
+    aliased = backing.view(np.float32)[: 4 * 3].reshape(4, 3)
+    with pytest.raises(InvalidArgumentError, match="values_out overlaps"):
+        top_k_rows_cpu(logprobs, 2, chosen, backing[: 4 * 3].reshape(4, 3), aliased)
+    with pytest.raises(InvalidArgumentError, match="ids_out must be a writable C-contiguous"):
+        top_k_rows_cpu(logprobs, 2, chosen, np.empty((4, 4), np.int64), values)
+    with pytest.raises(InvalidArgumentError, match="chosen id 10 of row 0 is outside 0..10"):
+        top_k_rows_cpu(logprobs, 2, np.full(4, 10, np.int64), ids, values)
+    with pytest.raises(InvalidArgumentError, match="needs more than k columns"):
+        top_k_rows_cpu(
+            logprobs, 10, chosen, np.empty((4, 11), np.int64), np.empty((4, 11), np.float32)
+        )

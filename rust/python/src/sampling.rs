@@ -25,10 +25,18 @@ pub fn top_k_rows_cpu(
     let values = contiguous_items(&logprobs, "logprobs", 2)?;
     let chosen_items = contiguous_items(&chosen, "chosen", 1)?;
     let (rows, cols) = (values.shape[0], values.shape[1]);
-    let inputs = [values.bytes(), chosen_items.bytes()];
     let shape = [rows, k + 1];
+    // The ids' bytes, so the values may overlap neither them nor an input.
+    let ids_start = ids_out.buf_ptr() as usize;
+    let ids_bytes = ids_start..ids_start + ids_out.item_count() * std::mem::size_of::<i64>();
+    let inputs = [values.bytes(), chosen_items.bytes()];
     let ids = output(&mut ids_out, "ids_out", &shape, &inputs)?;
-    let out_values = output(&mut values_out, "values_out", &shape, &inputs)?;
+    let out_values = output(
+        &mut values_out,
+        "values_out",
+        &shape,
+        &[inputs[0].clone(), inputs[1].clone(), ids_bytes],
+    )?;
     top_k_rows(
         values.slice,
         cols,
