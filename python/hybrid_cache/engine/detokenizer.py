@@ -44,6 +44,17 @@ from hybrid_cache.engine.sampling_params import SamplingParams
 PROMPT_CONTEXT_TOKENS = 5
 # Without a byte-level vocabulary no token's text is known ahead (every id: None).
 NO_TEXTS = TokenTexts({}, size=1 << 62)
+# What `tokenizers`' stream decoder says when a token makes the text so far decode differently
+# (a SentencePiece byte-fallback group that turns invalid, e.g. <0xC3> <0xA9> <0xC3> then a word:
+# "é" shown, then the three bytes decode as three U+FFFD). vLLM's users hit the same error.
+INVALID_PREFIX = "Invalid prefix encountered"
+
+
+class StreamBroken(Exception):
+    """The stream decoder cannot go on for this request (`INVALID_PREFIX`): its later tokens
+    take the window decodes, which re-read the text around each new token."""
+
+
 # Stop-string sets whose `StopFlags` are kept per vocabulary (the least recently used go).
 MAX_STOP_FLAG_SETS = 256
 
@@ -163,6 +174,10 @@ class IncrementalDetokenizer:
         self.token_ids.extend(token_ids)
         if self.streamed:
             return self._add_streamed(token_ids, final)
+        return self._add_windowed(final)
+
+    def _add_windowed(self, final: bool) -> str:
+        """The window decodes over the tokens after `read_offset` (all in `token_ids`)."""
         if self.read_offset == len(self.token_ids):
             return ""
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
@@ -179,10 +194,21 @@ class IncrementalDetokenizer:
     def _add_streamed(self, token_ids: Sequence[int], final: bool) -> str:
         chunks = []
         texts = self.texts
-        for token_id in token_ids:
+        for index, token_id in enumerate(token_ids):
             chunk = None if self.num_unflushed else texts[token_id]
             if chunk is None:
-                chunk = self._step(token_id)
+                try:
+                    chunk = self._step(token_id)
+                except StreamBroken:
+                    # This token and the ones after it (all in `token_ids` already) go
+                    # through the window decodes, from the first one not shown yet.
+                    earlier = "".join(chunks)
+                    if earlier:
+                        self.pieces.append(earlier)
+                        self.num_chars += len(earlier)
+                    current = len(self.token_ids) - (len(token_ids) - index)
+                    self._leave_stream(current - self.num_unflushed)
+                    return earlier + self._add_windowed(final)
             if chunk is None:
                 self.num_unflushed += 1
             else:
@@ -211,7 +237,14 @@ class IncrementalDetokenizer:
             self.token_ids.append(token_id)
             delta = None if self.num_unflushed else self.texts[token_id]
             if delta is None:
-                delta = self._step(token_id)
+                try:
+                    delta = self._step(token_id)
+                except StreamBroken:
+                    self._leave_stream(len(self.token_ids) - 1 - self.num_unflushed)
+                    delta = self._add_windowed(final=False)
+                    if not delta or not check_stop or self.stop_ends.isdisjoint(delta):
+                        return None
+                    return self._match(delta)
                 if delta is None:
                     self.num_unflushed += 1
                     return None
@@ -238,11 +271,26 @@ class IncrementalDetokenizer:
             return None
         return self._match(delta)
 
+    def _leave_stream(self, first_unshown: int) -> None:
+        """Switches to the window decodes after the stream decoder broke: the text shown so
+        far ends before `token_ids[first_unshown]` (the tokens held back since are decoded
+        again, in their window)."""
+        self.stream = None
+        self.streamed = False
+        self.num_unflushed = 0
+        self.read_offset = first_unshown
+        self.prefix_offset = max(0, first_unshown - PROMPT_CONTEXT_TOKENS)
+
     def _step(self, token_id: int) -> Optional[str]:
         """One token through the stream decoder, or its bytes after the held-back ones
         (byte-level): the text they complete, None while it ends in U+FFFD or is empty."""
         if self.vocab is None:
-            return self.stream.step(self.backend, token_id)
+            try:
+                return self.stream.step(self.backend, token_id)
+            except Exception as error:  # tokenizers raises a bare Exception
+                if INVALID_PREFIX not in str(error):
+                    raise
+                raise StreamBroken from error
         pending = self.pending + self.vocab.bytes_of(token_id)
         text = pending.decode("utf-8", "replace")
         if not text or text.endswith(REPLACEMENT_CHAR):
