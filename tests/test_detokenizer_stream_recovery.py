@@ -67,3 +67,24 @@ def test_random_byte_runs_never_fail_a_request(tokenizer, seed):
     if len(tail) >= 2:
         words = tokenizer.decode(output[last_byte + 1 :][1:])
         assert request.output_text.endswith(words)
+
+
+def test_an_engine_with_such_a_tokenizer_finishes_every_request(tokenizer, tmp_path):
+    # A random-weight model sampling over the whole vocabulary with a stop string: byte runs
+    # break the stream decoder in most requests; before the fix the first one raised out of
+    # `generate` and every request of the batch was lost.
+    from hybrid_cache.engine.llm import LLM
+
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(
+        "tiny-llama",
+        load_format="dummy",
+        kv_cache_memory="16MiB",
+        tokenizer=str(tmp_path),
+        max_model_len=512,
+    )
+    params = SamplingParams(max_tokens=120, stop=["zz"], ignore_eos=True, temperature=1.0, seed=1)
+    outputs = llm.generate([[5, 6, 7, 8 + i] for i in range(8)], params)
+    assert [len(output.outputs[0].token_ids) for output in outputs] == [120] * 8
+    assert all(isinstance(output.outputs[0].text, str) for output in outputs)
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks - 1
