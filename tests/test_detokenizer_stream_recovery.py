@@ -88,3 +88,32 @@ def test_an_engine_with_such_a_tokenizer_finishes_every_request(tokenizer, tmp_p
     assert [len(output.outputs[0].token_ids) for output in outputs] == [120] * 8
     assert all(isinstance(output.outputs[0].text, str) for output in outputs)
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks - 1
+
+
+def test_a_request_whose_text_fails_fails_alone(tokenizer, tmp_path, monkeypatch):
+    # Whatever else a request's own text or stop check may raise: that request ends with
+    # finish_reason "error" and a typed error naming it, the others finish, every block comes
+    # back (the step goes on).
+    from hybrid_cache.engine import detokenizer as detokenizer_module
+    from hybrid_cache.engine.llm import LLM
+    from hybrid_cache.errors import OutputProcessingError
+
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM("tiny-llama", load_format="dummy", kv_cache_memory="16MiB", tokenizer=str(tmp_path))
+    real = detokenizer_module.IncrementalDetokenizer.catch_up_and_match
+
+    def flaky(self, output_token_ids, check_stop):
+        # The request whose prompt ends in 99 breaks at its third output token.
+        if self.token_ids[self.num_context_tokens - 1] == 99 and len(output_token_ids) == 3:
+            raise ValueError("a broken decoder")
+        return real(self, output_token_ids, check_stop)
+
+    monkeypatch.setattr(detokenizer_module.IncrementalDetokenizer, "catch_up_and_match", flaky)
+    params = SamplingParams(max_tokens=6, stop=["zz"], ignore_eos=True)
+    outputs = llm.generate([[5, 6, 7], [5, 6, 99], [5, 6, 8]], params)
+    assert [output.outputs[0].finish_reason for output in outputs] == ["length", "error", "length"]
+    error = outputs[1].error
+    assert isinstance(error, OutputProcessingError) and isinstance(error.__cause__, ValueError)
+    assert "sampled token" in str(error) and "a broken decoder" in str(error)
+    assert [len(outputs[index].outputs[0].token_ids) for index in (0, 2)] == [6, 6]
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks - 1

@@ -217,6 +217,11 @@ class NoTokenizerError(InvalidRequestError):
     without tokenizer files, or transformers is not installed)."""
 
 
+class OutputProcessingError(HybridCacheError, RuntimeError):
+    """Reading a request's sampled token (its text, its stop check) failed: that request ends
+    with `finish_reason == "error"` and this error (the cause chained), the others go on."""
+
+
 class InvalidRequestsError(InvalidRequestError):
     """`LLM.generate` / `LLM.chat` found bad prompts and ran none of the batch. `errors` holds
     `(index, error)` for every bad one, in order; each error is an `InvalidRequestError`."""
@@ -324,6 +329,7 @@ __all__ = [
     "NoFreeBlocksError",
     "NoTokenizerError",
     "PlanError",
+    "OutputProcessingError",
     "PromptTooLongError",
     "RequestBodyTooLargeError",
     "RequestTooLargeError",

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import operator
 import time
 from collections import deque
@@ -41,9 +42,12 @@ from typing import TYPE_CHECKING, Optional
 from hybrid_cache.engine.engine_config import SCHEDULING_POLICIES
 from hybrid_cache.engine.errors import InsufficientKVCacheError
 from hybrid_cache.engine.request import FinishReason, Request, RequestStatus
+from hybrid_cache.errors import OutputProcessingError
 
 if TYPE_CHECKING:
     from hybrid_cache.engine.kv_cache import KVCacheManager
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(init=False)
@@ -277,7 +281,20 @@ class Scheduler:
             if not request.output_token_ids:
                 request.first_token_time = now
             request.last_token_time = now
-            finish_reason = request.append_output_token(token_id)
+            try:
+                finish_reason = request.append_output_token(token_id)
+            except Exception as cause:  # its own text or stop check: it fails alone
+                error = OutputProcessingError(
+                    f"request {request.request_id!r} failed reading its sampled token "
+                    f"{token_id}: {type(cause).__name__}: {cause}"
+                )
+                error.__cause__ = cause
+                logger.warning("%s", error)
+                self.kv_cache.free(request)
+                self._finish(request, FinishReason.ERROR)
+                request.error = error
+                finished.append(request)
+                continue
             if finish_reason is None:
                 continuing.append(request)
                 continuing_token_ids.append(token_id)
