@@ -135,9 +135,8 @@ impl Best {
         } else {
             f32::NEG_INFINITY
         };
-        let maxima = std::mem::take(&mut self.maxima);
-        for (index, &maximum) in maxima.iter().enumerate() {
-            if maximum < floor {
+        for index in 0..self.maxima.len() {
+            if self.maxima[index] < floor {
                 continue;
             }
             let start = index * chunk;
@@ -148,17 +147,14 @@ impl Best {
                 }
             }
         }
-        self.maxima = maxima;
         self.len == width && self.values.windows(2).all(|pair| pair[0] > pair[1])
     }
 
     /// Inserts after every kept value at least as large (earlier columns first among equals),
     /// dropping the smallest when full: shifts the smaller ones down one slot (at most
-    /// `k + 1`, so a plain loop beats a search and a memmove). NaN is never kept.
+    /// `k + 1`, so a plain loop beats a search and a memmove). Never sees NaN (a row holding
+    /// one is left after the first pass).
     fn insert(&mut self, value: f32, column: usize) {
-        if value.is_nan() {
-            return;
-        }
         let width = self.values.len();
         let mut slot = self.len.min(width - 1);
         if self.len == width && self.values[slot] >= value {
