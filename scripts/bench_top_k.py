@@ -1,4 +1,4 @@
-"""The logprobs' top k on the CPU: the native pass (`_core.top_k_rows_cpu`, what
+"""The logprobs' top k on the CPU: the native top k (`_core.top_k_rows_cpu`, what
 `engine/logprobs.py` uses) against k + 1 numpy argmax passes (what it replaced) and
 `torch.topk`, on 64 rows of fresh log_softmax rows per call (16 different matrices in turn: one
 matrix over and over trains the branch predictor and flatters every method), one thread.

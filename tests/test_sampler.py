@@ -277,7 +277,7 @@ def whole_row_logprobs(logits, chosen, counts):
 
 @pytest.mark.parametrize("counts", [[5, 5, 5, 5, 5, 5], [5, 0, 2, 5, 1, 3], [0] * 6, [20] * 6])
 def test_token_logprobs_of_a_batch_are_each_rows_own(counts):
-    """The batched rows (top k from the native pass, ranks counted over the top k when they
+    """The batched rows (top k from the native routine, ranks counted over the top k when they
     can be) equal each row's own from torch's top k, ranked over the whole row: greedy tokens,
     tokens outside the top k, ties, -inf and NaN."""
     torch.manual_seed(7)
@@ -288,7 +288,7 @@ def test_token_logprobs_of_a_batch_are_each_rows_own(counts):
     chosen = torch.tensor(
         [logits[0].argmax().item(), logits[1].argmin().item(), 4, 20, 9, logits[5].argmax()]
     )
-    clean = torch.randn(6, 40)  # every row's top k + 1 distinct: the native pass alone
+    clean = torch.randn(6, 40)  # every row's top k + 1 distinct: the native routine alone
     cases = [(logits, chosen), (logits, logits.argmax(dim=-1)), (clean, clean.argmax(dim=-1))]
     for rows, batch in cases:
         got = [(*row[:2], chosen_rank(row)) for row in token_logprobs(rows, batch, counts)]
@@ -318,7 +318,7 @@ def test_top_k_takes_the_native_pass_only_where_it_is_exact(monkeypatch):
     assert ids[:, 0].tolist() == chosen.tolist() and ids[:, 1:].tolist() == want_ids.tolist()
     assert repr(values[:, 0].tolist()) == repr(logprobs[range(5), chosen].tolist())
     assert repr(values[:, 1:].tolist()) == repr(want_values.tolist())
-    assert calls == [3]  # one torch top k, over the three rows the native pass cannot settle
+    assert calls == [3]  # one torch top k, over the three rows the native routine cannot settle
     assert torch.equal(logprobs.nan_to_num(), before.nan_to_num())  # left as it was
 
 

@@ -5,7 +5,7 @@ token and then the top k, and the chosen token's rank) and turned into vLLM's fo
 token id -> `Logprob(logprob, rank, decoded_token)` per position, when the request's output is
 built. A batch's rows stay arrays until first read (`LogprobRows`), then come from one
 `.tolist()` per array, with no per-row Python when every row asks for the same k; on the CPU
-its top k comes from one native pass per row where that is exact (`top_k`).
+its top k comes from the native top k (`rust/sampling`) where that is exact (`top_k`).
 """
 
 from __future__ import annotations
@@ -123,8 +123,9 @@ def top_k(logprobs: torch.Tensor, k: int, chosen_ids: np.ndarray) -> tuple[np.nd
     """Ids and values [rows, 1 + k] of each row's chosen token (`chosen_ids`) and then its k
     largest, descending, from CPU `logprobs` [rows, vocab].
 
-    One native pass per row (`_core.top_k_rows_cpu`) where a row's top k + 1 are strictly
-    decreasing: then the top k is the only one there is and equals `torch.topk`'s. The other
+    The native top k (`_core.top_k_rows_cpu`: a pass over each row, then over the few chunks
+    of it that can hold the top k) where a row's top k + 1 are strictly decreasing: then the
+    top k is the only one there is and equals `torch.topk`'s. The other
     rows (ties, NaN, fewer than k + 1 finite values) take `torch.topk`, whose order among
     equal values is its own."""
     num_rows, vocab_size = logprobs.shape
