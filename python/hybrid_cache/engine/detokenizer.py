@@ -187,8 +187,7 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
-        self.pieces.append(delta)
-        self.num_chars += len(delta)
+        self._show(delta)
         return delta
 
     def _add_streamed(self, token_ids: Sequence[int], final: bool) -> str:
@@ -203,9 +202,7 @@ class IncrementalDetokenizer:
                     # This token and the ones after it (all in `token_ids` already) go
                     # through the window decodes, from the first one not shown yet.
                     earlier = "".join(chunks)
-                    if earlier:
-                        self.pieces.append(earlier)
-                        self.num_chars += len(earlier)
+                    self._show(earlier)
                     current = len(self.token_ids) - (len(token_ids) - index)
                     self._leave_stream(current - self.num_unflushed)
                     return earlier + self._add_windowed(final)
@@ -220,9 +217,7 @@ class IncrementalDetokenizer:
             self.num_unflushed = 0
             self.pending = b""
         delta = "".join(chunks)
-        if delta:
-            self.pieces.append(delta)
-            self.num_chars += len(delta)
+        self._show(delta)
         return delta
 
     def add_token_and_match(self, token_id: int, check_stop: bool) -> Optional[str]:
@@ -241,15 +236,12 @@ class IncrementalDetokenizer:
                     delta = self._step(token_id)
                 except StreamBroken:
                     self._leave_stream(len(self.token_ids) - 1 - self.num_unflushed)
-                    delta = self._add_windowed(final=False)
-                    if not delta or not check_stop or self.stop_ends.isdisjoint(delta):
-                        return None
-                    return self._match(delta)
+                    return self._match_new(self._add_windowed(final=False), check_stop)
                 if delta is None:
                     self.num_unflushed += 1
                     return None
                 self.num_unflushed = 0
-            if delta:
+            if delta:  # `_show` and `_match_new` inlined: this runs once per token
                 self.pieces.append(delta)
                 self.num_chars += len(delta)
         if not delta or not check_stop or self.stop_ends.isdisjoint(delta):
@@ -266,10 +258,7 @@ class IncrementalDetokenizer:
         start = self.num_output_tokens
         if start == len(output_token_ids) - 1:
             return self.add_token_and_match(output_token_ids[-1], check_stop)
-        delta = self.add_tokens(output_token_ids[start:])
-        if not delta or not check_stop or self.stop_ends.isdisjoint(delta):
-            return None
-        return self._match(delta)
+        return self._match_new(self.add_tokens(output_token_ids[start:]), check_stop)
 
     def _leave_stream(self, first_unshown: int) -> None:
         """Switches to the window decodes after the stream decoder broke: the text shown so
@@ -298,6 +287,18 @@ class IncrementalDetokenizer:
             return None
         self.pending = b""
         return text
+
+    def _show(self, text: str) -> None:
+        """Appends `text` (if any) to the text shown so far."""
+        if text:
+            self.pieces.append(text)
+            self.num_chars += len(text)
+
+    def _match_new(self, delta: str, check_stop: bool) -> Optional[str]:
+        """`_match` on the text just shown, when asked and when it holds a stop string's end."""
+        if not delta or not check_stop or self.stop_ends.isdisjoint(delta):
+            return None
+        return self._match(delta)
 
     def _match(self, delta: str) -> Optional[str]:
         """The first stop string (in the params' order) that ends in `delta`, the text just

@@ -290,11 +290,8 @@ class Scheduler:
                 )
                 error.__cause__ = cause
                 logger.warning("%s", error)
-                self.kv_cache.free(request)
-                self._finish(request, FinishReason.ERROR)
                 request.error = error
-                finished.append(request)
-                continue
+                finish_reason = FinishReason.ERROR
             if finish_reason is None:
                 continuing.append(request)
                 continuing_token_ids.append(token_id)
