@@ -1,5 +1,5 @@
 """The logprobs' top k on the CPU: the native top k (`_core.top_k_rows_cpu`, what
-`engine/logprobs.py` uses) against k + 1 numpy argmax passes (what it replaced) and
+`engine/logprobs.py` uses; it also counts the chosen token's rank, which the others do not) against k + 1 numpy argmax passes (what it replaced) and
 `torch.topk`, on 64 rows of fresh log_softmax rows per call (16 different matrices in turn: one
 matrix over and over trains the branch predictor and flatters every method), one thread.
 
@@ -40,13 +40,14 @@ def main() -> None:
         chosen = np.zeros(64, dtype=np.int64)
         ids = np.empty((64, k + 1), dtype=np.int64)
         values = np.empty((64, k + 1), dtype=np.float32)
+        ranks = np.empty(64, dtype=np.int64)
         times: dict[str, list[float]] = {"native": [], "numpy argmax passes": [], "torch.topk": []}
         clock = time.perf_counter
         for _ in range(args.rounds):
             for matrix in matrices:
                 array = matrix.numpy()
                 start = clock()
-                top_k_rows_cpu(array, k, chosen, ids, values)
+                top_k_rows_cpu(array, k, chosen, ids, values, ranks)
                 times["native"].append(clock() - start)
                 start = clock()
                 numpy_passes(array, k)

@@ -51,7 +51,39 @@ def test_decode_metadata_tables_are_copies() -> None:
 
 
 def test_decode_metadata_rejects_a_null_slot() -> None:
+    from hybrid_cache.errors import InvalidBlockError
+
     table = np.ones((1, 2, 4), dtype=np.int32)
     table[0, 1, 2] = 0
-    with pytest.raises(AssertionError, match="null block"):
+    with pytest.raises(InvalidBlockError, match="group 0, block 2\\) maps to the null block"):
         build_decode_metadata([9], [1], table, [4])
+
+
+def test_the_native_decode_tables_refuse_bad_input_and_write_nothing() -> None:
+    from hybrid_cache._core import decode_tables_cpu
+    from hybrid_cache.errors import InvalidArgumentError
+
+    table = np.arange(1, 2 * 3 * 4 + 1, dtype=np.int32).reshape(2, 3, 4)
+    tables, slots = np.full((2, 2, 3), -1, np.int32), np.full((2, 2), -1, np.int64)
+    rows, positions = np.array([2, 0]), np.array([9, 0])
+    decode_tables_cpu(table, rows, positions, 4, tables, slots)
+    assert tables.tolist() == table[:, [2, 0], :3].tolist()
+    assert slots.tolist() == (table[:, [2, 0], [2, 0]] * 4 + [1, 0]).tolist()
+    for bad_rows, bad_positions, match in [
+        ([3, 0], [9, 0], "row 3 of sequence 0 is outside the table's 3 rows"),
+        ([2, 0], [9, 16], "position 16 of sequence 1 is outside a row of 4 blocks"),
+        ([2, 0], [9, -1], "position -1 of sequence 1"),
+    ]:
+        fresh_tables, fresh_slots = np.full_like(tables, -1), np.full_like(slots, -1)
+        with pytest.raises(InvalidArgumentError, match=match):
+            decode_tables_cpu(
+                table, np.array(bad_rows), np.array(bad_positions), 4, fresh_tables, fresh_slots
+            )
+        assert (fresh_tables == -1).all() and (fresh_slots == -1).all()
+    backing = np.array([2, 0, 0, 0])  # slots viewing the rows' memory: refused
+    with pytest.raises(InvalidArgumentError, match="slots_out overlaps"):
+        decode_tables_cpu(table, backing[:2], positions, 4, tables, backing.reshape(2, 2))
+    with pytest.raises(InvalidArgumentError, match="tables_out must be a writable"):
+        decode_tables_cpu(table, rows, positions, 4, np.empty((2, 3, 3), np.int32), slots)
+    with pytest.raises(InvalidArgumentError, match="must hold groups x seqs x columns"):
+        decode_tables_cpu(table, rows, positions, 4, np.empty((2, 2, 5), np.int32), slots)

@@ -312,28 +312,34 @@ def test_top_k_takes_the_native_pass_only_where_it_is_exact(monkeypatch):
         lambda self, *a, **kw: calls.append(len(self)) or real_topk(self, *a, **kw),
     )
     chosen = np.array([0, 1, 2, 3, 4])
-    ids, values = logprobs_module.top_k(logprobs, 4, chosen)
+    ids, values, ranks = logprobs_module.top_k(logprobs, 4, chosen)
     monkeypatch.undo()
     want_values, want_ids = logprobs.topk(4, dim=-1)
     assert ids[:, 0].tolist() == chosen.tolist() and ids[:, 1:].tolist() == want_ids.tolist()
     assert repr(values[:, 0].tolist()) == repr(logprobs[range(5), chosen].tolist())
     assert repr(values[:, 1:].tolist()) == repr(want_values.tolist())
     assert calls == [3]  # one torch top k, over the three rows the native routine cannot settle
+    # Ranks are counted natively on every row, settled or not (NaN counts nowhere).
+    chosen_values = logprobs[range(5), chosen][:, None]
+    assert ranks.tolist() == (logprobs >= chosen_values).sum(-1).tolist()
     assert torch.equal(logprobs.nan_to_num(), before.nan_to_num())  # left as it was
 
 
 def test_a_rank_left_to_chosen_rank_is_counted_over_the_top_k():
+    """Rows whose rank was not counted (the device path, when the chosen token is above the
+    k-th): `chosen_rank` counts the top k at least as likely; the CPU rows count it always."""
+    assert chosen_rank(([7, 3, 7, 1], [-0.5, -0.1, -0.5, -0.9], None)) == 2
+    assert chosen_rank(([3, 3, 7], [-0.1, -0.1, -0.5], None)) == 1
+    assert chosen_rank(([9, 3], [-4.0, -0.1], 30)) == 30
     torch.manual_seed(3)
     logits = torch.randn(4, 30)
     reference = logits.log_softmax(dim=-1)
     third = reference.topk(3, dim=-1).indices[:, 2]
-    rows = token_logprobs(logits, third, [5] * 4)  # each row's third: above the fifth
-    assert [row[2] for row in rows] == [None] * 4 and list(map(chosen_rank, rows)) == [3] * 4
     last = reference.argmin(dim=-1)
     rows = token_logprobs(logits, torch.cat([third[:2], last[2:]]), [5] * 4)
-    assert [row[2] for row in rows] == [3, 3, 30, 30]  # one row below the fifth: all counted
+    assert [row[2] for row in rows] == [3, 3, 30, 30]
     assert list(map(chosen_rank, rows)) == [3, 3, 30, 30]
-    rows = token_logprobs(logits, third, [1, 5, 0, 2])  # fewer asked: ranked before the cut
+    rows = token_logprobs(logits, third, [1, 5, 0, 2])  # fewer asked: the rank over the row
     assert list(map(chosen_rank, rows)) == [3] * 4 and [len(row[0]) for row in rows] == [2, 6, 1, 3]
 
 
@@ -528,17 +534,20 @@ def test_logprob_rows_read_late_equal_rows_read_every_step():
         for index in range(4):
             engine.add_request(f"short{index}", list(range(5 + index, 20)), short)
         request = next(r for r in engine.scheduler.waiting if r.request_id == "long")
+        log = engine.model_runner.logprob_log
+        kept = []  # every step's rows and ids, to see the long request's taken out of each
+        record = log.record
+        log.record = lambda rows, ids: kept.append((rows, list(ids))) or record(rows, ids)
         while engine.has_unfinished_requests():
             engine.step()
             if read_every_step:
                 request.sample_logprob_rows()
-                assert not request.logprob_refs
-        steps = {id(rows): rows for rows, _ in request.logprob_refs}
-        assert len(request.logprob_refs) == (0 if read_every_step else 40)
+                assert all("long" not in index_of for _, index_of in log.records.values())
+        # Finished, the request took its rows out of the log, which kept no record.
+        assert not log.records and len(request.sample_logprobs) == 40
         rows = request.sample_logprob_rows()
-        assert not request.logprob_refs and len(request.sample_logprobs) == 40
-        for step_rows in steps.values():  # the long request's row is gone from each step's
-            assert step_rows[0] is None
+        steps = [(rows, ids.index("long")) for rows, ids in kept if "long" in ids]
+        assert len(steps) == 40 and all(rows[index] is None for rows, index in steps)
         return rows, request.cumulative_logprob
 
     rows, cumulative = run(read_every_step=False)
@@ -555,8 +564,9 @@ def test_the_native_top_k_equals_torchs_on_random_rows(vocab_size, k):
     k = min(k, vocab_size - 1)
     logprobs = (torch.randn(33, vocab_size) * 4).half().float().log_softmax(dim=-1)
     chosen = torch.randint(0, vocab_size, (33,))
-    ids, values = logprobs_module.top_k(logprobs, k, chosen.numpy())
+    ids, values, ranks = logprobs_module.top_k(logprobs, k, chosen.numpy())
     want_values, want_ids = logprobs.topk(k, dim=-1)
+    assert ranks.tolist() == (logprobs >= logprobs[range(33), chosen][:, None]).sum(-1).tolist()
     assert ids[:, 1:].tolist() == want_ids.tolist()
     assert values[:, 1:].tolist() == want_values.tolist()
     assert ids[:, 0].tolist() == chosen.tolist()
@@ -570,17 +580,28 @@ def test_the_native_top_k_refuses_bad_buffers_with_what_to_change():
     logprobs = torch.randn(4, 10).log_softmax(dim=-1).numpy()
     chosen = np.zeros(4, dtype=np.int64)
     ids, values = np.empty((4, 3), np.int64), np.empty((4, 3), np.float32)
-    assert top_k_rows_cpu(logprobs, 2, chosen, ids, values) == []
+    ranks = np.empty(4, np.int64)
+    assert top_k_rows_cpu(logprobs, 2, chosen, ids, values, ranks) == []
+    assert ranks.tolist() == (logprobs >= logprobs[:, :1]).sum(-1).tolist()
     # Values viewing the ids' memory: two writable views of one buffer are refused.
     backing = np.empty(2 * 4 * 3, np.int64)
     aliased = backing.view(np.float32)[: 4 * 3].reshape(4, 3)
     with pytest.raises(InvalidArgumentError, match="values_out overlaps"):
-        top_k_rows_cpu(logprobs, 2, chosen, backing[: 4 * 3].reshape(4, 3), aliased)
+        top_k_rows_cpu(logprobs, 2, chosen, backing[: 4 * 3].reshape(4, 3), aliased, ranks)
+    with pytest.raises(InvalidArgumentError, match="ranks_out overlaps"):
+        top_k_rows_cpu(logprobs, 2, chosen, ids, values, ids.reshape(-1)[:4])
+    with pytest.raises(InvalidArgumentError, match="ranks_out must be a writable C-contiguous"):
+        top_k_rows_cpu(logprobs, 2, chosen, ids, values, np.empty(3, np.int64))
     with pytest.raises(InvalidArgumentError, match="ids_out must be a writable C-contiguous"):
-        top_k_rows_cpu(logprobs, 2, chosen, np.empty((4, 4), np.int64), values)
+        top_k_rows_cpu(logprobs, 2, chosen, np.empty((4, 4), np.int64), values, ranks)
     with pytest.raises(InvalidArgumentError, match="chosen id 10 of row 0 is outside 0..10"):
-        top_k_rows_cpu(logprobs, 2, np.full(4, 10, np.int64), ids, values)
+        top_k_rows_cpu(logprobs, 2, np.full(4, 10, np.int64), ids, values, ranks)
     with pytest.raises(InvalidArgumentError, match="needs more than k columns"):
         top_k_rows_cpu(
-            logprobs, 10, chosen, np.empty((4, 11), np.int64), np.empty((4, 11), np.float32)
+            logprobs,
+            10,
+            chosen,
+            np.empty((4, 11), np.int64),
+            np.empty((4, 11), np.float32),
+            ranks,
         )

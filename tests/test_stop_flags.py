@@ -117,3 +117,51 @@ def test_text_reads_the_same_before_and_after_the_stop_check(tokenizer):
     request.finish_text()
     assert request.stop_reason == "straße"
     assert request.output_text == TEXT[: TEXT.index("straße") + len("straße")]
+
+
+def byte_token(tokenizer, byte):
+    """The id of the byte token standing for `byte`."""
+    from test_detokenizer_byte_level import _byte_char
+
+    return tokenizer.convert_tokens_to_ids(_byte_char(byte))
+
+
+def test_split_characters_wait_unless_their_bytes_hold_a_stop_strings_last_byte(tokenizer):
+    from hybrid_cache.engine.detokenizer import stop_flags
+
+    vocab = IncrementalDetokenizer(tokenizer, [1], SamplingParams(stop=["x"])).vocab
+    lead, continuation = byte_token(tokenizer, 0xC3), byte_token(tokenizer, 0xA9)  # "é"
+    never = stop_flags(vocab, ("@@never",))
+    assert not never[lead] and not never[continuation]  # neither holds "r"
+    cafe = stop_flags(vocab, ("café",))  # ends in 0xA9
+    assert cafe[continuation] and not cafe[lead]
+    # A stop string ending in U+FFFD: any token may end an invalid sequence.
+    replaced = stop_flags(vocab, ("a\ufffd",))
+    word = tokenizer.encode(" the")[0]
+    assert replaced[lead] and replaced[continuation] and replaced[word]
+
+
+@pytest.mark.parametrize("stop", ["@@never", "é", "café", "a\ufffd", "\ufffd", "ü", "ße"])
+@pytest.mark.parametrize("seed", range(8))
+def test_byte_tokens_waiting_stop_where_a_decode_per_token_stops(tokenizer, stop, seed):
+    """Outputs dense in byte tokens (characters split and broken): the lazy request stops
+    where decoding every token stops, for stop strings ending in an ASCII character, a
+    multi-byte one and U+FFFD."""
+    rng = random.Random(seed)
+    prompt = tokenizer.encode("the old barn")
+    text_tokens = tokenizer.encode(TEXT)
+    output = []
+    for _ in range(300):
+        kind = rng.random()
+        if kind < 0.55:
+            byte = rng.choice([0xC3, 0xA9, 0xBC, 0x9F, rng.randrange(0x80, 0x100), 0x61])
+            output.append(byte_token(tokenizer, byte))
+        else:
+            output.append(rng.choice(text_tokens))
+    for include in (False, True):
+        params = SamplingParams(
+            stop=[stop], include_stop_str_in_output=include, max_tokens=1000, ignore_eos=True
+        )
+        lazy = run(tokenizer, prompt, output, params, lazy=True)
+        eager = run(tokenizer, prompt, output, params, lazy=False)
+        assert lazy[:4] == eager[:4], (stop, lazy, eager)

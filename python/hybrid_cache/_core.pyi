@@ -256,6 +256,21 @@ def write_cache_cpu(
     `InvalidBlockError` for a slot outside the cache, `InvalidArgumentError` for shapes, strides
     and overlaps; nothing is written then."""
 
+def decode_tables_cpu(
+    block_table: npt.NDArray[np.int32],
+    rows: npt.NDArray[np.int64],
+    positions: npt.NDArray[np.int64],
+    block_size: int,
+    tables_out: npt.NDArray[np.int32],
+    slots_out: npt.NDArray[np.int64],
+) -> None:
+    """A decode step's tables: for `block_table` [groups, rows, width] (C-contiguous) and the
+    sequences at table rows `rows` with their new token at `positions`, writes `tables_out`
+    [groups, seqs, columns] (each row's first `columns` blocks) and `slots_out` [groups, seqs]
+    (the new token's slot, `block * block_size + position % block_size`).
+    `InvalidBlockError` when a new token maps to the null block, `InvalidArgumentError` for a
+    row or block outside the table, shapes and overlaps; nothing is written then."""
+
 def rotary_neox_cpu(
     x: npt.NDArray[np.float32],
     cos: npt.NDArray[np.float32],
@@ -302,10 +317,12 @@ def top_k_rows_cpu(
     chosen: npt.NDArray[np.int64],
     ids_out: npt.NDArray[np.int64],
     values_out: npt.NDArray[np.float32],
+    ranks_out: npt.NDArray[np.int64],
 ) -> list[int]:
     """Per row of `logprobs` [rows, cols] (C-contiguous): `ids_out` / `values_out` [rows, k + 1]
-    (writable, overlapping no input) get the chosen token `chosen[row]` and its value in column
-    0, then the row's k largest values and their ids, most likely first. Returns the rows whose
-    top k is not settled (a tie among the k + 1 largest, or a NaN): their top-k columns are a
-    guess, to be recomputed. `InvalidArgumentError` for shapes, `k >= cols` or a chosen id
+    (writable, overlapping no input or other output) get the chosen token `chosen[row]` and its
+    value in column 0, then the row's k largest values and their ids, most likely first;
+    `ranks_out` [rows] the chosen token's rank (how many values are at least its own; NaN
+    counts nowhere). Returns the rows whose top k is not settled (a tie among the k + 1
+    largest, or a NaN): their top-k columns are a guess, to be recomputed (ranks are exact). `InvalidArgumentError` for shapes, `k >= cols` or a chosen id
     outside the row."""

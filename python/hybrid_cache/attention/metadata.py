@@ -194,8 +194,8 @@ def build_decode_metadata(
 
     The same metadata in fewer array operations (the step's cost is their number, each a few
     microseconds when the forward has just evicted numpy from the CPU caches): positions are
-    the computed counts, the query starts a range, the slots are gathered from the grouped
-    table directly; reductions (`max`, `all`), which cost several ufunc calls each, are left to
+    the computed counts, the query starts a range, the tables and slots of each block size
+    come from one native call over the grouped table; reductions (`max`, `all`), which cost several ufunc calls each, are left to
     Python's `max` over the list and `np.count_nonzero`.
     """
     positions = np.array(num_computed_tokens, dtype=np.int64)
@@ -253,16 +253,13 @@ def _decode_group_tables(
     max_seq_len: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`_decode_tables` for groups of one block size: [groups, seqs, columns] int32 tables and
-    [groups, seqs] int64 slots."""
-    block_index, offset = np.divmod(positions, block_size)
-    block_ids = block_table[:, rows, block_index]
-    assert NULL_BLOCK == 0 and np.count_nonzero(block_ids) == block_ids.size, (
-        "a new token maps to the null block"
-    )
-    slots = block_ids.astype(np.int64)
-    slots *= block_size
-    slots += offset
-    return block_table[:, rows, : -(-max_seq_len // block_size)], slots
+    [groups, seqs] int64 slots, from one native call (`_core.decode_tables_cpu`; a new token
+    on the null block is an `InvalidBlockError`)."""
+    groups, num_seqs = block_table.shape[0], len(rows)
+    tables = np.empty((groups, num_seqs, -(-max_seq_len // block_size)), dtype=np.int32)
+    slots = np.empty((groups, num_seqs), dtype=np.int64)
+    _core.decode_tables_cpu(block_table, rows, positions, block_size, tables, slots)
+    return tables, slots
 
 
 def _slot_mappings(

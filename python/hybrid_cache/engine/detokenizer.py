@@ -18,11 +18,16 @@ characters before it, and only when the new text holds the last character of som
 (a stop string cannot end in text without its last character). With a byte-level vocabulary a
 request does not even decode the tokens that cannot complete a stop string: a token of whole
 characters completes one only where its text, up to an occurrence of a stop string's last
-character, ends with that stop string's end (`StopFlags`, per vocabulary and stop strings,
-filled as tokens are seen). Those tokens wait, undecoded, until a token that may complete one
-(or one with a partial character) comes, or the text is read; then the waiting tokens are
-decoded together with it (`catch_up_and_match`): they hold no stop string's end, so the
-search finds what a decode per token would have found.
+character, ends with that stop string's end; a token that is not whole characters (a
+character split over byte tokens) completes one only if its bytes hold a stop string's last
+byte, since a match ends on a character whose last byte is the stop string's (`StopFlags`, per
+vocabulary and stop strings, filled as tokens are seen). Those tokens wait, undecoded, until a
+token that may complete one comes, or the text is read; then the waiting tokens are decoded
+together with it (`catch_up_and_match`): they hold no stop string's end, so the search finds
+what a decode per token would have found. While the decoded text ends in an incomplete
+character every token is decoded (the character's text comes out with a later token). A stop
+string ending in U+FFFD makes every token decode: any token can end an invalid byte sequence
+whose replacement character then completes it.
 """
 
 from __future__ import annotations
@@ -60,18 +65,34 @@ MAX_STOP_FLAG_SETS = 256
 
 
 class StopFlags(dict[int, bool]):
-    """Token id -> whether the token may complete one of `stop` (`may_complete`), filled on
-    first sight of each id: a plain dict lookup afterwards."""
+    """Token id -> whether the token may complete one of `stop` (`may_complete` for a token
+    of whole characters, `bytes_may_complete` for the others), filled on first sight of each
+    id: a plain dict lookup afterwards."""
 
-    def __init__(self, texts: TokenTexts, stop: tuple[str, ...]) -> None:
+    def __init__(self, vocab: ByteLevelVocab, stop: tuple[str, ...]) -> None:
         super().__init__()
-        self.texts = texts
+        self.vocab = vocab
         self.stop = stop
+        self.last_bytes = frozenset(string.encode("utf-8")[-1] for string in stop)
+        self.every_token = any(string.endswith(REPLACEMENT_CHAR) for string in stop)
 
     def __missing__(self, token_id: int) -> bool:
-        flag = may_complete(self.texts[token_id], self.stop)
+        text = self.vocab.texts[token_id]
+        if self.every_token:
+            flag = True
+        elif text is None:
+            flag = bytes_may_complete(self.vocab.bytes_of(token_id), self.last_bytes)
+        else:
+            flag = may_complete(text, self.stop)
         self[token_id] = flag
         return flag
+
+
+def bytes_may_complete(raw: bytes, last_bytes: frozenset[int]) -> bool:
+    """Whether a token of bytes `raw` that are not whole characters may complete a stop string
+    whose UTF-8 ends in one of `last_bytes`: a match ends on a character whose last byte is the
+    stop string's, and the characters a token completes end in its own bytes."""
+    return not last_bytes.isdisjoint(raw)
 
 
 def may_complete(text: Optional[str], stop: Sequence[str]) -> bool:
@@ -103,7 +124,7 @@ def stop_flags(vocab: ByteLevelVocab, stop: tuple[str, ...]) -> StopFlags:
     per_vocab = _stop_flags.setdefault(vocab, OrderedDict())
     flags = per_vocab.get(stop)
     if flags is None:
-        flags = per_vocab[stop] = StopFlags(vocab.texts, stop)
+        flags = per_vocab[stop] = StopFlags(vocab, stop)
         if len(per_vocab) > MAX_STOP_FLAG_SETS:
             per_vocab.popitem(last=False)
     else:

@@ -233,6 +233,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             detokenizer=detokenizer,
             track_logprobs=track_logprobs,
+            logprob_log=self.model_runner.logprob_log,
         )
 
     def enqueue(self, item: Finished) -> Finished:

@@ -5,7 +5,9 @@ token and then the top k, and the chosen token's rank) and turned into vLLM's fo
 token id -> `Logprob(logprob, rank, decoded_token)` per position, when the request's output is
 built. A batch's rows stay arrays until first read (`LogprobRows`), then come from one
 `.tolist()` per array, with no per-row Python when every row asks for the same k; on the CPU
-its top k comes from the native top k (`rust/sampling`) where that is exact (`top_k`).
+its top k comes from the native top k (`rust/sampling`) where that is exact (`top_k`). The
+engine's steps' rows wait in a `LogprobLog` by request id, so a step touches no request to
+record them: a request takes its rows out when its logprobs are read or it finishes.
 """
 
 from __future__ import annotations
@@ -36,20 +38,52 @@ def token_logprobs(
     logprobs = logits.float().log_softmax(dim=-1)
     k = min(max(num_logprobs, default=0), logprobs.shape[-1])
     if logprobs.device.type == "cpu":
-        array = logprobs.numpy()
-        ids, values = top_k(logprobs, k, token_ids.numpy())
-    else:
-        chosen_ids = token_ids.to(logprobs.device).view(-1, 1)
-        ids, values = chosen_ids, logprobs.gather(1, chosen_ids)
-        if k:
-            top_values, top_ids = logprobs.topk(k, dim=-1)
-            ids, values = torch.cat([ids, top_ids], 1), torch.cat([values, top_values], 1)
-        array = logprobs
+        ids, values, ranks = top_k(logprobs, k, token_ids.numpy())
+        return LogprobRows(ids, values, ranks, num_logprobs, k)
+    chosen_ids = token_ids.to(logprobs.device).view(-1, 1)
+    ids, values = chosen_ids, logprobs.gather(1, chosen_ids)
+    if k:
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+        ids, values = torch.cat([ids, top_ids], 1), torch.cat([values, top_values], 1)
     chosen = values[:, :1]
     ranks = None  # `chosen_rank` counts over the top k
     if not (k and bool((chosen > values[:, k:]).all())):
-        ranks = (array >= chosen).sum(-1)
+        ranks = (logprobs >= chosen).sum(-1)
     return LogprobRows(ids, values, ranks, num_logprobs, k)
+
+
+class LogprobLog:
+    """The steps' `LogprobRows`, in the order recorded, each with its rows' request ids, until
+    every row is taken. A request remembers the number of records when it was made (or last
+    took its rows) and takes, from the records since, the rows under its id."""
+
+    def __init__(self) -> None:
+        self.records: dict[int, tuple[LogprobRows, dict[str, int]]] = {}
+        self.num_records: int = 0
+
+    def record(self, rows: LogprobRows, request_ids: Sequence[str]) -> None:
+        """Keeps `rows`, row i being `request_ids[i]`'s."""
+        self.records[self.num_records] = (rows, dict(zip(request_ids, range(len(request_ids)))))
+        self.num_records += 1
+
+    def take(self, request_id: str, since: int) -> list[TokenLogprobs]:
+        """`request_id`'s rows in the records from number `since` on, in order (taken out:
+        a record whose rows are all taken is dropped). The next call's `since` is
+        `num_records`."""
+        records = self.records
+        taken = []
+        for number in range(since, self.num_records):
+            record = records.get(number)
+            if record is None:
+                continue
+            rows, index_of = record
+            index = index_of.pop(request_id, None)
+            if index is None:
+                continue
+            taken.append(rows.take(index))
+            if not index_of:
+                del records[number]
+        return taken
 
 
 class LogprobRows:
@@ -119,32 +153,36 @@ def chosen_rank(row: TokenLogprobs) -> int:
     return sum(value >= chosen for value in values[1:])
 
 
-def top_k(logprobs: torch.Tensor, k: int, chosen_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def top_k(
+    logprobs: torch.Tensor, k: int, chosen_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Ids and values [rows, 1 + k] of each row's chosen token (`chosen_ids`) and then its k
-    largest, descending, from CPU `logprobs` [rows, vocab].
+    largest, descending, and the chosen token's rank [rows] (the values at least its own), from
+    CPU `logprobs` [rows, vocab].
 
-    The native top k (`_core.top_k_rows_cpu`: a pass over each row, then over the few chunks
-    of it that can hold the top k) where a row's top k + 1 are strictly decreasing: then the
-    top k is the only one there is and equals `torch.topk`'s. The other
-    rows (ties, NaN, fewer than k + 1 finite values) take `torch.topk`, whose order among
-    equal values is its own."""
+    The native top k (`_core.top_k_rows_cpu`: a pass over each row that also counts the rank,
+    then over the few chunks of it that can hold the top k) where a row's top k + 1 are
+    strictly decreasing: then the top k is the only one there is and equals `torch.topk`'s.
+    The other rows (ties, NaN, fewer than k + 1 finite values) take `torch.topk`, whose order
+    among equal values is its own."""
     num_rows, vocab_size = logprobs.shape
     array = logprobs.numpy()
-    if k == 0 or k >= vocab_size or array.dtype != np.float32:
-        rows = np.arange(num_rows)[:, None]
-        ids = np.array(chosen_ids, dtype=np.int64).reshape(num_rows, 1)
+    chosen = np.ascontiguousarray(chosen_ids, dtype=np.int64)
+    if k >= vocab_size or array.dtype != np.float32:
+        ids = chosen.reshape(num_rows, 1)
         if k:
             top_values, top_ids = logprobs.topk(k, dim=-1)
             ids = np.concatenate([ids, top_ids.numpy()], axis=1)
-        return ids, array[rows, ids]
+        values = array[np.arange(num_rows)[:, None], ids]
+        return ids, values, (array >= values[:, :1]).sum(-1)
     ids = np.empty((num_rows, k + 1), dtype=np.int64)
     values = np.empty((num_rows, k + 1), dtype=np.float32)
-    chosen = np.ascontiguousarray(chosen_ids, dtype=np.int64)
-    others = top_k_rows_cpu(np.ascontiguousarray(array), k, chosen, ids, values)
-    if others:
+    ranks = np.empty(num_rows, dtype=np.int64)
+    others = top_k_rows_cpu(np.ascontiguousarray(array), k, chosen, ids, values, ranks)
+    if others and k:
         other_values, other_ids = logprobs[torch.tensor(others)].topk(k, dim=-1)
         ids[others, 1:], values[others, 1:] = other_ids.numpy(), other_values.numpy()
-    return ids, values
+    return ids, values, ranks
 
 
 # Each token's own text, per tokenizer, decoded once (forgotten with the tokenizer).

@@ -22,10 +22,9 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Protocol
+from typing import Any, NamedTuple, Optional, Protocol
 
 import numpy as np
 import torch
@@ -46,7 +45,7 @@ from hybrid_cache.attention.selector import (
 )
 from hybrid_cache.engine import host_memory
 from hybrid_cache.engine.kv_cache import KVCacheManager
-from hybrid_cache.engine.logprobs import token_logprobs
+from hybrid_cache.engine.logprobs import LogprobLog, token_logprobs
 from hybrid_cache.engine.parallel.step_inputs import (
     PROMPT_LOGPROBS_CHUNK,
     StepInputs,
@@ -176,6 +175,8 @@ class ModelRunner:
         self.kv_cache: KVCacheManager = kv_cache
         self.device: torch.device = device
         self.sampler: Sampler = sampler
+        # The sampled tokens' logprob rows, until their requests take them.
+        self.logprob_log: LogprobLog = LogprobLog()
         self.parallel: Optional[StepBroadcaster] = parallel
         # A vocabulary-parallel LM head runs on every rank: the workers get its rows.
         self.vocab_parallel: bool = parallel is not None and is_vocab_parallel(model)
@@ -289,27 +290,24 @@ class ModelRunner:
         """Logprobs of the prompts that ask, then the sampled token of each request that
         samples (from the LM head over the last hidden row of each). The LM head runs in
         this order on every rank when it is vocabulary-parallel (`worker.ShardRunner`)."""
-        sample_indices, sampling, request_ids, params = columns
+        sample_indices, sampling, request_ids, params = columns[:4]
         if prompt_plan is not None:
             self._record_prompt_logprobs(hidden, requests, prompt_plan)
         if not sample_indices:
             return {}
         logits = self._compute_logits(self._sampled_rows(hidden, query_lens, sample_indices))
-        if not any(map(_NEEDS_SAMPLING_EXTRAS, sampling)):
+        if not columns.needs_extras:
             tokens = self.sampler.sample_token_ids(logits, request_ids, params)
             return dict(zip(request_ids, tokens))
         sampled = self.sampler.sample(logits, request_ids, params, sampling)
-        counts = list(map(_NUM_SAMPLE_LOGPROBS, sampling))
-        if None not in counts:  # every row: no gathers, one C-level append per request
-            entries = token_logprobs(logits, sampled, counts)
-            references = zip(itertools.repeat(entries), range(len(counts)))
-            deque(map(list.append, map(_LOGPROB_REFS, sampling), references), maxlen=0)
+        counts = columns.logprob_counts
+        if None not in counts:  # every row: no gathers, no request touched
+            self.logprob_log.record(token_logprobs(logits, sampled, counts), request_ids)
         else:
             rows = [row for row, count in enumerate(counts) if count is not None]
             if rows:
                 entries = token_logprobs(logits[rows], sampled[rows], [counts[row] for row in rows])
-                for index, row in enumerate(rows):
-                    sampling[row].append_sample_logprobs(entries, index)
+                self.logprob_log.record(entries, [request_ids[row] for row in rows])
         return dict(zip(request_ids, sampled.tolist()))
 
     def _record_prompt_logprobs(
@@ -400,8 +398,17 @@ class ModelRunner:
         return hidden[torch.tensor(rows, device=self.device)]
 
 
-# Of the requests that sample: their batch indices, requests, ids and sampling params.
-SamplingColumns = tuple[list[int], list[Request], list[str], list[Any]]
+class SamplingColumns(NamedTuple):
+    """Of the requests that sample: their batch indices, requests, ids and sampling params;
+    whether one needs the sampler's slow path (`needs_sampling_extras`) and then each one's
+    number of logprobs (`num_sample_logprobs`; else empty)."""
+
+    sample_indices: list[int]
+    sampling: list[Request]
+    request_ids: list[str]
+    params: list[Any]
+    needs_extras: bool
+    logprob_counts: list[Optional[int]]
 
 
 @dataclass
@@ -444,11 +451,14 @@ def _sampling_columns(scheduled: Sequence[Any], requests: list[Request]) -> Samp
     the CPU caches)."""
     samples = list(map(_SAMPLES, scheduled))
     sampling = list(itertools.compress(requests, samples))
-    return (
+    needs_extras = any(map(_NEEDS_SAMPLING_EXTRAS, sampling))
+    return SamplingColumns(
         list(itertools.compress(range(len(samples)), samples)),
         sampling,
         list(map(_REQUEST_ID, sampling)),
         list(map(_SAMPLING_PARAMS, sampling)),
+        needs_extras,
+        list(map(_NUM_SAMPLE_LOGPROBS, sampling)) if needs_extras else [],
     )
 
 
@@ -476,7 +486,6 @@ _REQUEST_ID = operator.attrgetter("request_id")
 _SAMPLING_PARAMS = operator.attrgetter("sampling_params")
 _WANTS_PROMPT_LOGPROBS = operator.attrgetter("wants_prompt_logprobs")
 _NUM_SAMPLE_LOGPROBS = operator.attrgetter("num_sample_logprobs")
-_LOGPROB_REFS = operator.attrgetter("logprob_refs")
 _NEEDS_SAMPLING_EXTRAS = operator.attrgetter("needs_sampling_extras")
 
 

@@ -10,7 +10,7 @@ from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from hybrid_cache.engine.logprobs import LogprobRows, TokenLogprobs
+    from hybrid_cache.engine.logprobs import LogprobLog, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -37,7 +37,8 @@ class Request:
     `detokenizer` (given when the engine has a tokenizer and the params ask for text) decodes
     the output after each token when the params have stop strings, else once at the end
     (`finish_text`). Sampled-token logprobs are recorded by the runner when the params ask for
-    them or `track_logprobs` (best_of ranks samples by their cumulative logprob).
+    them or `track_logprobs` (best_of ranks samples by their cumulative logprob), in
+    `logprob_log` (the runner's), from which the request takes its rows when they are read.
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class Request:
         detokenizer: Optional[IncrementalDetokenizer] = None,
         track_logprobs: bool = False,
         arrival_time: Optional[float] = None,
+        logprob_log: Optional[LogprobLog] = None,
     ) -> None:
         assert prompt_token_ids, "an empty prompt is rejected before a Request is built"
         self.request_id: str = request_id
@@ -106,10 +108,11 @@ class Request:
         self.num_sample_logprobs: Optional[int] = (
             0 if track_logprobs and sampling_params.logprobs is None else sampling_params.logprobs
         )
-        # Per sampled token its logprob row: those read, then the others as references to a
-        # row of a step's `LogprobRows` (taken out of it when read).
+        # Per sampled token its logprob row: those read; the others wait in the engine's
+        # `logprob_log` (taken out of it when read, from its records since `logprob_cursor`).
         self.sample_logprobs: list[TokenLogprobs] = []
-        self.logprob_refs: list[tuple[LogprobRows, int]] = []
+        self.logprob_log: Optional[LogprobLog] = logprob_log
+        self.logprob_cursor: int = 0 if logprob_log is None else logprob_log.num_records
         # The sum of the sampled tokens' logprobs over the first `_num_summed` rows (summed
         # when read, in order: the same float as a running sum).
         self._cumulative_logprob: float = 0.0
@@ -172,18 +175,13 @@ class Request:
             return FinishReason.LENGTH
         return None
 
-    def append_sample_logprobs(self, rows: LogprobRows, index: int) -> None:
-        """Records the logprobs of the token sampled this step (before it is appended): row
-        `index` of the step's `rows`. The runner appends to `logprob_refs` directly for a
-        whole batch."""
-        self.logprob_refs.append((rows, index))
-
     def resolve_sample_logprobs(self) -> None:
-        """Takes the referenced rows out of their steps' rows into `sample_logprobs`."""
-        refs = self.logprob_refs
-        if refs:
-            self.sample_logprobs.extend([rows.take(index) for rows, index in refs])
-            refs.clear()
+        """Takes the request's rows recorded since it last did out of `logprob_log` into
+        `sample_logprobs`."""
+        log = self.logprob_log
+        if log is not None and self.logprob_cursor < log.num_records:
+            self.sample_logprobs.extend(log.take(self.request_id, self.logprob_cursor))
+            self.logprob_cursor = log.num_records
 
     def sample_logprob_rows(self, start: int = 0, end: Optional[int] = None) -> list[TokenLogprobs]:
         """The sampled tokens' logprob rows from `start` to `end` (all by default)."""

@@ -16,8 +16,9 @@
 //!
 //! Also the fused element-wise ops of the CPU forward (`elementwise/`): RMSNorm of rows, the
 //! gated MLP activations `silu(gate) * up` / `gelu_tanh(gate) * up`, and the rotary position
-//! embedding; and the store of a step's new keys and values into their cache slots
-//! (`cache_write.rs`).
+//! embedding; the store of a step's new keys and values into their cache slots
+//! (`cache_write.rs`); and a decode step's block tables and new-token slots
+//! (`step_tables.rs`).
 //!
 //! Layering: a module uses only modules on lines above its own; inside a folder, only files
 //! listed before it (`;` separates levels, `,` files of one level). A folder's `mod.rs` is its
@@ -35,6 +36,7 @@
 //!    - `elementwise` (uses 1-2): `gated`, `norm`, `rotary`; `avx2_gated`; `mod.rs`
 //!      (`rms_norm`, `silu_mul`, `gelu_tanh_mul`).
 //!    - `cache_write` (uses 1 and 3).
+//!    - `step_tables` (uses 1): a decode step's block tables and slots from the grouped table.
 //! 5. This file: the public re-exports.
 
 mod cache_write;
@@ -43,6 +45,7 @@ mod error;
 mod layout;
 mod paged;
 mod simd;
+mod step_tables;
 
 pub use cache_write::write_cache;
 pub use elementwise::rotary::rotate_neox;
@@ -52,3 +55,4 @@ pub use layout::{HeadShape, Paged, PagedCache, PagedCacheMut};
 pub use paged::paged_attention;
 pub use paged::query::{AttentionParams, QueryRows};
 pub use simd::dispatch::{force_portable, use_avx2_fma};
+pub use step_tables::{decode_tables, DecodeTables};

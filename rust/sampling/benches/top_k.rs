@@ -25,6 +25,7 @@ fn bench(c: &mut Criterion) {
         let chosen = vec![1i64; 64];
         let mut ids = vec![0i64; 64 * 6];
         let mut out = vec![0f32; 64 * 6];
+        let mut ranks = vec![0i64; 64];
         c.bench_function(&format!("top_5_of_64_rows_x_{cols}"), |b| {
             b.iter(|| {
                 next = (next + 1) % matrices.len();
@@ -36,6 +37,7 @@ fn bench(c: &mut Criterion) {
                     TopK {
                         ids: &mut ids,
                         values: &mut out,
+                        ranks: &mut ranks,
                     },
                 )
                 .unwrap()

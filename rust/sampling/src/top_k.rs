@@ -23,17 +23,21 @@ fn chunk_size(cols: usize) -> usize {
     cols.div_ceil(MAX_CHUNKS).div_ceil(MIN_CHUNK).max(1) * MIN_CHUNK
 }
 
-/// Where `top_k_rows` writes: `[rows, k + 1]` row-major, column 0 the chosen token, columns
-/// `1..=k` the top k, most likely first.
+/// Where `top_k_rows` writes: `ids` / `values` `[rows, k + 1]` row-major, column 0 the chosen
+/// token, columns `1..=k` the top k, most likely first; `ranks` `[rows]`, the chosen token's
+/// rank: how many of the row's values are at least its value (itself included; a NaN counts
+/// nowhere, so a NaN chosen value has rank 0).
 pub struct TopK<'a> {
     pub ids: &'a mut [i64],
     pub values: &'a mut [f32],
+    pub ranks: &'a mut [i64],
 }
 
 /// For each row `r` of `values` (`[rows, cols]`, row-major): `out.ids[r][0] = chosen[r]` with
-/// its value, then the row's `k` largest values and their column ids, most likely first.
-/// Returns the rows whose top k is not settled (see the crate docs: a tie among the `k + 1`
-/// largest, or a NaN); their top-k columns hold this pass's guess and should be recomputed.
+/// its value, then the row's `k` largest values and their column ids, most likely first, and
+/// the chosen token's rank in `out.ranks[r]`. Returns the rows whose top k is not settled (see
+/// the crate docs: a tie among the `k + 1` largest, or a NaN); their top-k columns hold this
+/// pass's guess and should be recomputed (their ranks are exact).
 ///
 /// Needs `k < cols` (with `k + 1` values to compare) and every chosen id in `0..cols`.
 pub fn top_k_rows(
@@ -64,12 +68,16 @@ pub fn top_k_rows(
         )
         },
     )?;
+    ensure(out.ranks.len() == rows, || {
+        format!("ranks must hold one item per row ({rows}), got {}", out.ranks.len())
+    })?;
     let mut unsettled = Vec::new();
     let mut best = Best::new(width);
-    for (row, ((line, ids), out_values)) in values
+    for (row, (((line, ids), out_values), rank)) in values
         .chunks_exact(cols)
         .zip(out.ids.chunks_exact_mut(width))
         .zip(out.values.chunks_exact_mut(width))
+        .zip(out.ranks.iter_mut())
         .enumerate()
     {
         let token = chosen[row];
@@ -81,7 +89,9 @@ pub fn top_k_rows(
         };
         ids[0] = token;
         out_values[0] = line[column];
-        if !best.scan(line) {
+        let (settled, at_least) = best.scan(line, line[column]);
+        *rank = at_least as i64;
+        if !settled {
             unsettled.push(row);
         }
         for (slot, (&value, &id)) in best.values[..k].iter().zip(&best.ids[..k]).enumerate() {
@@ -113,16 +123,17 @@ impl Best {
         }
     }
 
-    /// Fills the buffer from `line`; true when the result is settled.
-    fn scan(&mut self, line: &[f32]) -> bool {
+    /// Fills the buffer from `line`; returns whether the result is settled and how many of
+    /// the row's values are at least `chosen`.
+    fn scan(&mut self, line: &[f32], chosen: f32) -> (bool, usize) {
         let width = self.values.len();
         self.values.fill(f32::NEG_INFINITY);
         self.len = 0;
-        // Pass 1: chunk maxima and whether the row holds a NaN.
+        // Pass 1: chunk maxima, whether the row holds a NaN, the values at least `chosen`.
         let chunk = chunk_size(line.len());
-        let nan = chunk_maxima(line, chunk, &mut self.maxima);
-        if nan {
-            return false; // the caller recomputes the row; the buffer holds -inf
+        let pass = first_pass(line, chunk, chosen, &mut self.maxima);
+        if pass.nan {
+            return (false, pass.at_least); // the caller recomputes the row's top k
         }
         // Pass 2: the floor, then the chunks that reach it.
         let floor = if self.maxima.len() > width {
@@ -141,13 +152,35 @@ impl Best {
             }
             let start = index * chunk;
             let end = (start + chunk).min(line.len());
-            for (column, &value) in line[start..end].iter().enumerate() {
-                if value >= floor {
-                    self.insert(value, start + column);
-                }
+            self.insert_at_least(&line[start..end], start, floor);
+        }
+        let settled = self.len == width && self.values.windows(2).all(|pair| pair[0] > pair[1]);
+        (settled, pass.at_least)
+    }
+
+    /// Inserts the values of `part` (columns from `start`) that are at least `floor`, in
+    /// column order: a mask of `LANES` comparisons, then one insertion per set bit (few: a
+    /// branch per value would be mispredicted on fresh rows).
+    fn insert_at_least(&mut self, part: &[f32], start: usize, floor: f32) {
+        let mut groups = part.chunks_exact(LANES);
+        let mut offset = start;
+        for group in &mut groups {
+            let mut bits = 0u32;
+            for (lane, &value) in group.iter().enumerate() {
+                bits |= u32::from(value >= floor) << lane;
+            }
+            while bits != 0 {
+                let lane = bits.trailing_zeros() as usize;
+                self.insert(group[lane], offset + lane);
+                bits &= bits - 1;
+            }
+            offset += LANES;
+        }
+        for (lane, &value) in groups.remainder().iter().enumerate() {
+            if value >= floor {
+                self.insert(value, offset + lane);
             }
         }
-        self.len == width && self.values.windows(2).all(|pair| pair[0] > pair[1])
     }
 
     /// Inserts after every kept value at least as large (earlier columns first among equals),
@@ -171,49 +204,78 @@ impl Best {
     }
 }
 
-/// Pass 1 of `Best::scan` into `maxima`; true when `line` holds a NaN. The AVX2 build where
-/// the CPU has it (8 lanes), else the baseline build (4).
-fn chunk_maxima(line: &[f32], chunk: usize, maxima: &mut Vec<f32>) -> bool {
+/// What pass 1 learns of a row besides its chunk maxima.
+struct FirstPass {
+    /// The row holds a NaN.
+    nan: bool,
+    /// How many values are at least the chosen one.
+    at_least: usize,
+}
+
+/// Pass 1 of `Best::scan` into `maxima`. The AVX2 build where the CPU has it (8 lanes), else
+/// the baseline build (4).
+fn first_pass(line: &[f32], chunk: usize, chosen: f32, maxima: &mut Vec<f32>) -> FirstPass {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2 (checked just above).
-        return unsafe { chunk_maxima_avx2(line, chunk, maxima) };
+        return unsafe { first_pass_avx2(line, chunk, chosen, maxima) };
     }
-    chunk_maxima_body(line, chunk, maxima)
+    first_pass_body(line, chunk, chosen, maxima)
 }
 
 /// # Safety
 /// The CPU must support AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn chunk_maxima_avx2(line: &[f32], chunk: usize, maxima: &mut Vec<f32>) -> bool {
-    chunk_maxima_body(line, chunk, maxima)
+unsafe fn first_pass_avx2(
+    line: &[f32],
+    chunk: usize,
+    chosen: f32,
+    maxima: &mut Vec<f32>,
+) -> FirstPass {
+    first_pass_body(line, chunk, chosen, maxima)
 }
 
-/// The maximum of each chunk of `chunk` values (a multiple of `LANES`) (`f32::max` skips NaN; NaN is looked for on its
-/// own), lane by lane in `LANES` independent maxima so the loop vectorises (a float reduction
-/// in order would not).
+/// The larger of two values that are not NaN (one `max` instruction: `f32::max` also orders
+/// NaN, which costs a compare and a blend per lane).
 #[inline(always)]
-fn chunk_maxima_body(line: &[f32], chunk: usize, maxima: &mut Vec<f32>) -> bool {
+fn larger(a: f32, b: f32) -> f32 {
+    if b > a {
+        b
+    } else {
+        a
+    }
+}
+
+/// The maximum of each chunk of `chunk` values (a multiple of `LANES`), lane by lane in
+/// `LANES` independent maxima so the loop vectorises (a float reduction in order would not).
+/// A NaN never enters a maximum (`larger` keeps the other operand); it is looked for on its
+/// own, and the values at least `chosen` counted, per lane over the whole row.
+#[inline(always)]
+fn first_pass_body(line: &[f32], chunk: usize, chosen: f32, maxima: &mut Vec<f32>) -> FirstPass {
     maxima.clear();
-    let mut nan = false;
+    let mut unordered = [0u32; LANES];
+    let mut counts = [0u32; LANES];
     let mut chunks = line.chunks_exact(chunk);
     for chunk in &mut chunks {
         let mut lanes = [f32::NEG_INFINITY; LANES];
-        let mut unordered = [0u32; LANES];
         for part in chunk.chunks_exact(LANES) {
             for lane in 0..LANES {
-                lanes[lane] = lanes[lane].max(part[lane]);
-                unordered[lane] |= u32::from(part[lane].is_nan());
+                let value = part[lane];
+                lanes[lane] = larger(lanes[lane], value);
+                unordered[lane] |= u32::from(value.is_nan());
+                counts[lane] += u32::from(value >= chosen);
             }
         }
-        nan |= unordered.iter().any(|&flag| flag != 0);
-        maxima.push(lanes.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)));
+        maxima.push(lanes.iter().fold(f32::NEG_INFINITY, |a, &b| larger(a, b)));
     }
+    let mut nan = unordered.iter().any(|&flag| flag != 0);
+    let mut at_least: usize = counts.iter().map(|&count| count as usize).sum();
     let tail = chunks.remainder();
     if !tail.is_empty() {
         nan |= tail.iter().any(|value| value.is_nan());
-        maxima.push(tail.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)));
+        at_least += tail.iter().filter(|&&value| value >= chosen).count();
+        maxima.push(tail.iter().fold(f32::NEG_INFINITY, |a, &b| larger(a, b)));
     }
-    nan
+    FirstPass { nan, at_least }
 }

@@ -17,9 +17,20 @@ fn sorted_columns(line: &[f32]) -> Option<Vec<usize>> {
 }
 
 fn run(values: &[f32], cols: usize, k: usize, chosen: &[i64]) -> (Vec<i64>, Vec<f32>, Vec<usize>) {
+    let (ids, out, _, unsettled) = run_ranked(values, cols, k, chosen);
+    (ids, out, unsettled)
+}
+
+fn run_ranked(
+    values: &[f32],
+    cols: usize,
+    k: usize,
+    chosen: &[i64],
+) -> (Vec<i64>, Vec<f32>, Vec<i64>, Vec<usize>) {
     let rows = values.len() / cols;
     let mut ids = vec![-7; rows * (k + 1)];
     let mut out = vec![0.5; rows * (k + 1)];
+    let mut ranks = vec![-7; rows];
     let unsettled = top_k_rows(
         values,
         cols,
@@ -28,15 +39,20 @@ fn run(values: &[f32], cols: usize, k: usize, chosen: &[i64]) -> (Vec<i64>, Vec<
         TopK {
             ids: &mut ids,
             values: &mut out,
+            ranks: &mut ranks,
         },
     )
     .unwrap();
-    (ids, out, unsettled)
+    (ids, out, ranks, unsettled)
 }
 
 fn check(values: &[f32], cols: usize, k: usize, chosen: &[i64]) {
-    let (ids, out, unsettled) = run(values, cols, k, chosen);
+    let (ids, out, ranks, unsettled) = run_ranked(values, cols, k, chosen);
     for (row, line) in values.chunks_exact(cols).enumerate() {
+        // The rank counts every value at least the chosen one (NaN: none), ties included.
+        let chosen_value = line[chosen[row] as usize];
+        let at_least = line.iter().filter(|&&value| value >= chosen_value).count();
+        assert_eq!(ranks[row], at_least as i64, "row {row}: {line:?}");
         let got_ids = &ids[row * (k + 1)..(row + 1) * (k + 1)];
         let got_values = &out[row * (k + 1)..(row + 1) * (k + 1)];
         assert_eq!(got_ids[0], chosen[row]);
@@ -157,6 +173,7 @@ fn bad_shapes_and_ids_are_errors_that_say_what_to_change() {
     let values = [0.0f32; 6];
     let mut ids = vec![0i64; 4];
     let mut out = vec![0f32; 4];
+    let mut ranks = vec![0i64; 2];
     let mut call = |cols: usize, k: usize, chosen: &[i64]| {
         top_k_rows(
             &values,
@@ -166,6 +183,7 @@ fn bad_shapes_and_ids_are_errors_that_say_what_to_change() {
             TopK {
                 ids: &mut ids,
                 values: &mut out,
+                ranks: &mut ranks,
             },
         )
     };
@@ -177,4 +195,17 @@ fn bad_shapes_and_ids_are_errors_that_say_what_to_change() {
     assert!(message(call(3, 2, &[0, 0])).contains("rows x (k + 1) = 2 x 3"));
     // A valid call: all values tie, so both rows are left to the caller.
     assert_eq!(call(3, 1, &[2, 0]).unwrap(), vec![0, 1]);
+    let mut one_rank = [0i64; 1];
+    let short = top_k_rows(
+        &values,
+        3,
+        1,
+        &[0, 0],
+        TopK {
+            ids: &mut ids,
+            values: &mut out,
+            ranks: &mut one_rank,
+        },
+    );
+    assert!(message(short).contains("ranks must hold one item per row (2), got 1"));
 }
