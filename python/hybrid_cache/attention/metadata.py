@@ -258,7 +258,8 @@ def _decode_group_tables(
     groups, num_seqs = block_table.shape[0], len(rows)
     tables = np.empty((groups, num_seqs, -(-max_seq_len // block_size)), dtype=np.int32)
     slots = np.empty((groups, num_seqs), dtype=np.int64)
-    _core.decode_tables_cpu(block_table, rows, positions, block_size, tables, slots)
+    table = np.ascontiguousarray(block_table)  # a tensor-parallel step's table may be a view
+    _core.decode_tables_cpu(table, rows, positions, block_size, tables, slots)
     return tables, slots
 
 

@@ -33,6 +33,7 @@ class SimulatedRunner:
     def __init__(self, cost: CostModel) -> None:
         self.cost: CostModel = cost
         self.last_step_s: float = 0.0
+        self.logprob_log: None = None  # no logprobs
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         self.last_step_s = self.cost.step_time(

@@ -8,20 +8,25 @@ builds its runner through a `StepRunnerFactory`, given the engine's KV-cache man
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 if TYPE_CHECKING:
     from hybrid_cache.engine.kv_cache import KVCacheManager
+    from hybrid_cache.engine.logprobs import LogprobLog
     from hybrid_cache.engine.sampler import Sampler
     from hybrid_cache.engine.scheduler import SchedulerOutput
 
 
 class StepRunner(Protocol):
+    # Where the runner records the sampled tokens' logprobs, which the engine's requests read
+    # (None: a runner that computes none).
+    logprob_log: Optional[LogprobLog]
+
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         """Runs the scheduled tokens; returns, keyed by request id, the sampled token of every
         scheduled request whose `samples` is set (and of no other). A runner that computes
-        logprobs records them on the requests that ask (`Request.append_sample_logprobs`,
-        `Request.prompt_logprobs`) before returning."""
+        logprobs records them before returning: the sampled tokens' in `logprob_log`, the
+        prompt tokens' on the requests that ask (`Request.prompt_logprobs`)."""
         ...
 
 
