@@ -46,7 +46,12 @@ pub fn top_k_rows_cpu(
         &mut ranks_out,
         "ranks_out",
         &[rows],
-        &[inputs[0].clone(), inputs[1].clone(), ids_bytes, values_bytes],
+        &[
+            inputs[0].clone(),
+            inputs[1].clone(),
+            ids_bytes,
+            values_bytes,
+        ],
     )?;
     top_k_rows(
         values.slice,

@@ -69,7 +69,10 @@ pub fn top_k_rows(
         },
     )?;
     ensure(out.ranks.len() == rows, || {
-        format!("ranks must hold one item per row ({rows}), got {}", out.ranks.len())
+        format!(
+            "ranks must hold one item per row ({rows}), got {}",
+            out.ranks.len()
+        )
     })?;
     let mut unsettled = Vec::new();
     let mut best = Best::new(width);
