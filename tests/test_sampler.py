@@ -543,9 +543,11 @@ def test_logprob_rows_read_late_equal_rows_read_every_step():
             if read_every_step:
                 request.sample_logprob_rows()
                 assert all("long" not in index_of for _, index_of in log.records.values())
-        # Finished, the request took its rows out of the log, which kept no record.
-        assert not log.records and len(request.sample_logprobs) == 40
+        # Finished, the request detached its rows (unread) from the log, which keeps no record.
+        assert not log.records
+        assert len(request.logprob_refs) == (0 if read_every_step else 40)
         rows = request.sample_logprob_rows()
+        assert not request.logprob_refs and len(request.sample_logprobs) == 40
         steps = [(rows, ids.index("long")) for rows, ids in kept if "long" in ids]
         assert len(steps) == 40 and all(rows[index] is None for rows, index in steps)
         return rows, request.cumulative_logprob

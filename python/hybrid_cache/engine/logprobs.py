@@ -54,8 +54,10 @@ def token_logprobs(
 
 class LogprobLog:
     """The steps' `LogprobRows`, in the order recorded, each with its rows' request ids, until
-    every row is taken. A request remembers the number of records when it was made (or last
-    took its rows) and takes, from the records since, the rows under its id."""
+    every row is taken or detached. A request remembers the number of records when it was made
+    (or last took its rows) and takes, from the records since, the rows under its id; when it
+    finishes it detaches them (references to its rows, no row read), so the log keeps no
+    record for requests that are gone."""
 
     def __init__(self) -> None:
         self.records: dict[int, tuple[LogprobRows, dict[str, int]]] = {}
@@ -84,6 +86,23 @@ class LogprobLog:
             if not index_of:
                 del records[number]
         return taken
+
+    def detach(self, request_id: str, since: int) -> list[tuple[LogprobRows, int]]:
+        """`take` without reading the rows: each as its step's rows and its index there."""
+        records = self.records
+        detached = []
+        for number in range(since, self.num_records):
+            record = records.get(number)
+            if record is None:
+                continue
+            rows, index_of = record
+            index = index_of.pop(request_id, None)
+            if index is None:
+                continue
+            detached.append((rows, index))
+            if not index_of:
+                del records[number]
+        return detached
 
 
 class LogprobRows:

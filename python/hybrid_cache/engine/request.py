@@ -10,7 +10,7 @@ from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from hybrid_cache.engine.logprobs import LogprobLog, TokenLogprobs
+    from hybrid_cache.engine.logprobs import LogprobLog, LogprobRows, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -109,8 +109,10 @@ class Request:
             0 if track_logprobs and sampling_params.logprobs is None else sampling_params.logprobs
         )
         # Per sampled token its logprob row: those read; the others wait in the engine's
-        # `logprob_log` (taken out of it when read, from its records since `logprob_cursor`).
+        # `logprob_log` (taken out of it when read, from its records since `logprob_cursor`),
+        # or, once the request finished, as references to rows of the steps' `LogprobRows`.
         self.sample_logprobs: list[TokenLogprobs] = []
+        self.logprob_refs: list[tuple[LogprobRows, int]] = []
         self.logprob_log: Optional[LogprobLog] = logprob_log
         self.logprob_cursor: int = 0 if logprob_log is None else logprob_log.num_records
         # The sum of the sampled tokens' logprobs over the first `_num_summed` rows (summed
@@ -176,11 +178,23 @@ class Request:
         return None
 
     def resolve_sample_logprobs(self) -> None:
-        """Takes the request's rows recorded since it last did out of `logprob_log` into
+        """Takes the request's rows not read yet (detached, then in `logprob_log`) into
         `sample_logprobs`."""
+        refs = self.logprob_refs
+        if refs:
+            self.sample_logprobs.extend([rows.take(index) for rows, index in refs])
+            refs.clear()
         log = self.logprob_log
         if log is not None and self.logprob_cursor < log.num_records:
             self.sample_logprobs.extend(log.take(self.request_id, self.logprob_cursor))
+            self.logprob_cursor = log.num_records
+
+    def detach_sample_logprobs(self) -> None:
+        """Moves the request's rows still in `logprob_log` to `logprob_refs` (none is read):
+        the log forgets a finished request, whose rows are read with its output, if ever."""
+        log = self.logprob_log
+        if log is not None and self.logprob_cursor < log.num_records:
+            self.logprob_refs.extend(log.detach(self.request_id, self.logprob_cursor))
             self.logprob_cursor = log.num_records
 
     def sample_logprob_rows(self, start: int = 0, end: Optional[int] = None) -> list[TokenLogprobs]:

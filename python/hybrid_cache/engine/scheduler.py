@@ -476,7 +476,7 @@ class Scheduler:
     @staticmethod
     def _finish(request: Request, reason: FinishReason) -> None:
         if request.num_sample_logprobs is not None:
-            request.resolve_sample_logprobs()  # its rows leave the runner's log
+            request.detach_sample_logprobs()  # its rows leave the runner's log, unread
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_time = time.time()
