@@ -100,7 +100,7 @@ def make_request(index: int, num_prompt_tokens: int, max_tokens: int = 4) -> Req
 
 def run_step(scheduler: Scheduler, token: int = 7):
     output = scheduler.schedule()
-    sampled = {item.request.request_id: token for item in output.scheduled if item.samples}
+    sampled = [token for item in output.scheduled if item.samples]
     finished = scheduler.update_from_output(output, sampled)
     return output, finished
 

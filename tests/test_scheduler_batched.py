@@ -67,17 +67,18 @@ class OneAtATimeScheduler(Scheduler):
         return True
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self, output: SchedulerOutput, sampled_token_ids: list[int]
     ) -> list[Request]:
         finished: list[Request] = []
         continuing: list[Request] = []
         continuing_token_ids: list[int] = []
+        tokens = iter(sampled_token_ids)
         for item in output.scheduled:
             request = item.request
             request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
             if not item.samples:
                 continue
-            token_id = sampled_token_ids[request.request_id]
+            token_id = next(tokens)
             request.output_token_ids.append(token_id)
             request.all_token_ids.append(token_id)
             params = request.sampling_params
@@ -176,7 +177,7 @@ def run(cls: type[Scheduler], seed: int, num_blocks: int, max_num_batched_tokens
         for _ in range(min(len(pending), 3 if step % 2 == 0 else 0)):
             scheduler.add_request(pending.pop(0))
         output = scheduler.schedule()
-        sampled = {s.request.request_id: next_token(s.request) for s in output.scheduled}
+        sampled = [next_token(s.request) for s in output.scheduled if s.samples]
         finished = scheduler.update_from_output(output, sampled)
         records.append(step_record(scheduler, output, finished))
         step += 1
@@ -226,7 +227,9 @@ def test_finishing_many_requests_at_once_keeps_running_order():
     for request in requests:
         scheduler.add_request(request)
     output = scheduler.schedule()
-    finished = scheduler.update_from_output(output, {r.request_id: 1 for r in requests})
+    finished = scheduler.update_from_output(
+        output, [1 for item in output.scheduled if item.samples]
+    )
     assert [r.request_id for r in finished] == ["0", "2", "4", "6"]
     assert [r.request_id for r in scheduler.running] == ["1", "3", "5", "7"]
     assert all(r.status is RequestStatus.RUNNING for r in scheduler.running)

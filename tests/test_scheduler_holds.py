@@ -43,7 +43,7 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int = 1) -> Req
 def step(scheduler: Scheduler) -> list[str]:
     """One step with token 1 sampled for every request that samples; the admitted ids."""
     output = scheduler.schedule()
-    sampled = {item.request.request_id: 1 for item in output.scheduled if item.samples}
+    sampled = [1 for item in output.scheduled if item.samples]
     scheduler.update_from_output(output, sampled)
     return [item.request.request_id for item in output.scheduled]
 

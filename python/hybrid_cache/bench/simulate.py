@@ -35,13 +35,11 @@ class SimulatedRunner:
         self.last_step_s: float = 0.0
         self.logprob_log: None = None  # no logprobs
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+    def execute(self, output: SchedulerOutput) -> list[int]:
         self.last_step_s = self.cost.step_time(
             (item.num_computed_tokens, item.num_new_tokens) for item in output.scheduled
         )
-        return {
-            item.request.request_id: DUMMY_TOKEN_ID for item in output.scheduled if item.samples
-        }
+        return [DUMMY_TOKEN_ID for item in output.scheduled if item.samples]
 
 
 def plan_for_simulation(

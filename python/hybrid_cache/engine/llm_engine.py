@@ -323,11 +323,12 @@ class LLMEngine:
         stats = self.stats
         stats.num_steps += 1
         stats.num_preemptions += num_preemptions
-        stats.num_prefix_query_tokens = core.get("prefix_queries", 0)
-        stats.num_prefix_hit_tokens = core.get("prefix_hits", 0)
-        misses = PrefixMisses.from_core(core)
-        if misses != stats.prefix_misses:
-            stats.prefix_misses = misses
+        queries = core.get("prefix_queries", 0)
+        # Every prefix-cache counter moves only with a lookup, which queries tokens.
+        if queries != stats.num_prefix_query_tokens:
+            stats.num_prefix_query_tokens = queries
+            stats.num_prefix_hit_tokens = core.get("prefix_hits", 0)
+            stats.prefix_misses = PrefixMisses.from_core(core)
             stats.prefix_alone_hit_tokens_per_group = list(
                 core.get("prefix_alone_hits_per_group", [])
             )
@@ -339,9 +340,7 @@ class LLMEngine:
             stats.num_tail_replay_gain_tokens = core.get("prefix_replay_gain", 0)
             stats.num_token_tail_hits = core.get("prefix_tail_hits", 0)
             stats.num_token_tail_gain_tokens = core.get("prefix_tail_gain", 0)
-        stats.max_used_blocks_per_group = [
-            max(a, b) for a, b in zip(stats.max_used_blocks_per_group, used)
-        ]
+        stats.max_used_blocks_per_group = list(map(max, stats.max_used_blocks_per_group, used))
         self.step_stats.append(
             StepStats(
                 num_scheduled_requests=num_scheduled_requests,

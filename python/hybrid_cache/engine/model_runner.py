@@ -199,8 +199,9 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in self.slot_tensors)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Runs the scheduled tokens; returns the sampled token of each request that samples.
+    def execute(self, output: SchedulerOutput) -> list[int]:
+        """Runs the scheduled tokens; returns the sampled token of each request that samples
+        (in `output.scheduled` order).
         Logprobs (sampled tokens', prompt tokens') are recorded on the requests that ask."""
         scheduled = output.scheduled
         if self.parallel is not None:
@@ -208,7 +209,7 @@ class ModelRunner:
         if output.block_copies:
             self.copy_blocks(output.block_copies)
         if not scheduled:
-            return {}
+            return []
         # Whole columns through C-level maps (no bytecode per request), all taken before the
         # forward, while the requests are in the CPU caches (the forward evicts them).
         requests = list(map(_REQUEST, scheduled))
@@ -224,7 +225,7 @@ class ModelRunner:
             hidden = self.model(input_ids.to(self.device), positions.to(self.device))
         return self._sample(hidden, requests, query_lens, columns, prompt_plan)
 
-    def _execute_parallel(self, output: SchedulerOutput) -> dict[str, int]:
+    def _execute_parallel(self, output: SchedulerOutput) -> list[int]:
         """`execute` on rank 0 of a tensor-parallel engine: the step's inputs go to every rank,
         then all run the forward (its all-reduces join them) and rank 0 samples. A rank that
         dies or stops answering ends the step with the executor's `WorkerFailedError`."""
@@ -264,7 +265,7 @@ class ModelRunner:
             if output.block_copies:
                 self.copy_blocks(output.block_copies)
             if not scheduled:
-                return {}
+                return []
             input_ids, metadata, positions = step_batch(inputs, self.block_sizes, self.full_groups)
             metadata = metadata_to(metadata, self.device)
             with set_forward_context(metadata, self.kv_caches):
@@ -286,7 +287,7 @@ class ModelRunner:
         query_lens: list[int],
         columns: SamplingColumns,
         prompt_plan: Optional[PromptLogprobPlan],
-    ) -> dict[str, int]:
+    ) -> list[int]:
         """Logprobs of the prompts that ask, then the sampled token of each request that
         samples (from the LM head over the last hidden row of each). The LM head runs in
         this order on every rank when it is vocabulary-parallel (`worker.ShardRunner`)."""
@@ -294,11 +295,10 @@ class ModelRunner:
         if prompt_plan is not None:
             self._record_prompt_logprobs(hidden, requests, prompt_plan)
         if not sample_indices:
-            return {}
+            return []
         logits = self._compute_logits(self._sampled_rows(hidden, query_lens, sample_indices))
         if not columns.needs_extras:
-            tokens = self.sampler.sample_token_ids(logits, request_ids, params)
-            return dict(zip(request_ids, tokens))
+            return self.sampler.sample_token_ids(logits, request_ids, params)
         sampled = self.sampler.sample(logits, request_ids, params, sampling)
         counts = columns.logprob_counts
         if None not in counts:  # every row: no gathers, no request touched
@@ -308,7 +308,7 @@ class ModelRunner:
             if rows:
                 entries = token_logprobs(logits[rows], sampled[rows], [counts[row] for row in rows])
                 self.logprob_log.record(entries, [request_ids[row] for row in rows])
-        return dict(zip(request_ids, sampled.tolist()))
+        return sampled.tolist()
 
     def _record_prompt_logprobs(
         self, hidden: torch.Tensor, requests: list[Request], plan: PromptLogprobPlan

@@ -55,59 +55,68 @@ class Request:
         logprob_log: Optional[LogprobLog] = None,
     ) -> None:
         assert prompt_token_ids, "an empty prompt is rejected before a Request is built"
+        # What `append_output_token` checks, worked out once (the params are frozen): the tokens
+        # that stop the request (also what min_tokens masks until that many are generated), and
+        # the token count at which it reaches a length limit (prompt + max_tokens output tokens,
+        # or max_total_tokens).
+        eos_stop_ids = frozenset(() if sampling_params.ignore_eos else eos_token_ids)
+        num_sample_logprobs = (
+            0 if track_logprobs and sampling_params.logprobs is None else sampling_params.logprobs
+        )
+        # Assigned first, so they sit together in the instance's values: what each step reads
+        # of every running request (its lines are cold after the forward evicted them).
         self.request_id: str = request_id
-        self.prompt_token_ids: list[int] = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
         # prompt + output, kept up to date so a step slices it instead of concatenating.
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens: int = 0
+        self.output_token_ids: list[int] = []
+        self.stop_token_id_set: frozenset[int] = eos_stop_ids.union(sampling_params.stop_token_ids)
+        self.min_tokens: int = sampling_params.min_tokens
+        self._length_limit: int = min(
+            len(prompt_token_ids) + sampling_params.max_tokens, max_total_tokens
+        )
+        self.checks_stop_strings: bool = detokenizer is not None and bool(sampling_params.stop)
+        self.detokenizer: Optional[IncrementalDetokenizer] = detokenizer
+        # Metrics (time.time() seconds), set by the scheduler.
+        self.last_token_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+        self.status: RequestStatus = RequestStatus.WAITING
+        # Where the tail replay of its current hit ends (0: none): full-attention KV below it is
+        # read from the cache, never written (`KVCacheManager.replay_frontier`).
+        self.replay_frontier: int = 0
+        # Whether sampling needs this request's tokens or logprobs (the sampler's slow path).
+        self.needs_sampling_extras: bool = (
+            sampling_params.needs_history or num_sample_logprobs is not None
+        )
+        # Logprobs: per output token (None = not computed), per prompt token after the first.
+        self.num_sample_logprobs: Optional[int] = num_sample_logprobs
+        # True until every prompt token's logprobs are recorded (no prefix-cache hit till then).
+        self.wants_prompt_logprobs: bool = (
+            sampling_params.prompt_logprobs is not None and len(prompt_token_ids) > 1
+        )
         self.sampling_params: SamplingParams = sampling_params
+
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.arrival_index: int = arrival_index
         # prompt + output can never exceed this (max_model_len or prompt + max_tokens).
         self.max_total_tokens: int = max_total_tokens
         self.eos_token_ids: tuple[int, ...] = eos_token_ids
-        # What `append_output_token` checks, worked out once (the params are frozen): the tokens
-        # that stop the request, and the token count at which it reaches a length limit
-        # (prompt + max_tokens output tokens, or max_total_tokens).
-        self.eos_stop_ids: frozenset[int] = frozenset(
-            () if sampling_params.ignore_eos else eos_token_ids
-        )
-        # Also what min_tokens masks until that many tokens are generated.
-        self.stop_token_id_set: frozenset[int] = self.eos_stop_ids.union(
-            sampling_params.stop_token_ids
-        )
-        self.min_tokens: int = sampling_params.min_tokens
-        self._length_limit: int = min(
-            len(self.prompt_token_ids) + sampling_params.max_tokens, max_total_tokens
-        )
-        self.status: RequestStatus = RequestStatus.WAITING
+        self.eos_stop_ids: frozenset[int] = eos_stop_ids
         self.finish_reason: Optional[FinishReason] = None
         self.error: Optional[Exception] = None  # set when finish_reason is ERROR
-        self.num_computed_tokens: int = 0
-        # Where the tail replay of its current hit ends (0: none): full-attention KV below it is
-        # read from the cache, never written (`KVCacheManager.replay_frontier`).
-        self.replay_frontier: int = 0
         # Figures: prompt tokens served from the prefix cache at first scheduling, preemptions.
         self.num_cached_tokens: int = 0
         self.num_preemptions: int = 0
         self.has_been_scheduled: bool = False
-        # Metrics (time.time() seconds), set by the scheduler.
         self.arrival_time: float = time.time() if arrival_time is None else arrival_time
         self.first_scheduled_time: Optional[float] = None
-        self.first_token_time: Optional[float] = None
-        self.last_token_time: Optional[float] = None
         self.finished_time: Optional[float] = None
 
         # Text and stop strings.
-        self.detokenizer: Optional[IncrementalDetokenizer] = detokenizer
-        self.checks_stop_strings: bool = detokenizer is not None and bool(sampling_params.stop)
         self.stop_reason: Union[int, str, None] = None
         self.stopped_by_token: bool = False
         self.output_text: Optional[str] = None  # set by `finish_text`
 
-        # Logprobs: per output token (None = not computed), per prompt token after the first.
-        self.num_sample_logprobs: Optional[int] = (
-            0 if track_logprobs and sampling_params.logprobs is None else sampling_params.logprobs
-        )
         # Per sampled token its logprob row: those read; the others wait in the engine's
         # `logprob_log` (taken out of it when read, from its records since `logprob_cursor`),
         # or, once the request finished, as references to rows of the steps' `LogprobRows`.
@@ -120,14 +129,6 @@ class Request:
         self._cumulative_logprob: float = 0.0
         self._num_summed: int = 0
         self.prompt_logprobs: list[TokenLogprobs] = []
-        # True until every prompt token's logprobs are recorded (no prefix-cache hit till then).
-        self.wants_prompt_logprobs: bool = (
-            sampling_params.prompt_logprobs is not None and len(self.prompt_token_ids) > 1
-        )
-        # Whether sampling needs this request's tokens or logprobs (the sampler's slow path).
-        self.needs_sampling_extras: bool = (
-            sampling_params.needs_history or self.num_sample_logprobs is not None
-        )
 
     @property
     def num_tokens(self) -> int:

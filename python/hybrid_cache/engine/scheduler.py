@@ -35,6 +35,7 @@ import logging
 import operator
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Optional
@@ -265,19 +266,21 @@ class Scheduler:
         return token_budget
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self, output: SchedulerOutput, sampled_token_ids: Sequence[int]
     ) -> list[Request]:
-        """Advances computed counts, records sampled tokens; returns requests finished now."""
+        """Advances computed counts, records sampled tokens (one per scheduled request that
+        samples, in order); returns requests finished now."""
         finished: list[Request] = []
         continuing: list[Request] = []
         continuing_token_ids: list[int] = []
         now = time.time()
+        tokens = iter(sampled_token_ids)
         for item in output.scheduled:
             request = item.request
             request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
             if not item.samples:
                 continue
-            token_id = sampled_token_ids[request.request_id]
+            token_id = next(tokens)
             if not request.output_token_ids:
                 request.first_token_time = now
             request.last_token_time = now

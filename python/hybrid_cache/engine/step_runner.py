@@ -22,10 +22,10 @@ class StepRunner(Protocol):
     # (None: a runner that computes none).
     logprob_log: Optional[LogprobLog]
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Runs the scheduled tokens; returns, keyed by request id, the sampled token of every
-        scheduled request whose `samples` is set (and of no other). A runner that computes
-        logprobs records them before returning: the sampled tokens' in `logprob_log`, the
+    def execute(self, output: SchedulerOutput) -> list[int]:
+        """Runs the scheduled tokens; returns the sampled token of every scheduled request
+        whose `samples` is set (and of no other), in `output.scheduled` order (a list: no
+        request id is hashed for it). A runner that computes logprobs records them before returning: the sampled tokens' in `logprob_log`, the
         prompt tokens' on the requests that ask (`Request.prompt_logprobs`)."""
         ...
 
