@@ -1,6 +1,6 @@
 """The logprobs' top k on the CPU: the native top k (`_core.top_k_rows_cpu`, what
-`engine/logprobs.py` uses; it also counts the chosen token's rank, which the others do not) against k + 1 numpy argmax passes (what it replaced) and
-`torch.topk`, on 64 rows of fresh log_softmax rows per call (16 different matrices in turn: one
+`engine/logprobs.py` uses; it also counts the chosen token's rank, which the others do not)
+against k + 1 numpy argmax passes (what it replaced) and `torch.topk`, on 64 rows of fresh log_softmax rows per call (16 different matrices in turn: one
 matrix over and over trains the branch predictor and flatters every method), one thread.
 
     python scripts/bench_top_k.py [--k 5] [--vocab 512 32768]

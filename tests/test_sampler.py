@@ -521,6 +521,33 @@ def test_a_stop_token_is_left_out_of_the_text_unless_asked(stop):
         assert request.output_text == expected
 
 
+def test_the_logprob_log_forgets_what_no_unfinished_request_needs():
+    """Records below every open cursor go: aborted, finished and unread requests pin none;
+    a request that asks for no logprobs opens no cursor; each request keeps its own rows."""
+    llm = LLM("tiny-llama", load_format="dummy", kv_cache_memory="16MiB", seed=0)
+    engine = llm.engine
+    log = engine.model_runner.logprob_log
+    asks = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", list(range(3, 20)), asks)
+    engine.add_request("b", list(range(4, 21)), short)
+    engine.add_request("plain", list(range(5, 22)), plain)
+    requests = {r.request_id: r for r in engine.scheduler.waiting}
+    assert requests["plain"].logprob_cursor is None and sum(log.cursors.values()) == 2
+    for _ in range(5):
+        engine.step()
+    assert requests["b"].is_finished and sum(log.cursors.values()) == 1
+    engine.abort_request("a")
+    assert not log.records and not log.cursors  # "plain" still runs: it needs none
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not log.records
+    for request_id, count in (("a", 5), ("b", 3)):
+        rows = requests[request_id].sample_logprob_rows()
+        assert len(rows) == count and all(len(ids) == 3 for ids, _, _ in rows)
+
+
 def test_logprob_rows_read_late_equal_rows_read_every_step():
     """A step's rows stay arrays until read; a request read at the end (`LLM.generate`) gets
     the rows one read after every step (streaming) gets, and takes them out of the steps'."""
@@ -540,14 +567,15 @@ def test_logprob_rows_read_late_equal_rows_read_every_step():
         log.record = lambda rows, ids: kept.append((rows, list(ids))) or record(rows, ids)
         while engine.has_unfinished_requests():
             engine.step()
-            if read_every_step:
+            if read_every_step and not request.is_finished:
                 request.sample_logprob_rows()
-                assert all("long" not in index_of for _, index_of in log.records.values())
-        # Finished, the request detached its rows (unread) from the log, which keeps no record.
-        assert not log.records
-        assert len(request.logprob_refs) == (0 if read_every_step else 40)
+                assert request.logprob_cursor == log.num_records
+        # Finished, every request closed its cursor: the log keeps no record; the long
+        # request keeps the records it has not read (none when it read every step).
+        assert not log.records and not log.cursors
+        assert len(request.logprob_span) <= (1 if read_every_step else 40)
         rows = request.sample_logprob_rows()
-        assert not request.logprob_refs and len(request.sample_logprobs) == 40
+        assert not request.logprob_span and len(request.sample_logprobs) == 40
         steps = [(rows, ids.index("long")) for rows, ids in kept if "long" in ids]
         assert len(steps) == 40 and all(rows[index] is None for rows, index in steps)
         return rows, request.cumulative_logprob

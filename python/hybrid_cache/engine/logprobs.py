@@ -12,6 +12,7 @@ record them: a request takes its rows out when its logprobs are read or it finis
 
 from __future__ import annotations
 
+import collections
 import itertools
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -53,56 +54,71 @@ def token_logprobs(
 
 
 class LogprobLog:
-    """The steps' `LogprobRows`, in the order recorded, each with its rows' request ids, until
-    every row is taken or detached. A request remembers the number of records when it was made
-    (or last took its rows) and takes, from the records since, the rows under its id; when it
-    finishes it detaches them (references to its rows, no row read), so the log keeps no
-    record for requests that are gone."""
+    """The steps' `LogprobRows`, in the order recorded, each with a map from its rows' request
+    ids to their rows. A request that asks for logprobs opens a cursor (the number of records
+    when it was queued) and takes, from the records since, the rows under its id, moving its
+    cursor past them; when it finishes it closes its cursor and keeps the records since (a
+    slice: no row read, no per-record work). The log forgets the records below every open
+    cursor, so it holds nothing for requests that are gone; a finished request's records live
+    as long as it does."""
 
     def __init__(self) -> None:
-        self.records: dict[int, tuple[LogprobRows, dict[str, int]]] = {}
-        self.num_records: int = 0
+        self.records: list[LogprobRecord] = []
+        self.base: int = 0  # the number of `records[0]`
+        self.cursors: collections.Counter[int] = collections.Counter()  # open: how many at each
+        self.low: int = 0  # the lowest open cursor (`num_records` when none is open)
+
+    @property
+    def num_records(self) -> int:
+        return self.base + len(self.records)
 
     def record(self, rows: LogprobRows, request_ids: Sequence[str]) -> None:
         """Keeps `rows`, row i being `request_ids[i]`'s."""
-        self.records[self.num_records] = (rows, dict(zip(request_ids, range(len(request_ids)))))
-        self.num_records += 1
+        self.records.append((rows, dict(zip(request_ids, range(len(request_ids))))))
 
-    def take(self, request_id: str, since: int) -> list[TokenLogprobs]:
-        """`request_id`'s rows in the records from number `since` on, in order (taken out:
-        a record whose rows are all taken is dropped). The next call's `since` is
-        `num_records`."""
-        records = self.records
+    def open(self) -> int:
+        """A new reader's cursor: the records from now on."""
+        cursor = self.num_records
+        if not self.cursors:
+            self.low = cursor
+        self.cursors[cursor] += 1
+        return cursor
+
+    def take(self, request_id: str, cursor: int) -> tuple[list[TokenLogprobs], int]:
+        """`request_id`'s rows in the records from `cursor` (its open cursor) on, in order,
+        and its cursor moved past them."""
         taken = []
-        for number in range(since, self.num_records):
-            record = records.get(number)
-            if record is None:
-                continue
-            rows, index_of = record
-            index = index_of.pop(request_id, None)
-            if index is None:
-                continue
-            taken.append(rows.take(index))
-            if not index_of:
-                del records[number]
-        return taken
+        for rows, index_of in self.records[cursor - self.base :]:
+            index = index_of.get(request_id)
+            if index is not None:
+                taken.append(rows.take(index))
+        end = self.num_records
+        self.cursors[end] += 1
+        self._close(cursor)
+        return taken, end
 
-    def detach(self, request_id: str, since: int) -> list[tuple[LogprobRows, int]]:
-        """`take` without reading the rows: each as its step's rows and its index there."""
-        records = self.records
-        detached = []
-        for number in range(since, self.num_records):
-            record = records.get(number)
-            if record is None:
-                continue
-            rows, index_of = record
-            index = index_of.pop(request_id, None)
-            if index is None:
-                continue
-            detached.append((rows, index))
-            if not index_of:
-                del records[number]
-        return detached
+    def close(self, cursor: int) -> list[LogprobRecord]:
+        """Closes a reader's cursor; returns the records from it on (the reader's rows are in
+        them, under its id)."""
+        span = self.records[cursor - self.base :]
+        self._close(cursor)
+        return span
+
+    def _close(self, cursor: int) -> None:
+        cursors = self.cursors
+        cursors[cursor] -= 1
+        if cursors[cursor]:
+            return
+        del cursors[cursor]
+        if cursor != self.low:
+            return
+        self.low = min(cursors, default=self.num_records)
+        del self.records[: self.low - self.base]
+        self.base = self.low
+
+
+# A step's rows and, per request id, the index of its row there.
+LogprobRecord = tuple["LogprobRows", dict[str, int]]
 
 
 class LogprobRows:

@@ -10,7 +10,7 @@ from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from hybrid_cache.engine.logprobs import LogprobLog, LogprobRows, TokenLogprobs
+    from hybrid_cache.engine.logprobs import LogprobLog, LogprobRecord, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -118,12 +118,13 @@ class Request:
         self.output_text: Optional[str] = None  # set by `finish_text`
 
         # Per sampled token its logprob row: those read; the others wait in the engine's
-        # `logprob_log` (taken out of it when read, from its records since `logprob_cursor`),
-        # or, once the request finished, as references to rows of the steps' `LogprobRows`.
+        # `logprob_log`, in its records from `logprob_cursor` (opened when the request is
+        # queued, None before), or, once the request finished, in `logprob_span` (the records
+        # from its cursor on when it finished).
         self.sample_logprobs: list[TokenLogprobs] = []
-        self.logprob_refs: list[tuple[LogprobRows, int]] = []
         self.logprob_log: Optional[LogprobLog] = logprob_log
-        self.logprob_cursor: int = 0 if logprob_log is None else logprob_log.num_records
+        self.logprob_cursor: Optional[int] = None
+        self.logprob_span: list[LogprobRecord] = []
         # The sum of the sampled tokens' logprobs over the first `_num_summed` rows (summed
         # when read, in order: the same float as a running sum).
         self._cumulative_logprob: float = 0.0
@@ -178,25 +179,36 @@ class Request:
             return FinishReason.LENGTH
         return None
 
-    def resolve_sample_logprobs(self) -> None:
-        """Takes the request's rows not read yet (detached, then in `logprob_log`) into
-        `sample_logprobs`."""
-        refs = self.logprob_refs
-        if refs:
-            self.sample_logprobs.extend([rows.take(index) for rows, index in refs])
-            refs.clear()
+    def open_sample_logprobs(self) -> None:
+        """Opens the request's cursor in `logprob_log` (when it is queued, if it asks for
+        logprobs): the rows recorded from now on are kept for it."""
         log = self.logprob_log
-        if log is not None and self.logprob_cursor < log.num_records:
-            self.sample_logprobs.extend(log.take(self.request_id, self.logprob_cursor))
-            self.logprob_cursor = log.num_records
+        if log is not None and self.num_sample_logprobs is not None:
+            self.logprob_cursor = log.open()
 
-    def detach_sample_logprobs(self) -> None:
-        """Moves the request's rows still in `logprob_log` to `logprob_refs` (none is read):
-        the log forgets a finished request, whose rows are read with its output, if ever."""
-        log = self.logprob_log
-        if log is not None and self.logprob_cursor < log.num_records:
-            self.logprob_refs.extend(log.detach(self.request_id, self.logprob_cursor))
-            self.logprob_cursor = log.num_records
+    def resolve_sample_logprobs(self) -> None:
+        """Takes the request's rows not read yet (from `logprob_span` once it finished, else
+        from `logprob_log`) into `sample_logprobs`."""
+        span = self.logprob_span
+        if span:
+            request_id = self.request_id
+            for rows, index_of in span:
+                index = index_of.get(request_id)
+                if index is not None:
+                    self.sample_logprobs.append(rows.take(index))
+            span.clear()
+        log, cursor = self.logprob_log, self.logprob_cursor
+        if log is not None and cursor is not None and cursor < log.num_records:
+            taken, self.logprob_cursor = log.take(self.request_id, cursor)
+            self.sample_logprobs.extend(taken)
+
+    def close_sample_logprobs(self) -> None:
+        """Closes the request's cursor (it finished): the records since stay with it, unread
+        (`logprob_span`), and the log forgets them once no other request needs them."""
+        log, cursor = self.logprob_log, self.logprob_cursor
+        if log is not None and cursor is not None:
+            self.logprob_span = log.close(cursor)
+            self.logprob_cursor = None
 
     def sample_logprob_rows(self, start: int = 0, end: Optional[int] = None) -> list[TokenLogprobs]:
         """The sampled tokens' logprob rows from `start` to `end` (all by default)."""

@@ -152,6 +152,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         assert request.status is RequestStatus.WAITING, f"{request} is not new"
+        request.open_sample_logprobs()  # it finishes (or is aborted) through `_finish`
         self.waiting.append(request)
         if self.hold_waiting_prefixes:
             self._hold_prefix(request)
@@ -478,8 +479,7 @@ class Scheduler:
 
     @staticmethod
     def _finish(request: Request, reason: FinishReason) -> None:
-        if request.num_sample_logprobs is not None:
-            request.detach_sample_logprobs()  # its rows leave the runner's log, unread
+        request.close_sample_logprobs()  # its logprob rows stay with it, unread
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_time = time.time()
