@@ -20,7 +20,7 @@ from hybrid_cache.engine.errors import InsufficientKVCacheError
 from hybrid_cache.engine.kv_cache import KVCacheManager
 from hybrid_cache.engine.request import FinishReason, Request, RequestStatus
 from hybrid_cache.engine.sampling_params import SamplingParams
-from hybrid_cache.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from hybrid_cache.engine.scheduler import Scheduler, SchedulerOutput
 
 VOCAB = 50
 STOP_TOKEN = 3
@@ -39,13 +39,11 @@ class OneAtATimeScheduler(Scheduler):
             assert num_new_tokens > 0
             if not self._allocate_or_preempt(request, num_new_tokens, output):
                 break
-            output.scheduled.append(
-                ScheduledRequest(
-                    request,
-                    self.kv_cache.row_of(request),
-                    request.num_computed_tokens,
-                    num_new_tokens,
-                )
+            output.add(
+                request,
+                self.kv_cache.row_of(request),
+                request.num_computed_tokens,
+                num_new_tokens,
             )
             token_budget -= num_new_tokens
             index += 1

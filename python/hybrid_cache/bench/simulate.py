@@ -36,10 +36,8 @@ class SimulatedRunner:
         self.logprob_log: None = None  # no logprobs
 
     def execute(self, output: SchedulerOutput) -> list[int]:
-        self.last_step_s = self.cost.step_time(
-            (item.num_computed_tokens, item.num_new_tokens) for item in output.scheduled
-        )
-        return [DUMMY_TOKEN_ID for item in output.scheduled if item.samples]
+        self.last_step_s = self.cost.step_time(zip(output.num_computed, output.num_new))
+        return [DUMMY_TOKEN_ID] * sum(output.samples)
 
 
 def plan_for_simulation(

@@ -310,9 +310,7 @@ class LLMEngine:
                 del self.groups[group.request_id]
                 self.unfinished_request_ids.discard(group.request_id)
                 results.append(group)
-        self._record_step(
-            output.num_preemptions, len(output.scheduled), output.num_scheduled_tokens
-        )
+        self._record_step(output.num_preemptions, len(output.requests), output.num_scheduled_tokens)
         return results
 
     def _record_step(

@@ -203,23 +203,20 @@ class ModelRunner:
         """Runs the scheduled tokens; returns the sampled token of each request that samples
         (in `output.scheduled` order).
         Logprobs (sampled tokens', prompt tokens') are recorded on the requests that ask."""
-        scheduled = output.scheduled
         if self.parallel is not None:
             return self._execute_parallel(output)
         if output.block_copies:
             self.copy_blocks(output.block_copies)
-        if not scheduled:
+        if not output.requests:
             return []
-        # Whole columns through C-level maps (no bytecode per request), all taken before the
-        # forward, while the requests are in the CPU caches (the forward evicts them).
-        requests = list(map(_REQUEST, scheduled))
-        num_computed = list(map(_NUM_COMPUTED, scheduled))
-        query_lens = list(map(_NUM_NEW_TOKENS, scheduled))
+        # Whole columns (C-level maps, no bytecode per request), all taken before the forward,
+        # while the requests are in the CPU caches (the forward evicts them).
+        requests, num_computed, query_lens = output.requests, output.num_computed, output.num_new
         input_ids, metadata, positions = self._prepare_inputs(
-            requests, list(map(_ROW, scheduled)), num_computed, query_lens
+            requests, output.rows, num_computed, query_lens
         )
         metadata = metadata_to(metadata, self.device)
-        columns = _sampling_columns(scheduled, requests)
+        columns = _sampling_columns(output.samples, requests)
         prompt_plan = _prompt_logprob_plan(requests, num_computed, query_lens)
         with set_forward_context(metadata, self.kv_caches):
             hidden = self.model(input_ids.to(self.device), positions.to(self.device))
@@ -229,12 +226,9 @@ class ModelRunner:
         """`execute` on rank 0 of a tensor-parallel engine: the step's inputs go to every rank,
         then all run the forward (its all-reduces join them) and rank 0 samples. A rank that
         dies or stops answering ends the step with the executor's `WorkerFailedError`."""
-        scheduled = output.scheduled
-        requests = list(map(_REQUEST, scheduled))
-        num_computed = list(map(_NUM_COMPUTED, scheduled))
-        query_lens = list(map(_NUM_NEW_TOKENS, scheduled))
+        requests, num_computed, query_lens = output.requests, output.num_computed, output.num_new
         frontiers, replaying = self._replay_frontiers(requests, num_computed)
-        if scheduled:
+        if requests:
             token_ids = (
                 list(map(operator.getitem, map(_ALL_TOKEN_IDS, requests), num_computed))
                 if sum(query_lens) == len(query_lens)
@@ -242,17 +236,17 @@ class ModelRunner:
             )
         else:
             token_ids = []
-        columns = _sampling_columns(scheduled, requests)
+        columns = _sampling_columns(output.samples, requests)
         prompt_plan = _prompt_logprob_plan(requests, num_computed, query_lens)
         logit_rows: dict[str, Any] = {}
-        if self.vocab_parallel and scheduled:
+        if self.vocab_parallel and requests:
             logit_rows["prompt_rows"] = () if prompt_plan is None else prompt_plan.rows
             logit_rows["sample_rows"] = sampled_rows(query_lens, columns[0]) if columns[0] else ()
         inputs = gather_step_inputs(
             token_ids,
             num_computed,
             query_lens,
-            list(map(_ROW, scheduled)),
+            output.rows,
             self.block_table_array,
             self.block_sizes,
             output.block_copies,
@@ -264,7 +258,7 @@ class ModelRunner:
             parallel.send(inputs)
             if output.block_copies:
                 self.copy_blocks(output.block_copies)
-            if not scheduled:
+            if not requests:
                 return []
             input_ids, metadata, positions = step_batch(inputs, self.block_sizes, self.full_groups)
             metadata = metadata_to(metadata, self.device)
@@ -446,10 +440,9 @@ def _prompt_logprob_plan(
     return plan
 
 
-def _sampling_columns(scheduled: Sequence[Any], requests: list[Request]) -> SamplingColumns:
-    """The sampling requests' columns, taken before the forward (while the requests are in
-    the CPU caches)."""
-    samples = list(map(_SAMPLES, scheduled))
+def _sampling_columns(samples: list[bool], requests: list[Request]) -> SamplingColumns:
+    """The sampling requests' columns (`samples`: per request whether it samples), taken
+    before the forward (while the requests are in the CPU caches)."""
     sampling = list(itertools.compress(requests, samples))
     needs_extras = any(map(_NEEDS_SAMPLING_EXTRAS, sampling))
     return SamplingColumns(
@@ -475,11 +468,6 @@ def _input_token_ids(
     )
 
 
-_REQUEST = operator.attrgetter("request")
-_ROW = operator.attrgetter("row")
-_NUM_COMPUTED = operator.attrgetter("num_computed_tokens")
-_NUM_NEW_TOKENS = operator.attrgetter("num_new_tokens")
-_SAMPLES = operator.attrgetter("samples")
 _REPLAY_FRONTIER = operator.attrgetter("replay_frontier")
 _ALL_TOKEN_IDS = operator.attrgetter("all_token_ids")
 _REQUEST_ID = operator.attrgetter("request_id")

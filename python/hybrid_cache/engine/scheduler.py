@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from hybrid_cache.engine.engine_config import SCHEDULING_POLICIES
 from hybrid_cache.engine.errors import InsufficientKVCacheError
@@ -51,10 +51,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(init=False)
-class ScheduledRequest:
-    # Built once per scheduled request and step: slots and a plain __init__ keep that cheap.
-    __slots__ = ("request", "row", "num_computed_tokens", "num_new_tokens", "samples")
+class ScheduledRequest(NamedTuple):
+    """One scheduled request of a step (`SchedulerOutput.scheduled`)."""
 
     request: Request
     row: int  # the request's row in the grouped block table
@@ -63,29 +61,60 @@ class ScheduledRequest:
     # Whether this step computes the request's last token, so a token is sampled for it.
     samples: bool
 
-    def __init__(
-        self, request: Request, row: int, num_computed_tokens: int, num_new_tokens: int
-    ) -> None:
-        self.request = request
-        self.row = row
-        self.num_computed_tokens = num_computed_tokens
-        self.num_new_tokens = num_new_tokens
-        self.samples = num_computed_tokens + num_new_tokens == len(request.all_token_ids)
-
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    """A step's schedule as columns, one item per scheduled request in order: the request, its
+    row in the grouped block table, its computed tokens before the step and its new tokens (no
+    object per request and step: the runner and the update read whole columns). `scheduled`
+    gives the items as `ScheduledRequest`s."""
+
+    requests: list[Request] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    num_computed: list[int] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     # Requests that failed while being admitted (they hold no blocks).
     failed: list[Request] = field(default_factory=list)
     # (src, dst) KV pages to copy, every layer slot, before the step runs (cache hits that end
     # inside a block another request uses start from a copy of it).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    _samples: Optional[list[bool]] = field(default=None, repr=False)
+
+    def add(self, request: Request, row: int, num_computed: int, num_new: int) -> None:
+        """Schedules `num_new` tokens of `request` after its `num_computed`."""
+        self.requests.append(request)
+        self.rows.append(row)
+        self.num_computed.append(num_computed)
+        self.num_new.append(num_new)
+
+    @property
+    def samples(self) -> list[bool]:
+        """Per item, whether this step computes the request's last token, so a token is
+        sampled for it: worked out on first use (before the sampled tokens are appended)."""
+        if self._samples is None or len(self._samples) != len(self.requests):
+            totals = map(operator.add, self.num_computed, self.num_new)
+            self._samples = list(
+                map(operator.eq, totals, map(len, map(_ALL_TOKEN_IDS, self.requests)))
+            )
+        return self._samples
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        return list(
+            map(
+                ScheduledRequest,
+                self.requests,
+                self.rows,
+                self.num_computed,
+                self.num_new,
+                self.samples,
+            )
+        )
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(map(attrgetter("num_new_tokens"), self.scheduled))
+        return sum(self.num_new)
 
 
 _NUM_COMPUTED = attrgetter("num_computed_tokens")
@@ -231,7 +260,6 @@ class Scheduler:
         """
         running = self.running
         kv_cache = self.kv_cache
-        scheduled = output.scheduled
         token_budget = self.max_num_batched_tokens
         index = 0  # running[:index] are scheduled
         while index < len(running) and token_budget > 0:
@@ -239,15 +267,10 @@ class Scheduler:
             budget = token_budget - sum(new_counts)
             num_allocated = kv_cache.allocate_batch(requests, computed_counts, new_counts)
             allocated = requests[:num_allocated]
-            scheduled.extend(
-                map(
-                    ScheduledRequest,
-                    allocated,
-                    kv_cache.rows_of(allocated),
-                    computed_counts[:num_allocated],
-                    new_counts[:num_allocated],
-                )
-            )
+            output.requests += allocated
+            output.rows += kv_cache.rows_of(allocated)
+            output.num_computed += computed_counts[:num_allocated]
+            output.num_new += new_counts[:num_allocated]
             if num_allocated == len(requests):
                 return budget
             token_budget -= sum(new_counts[:num_allocated])
@@ -259,9 +282,7 @@ class Scheduler:
             num_new_tokens = new_counts[num_allocated]
             if not self._preempt_until_fits(request, num_computed, num_new_tokens, output):
                 break  # the request itself was preempted (it was the newest)
-            scheduled.append(
-                ScheduledRequest(request, kv_cache.row_of(request), num_computed, num_new_tokens)
-            )
+            output.add(request, kv_cache.row_of(request), num_computed, num_new_tokens)
             token_budget -= num_new_tokens
             index += 1
         return token_budget
@@ -276,10 +297,11 @@ class Scheduler:
         continuing_token_ids: list[int] = []
         now = time.time()
         tokens = iter(sampled_token_ids)
-        for item in output.scheduled:
-            request = item.request
-            request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
-            if not item.samples:
+        for request, samples, computed, new in zip(
+            output.requests, output.samples, output.num_computed, output.num_new
+        ):
+            request.num_computed_tokens = computed + new
+            if not samples:
                 continue
             token_id = next(tokens)
             if not request.output_token_ids:
@@ -455,7 +477,7 @@ class Scheduler:
         request.replay_frontier = self.kv_cache.replay_frontier(request) if num_hit_tokens else 0
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        output.scheduled.append(ScheduledRequest(request, row, num_hit_tokens, num_new_tokens))
+        output.add(request, row, num_hit_tokens, num_new_tokens)
 
     def _unqueue(self, request: Request) -> None:
         """Takes `request` out of the waiting queue (the front, unless "lpm" picked another)."""
