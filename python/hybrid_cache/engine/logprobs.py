@@ -7,7 +7,8 @@ built. A batch's rows stay arrays until first read (`LogprobRows`), then come fr
 `.tolist()` per array, with no per-row Python when every row asks for the same k; on the CPU
 its top k comes from the native top k (`rust/sampling`) where that is exact (`top_k`). The
 engine's steps' rows wait in a `LogprobLog` by request id, so a step touches no request to
-record them: a request takes its rows out when its logprobs are read or it finishes.
+record them: a request takes its rows out when its logprobs are read, and keeps the records
+holding the others when it finishes.
 """
 
 from __future__ import annotations
