@@ -88,11 +88,7 @@ class LogprobLog:
     def take(self, request_id: str, cursor: int) -> tuple[list[TokenLogprobs], int]:
         """`request_id`'s rows in the records from `cursor` (its open cursor) on, in order,
         and its cursor moved past them."""
-        taken = []
-        for rows, index_of in self.records[cursor - self.base :]:
-            index = index_of.get(request_id)
-            if index is not None:
-                taken.append(rows.take(index))
+        taken = take_rows(self.records[cursor - self.base :], request_id)
         end = self.num_records
         self.cursors[end] += 1
         self._close(cursor)
@@ -120,6 +116,16 @@ class LogprobLog:
 
 # A step's rows and, per request id, the index of its row there.
 LogprobRecord = tuple["LogprobRows", dict[str, int]]
+
+
+def take_rows(records: Iterable[LogprobRecord], request_id: str) -> list[TokenLogprobs]:
+    """`request_id`'s rows in `records`, in order, taken out of their steps' rows."""
+    taken = []
+    for rows, index_of in records:
+        index = index_of.get(request_id)
+        if index is not None:
+            taken.append(rows.take(index))
+    return taken
 
 
 class LogprobRows:

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Optional, Union
 
 from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
+from hybrid_cache.engine.logprobs import take_rows
 from hybrid_cache.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -191,11 +192,7 @@ class Request:
         from `logprob_log`) into `sample_logprobs`."""
         span = self.logprob_span
         if span:
-            request_id = self.request_id
-            for rows, index_of in span:
-                index = index_of.get(request_id)
-                if index is not None:
-                    self.sample_logprobs.append(rows.take(index))
+            self.sample_logprobs.extend(take_rows(span, self.request_id))
             span.clear()
         log, cursor = self.logprob_log, self.logprob_cursor
         if log is not None and cursor is not None and cursor < log.num_records:
