@@ -121,6 +121,12 @@ pub fn contiguous_items<'b, T: Element>(
     Items::new(buffer, name, dims)
 }
 
+/// The addresses of `buffer`'s items (to check that buffers do not overlap).
+pub fn buffer_bytes<T: Element>(buffer: &PyBuffer<T>) -> Range<usize> {
+    let start = buffer.buf_ptr() as usize;
+    start..start + buffer.item_count() * std::mem::size_of::<T>()
+}
+
 /// `out` as a mutable slice: a writable, C-contiguous buffer of `shape` that overlaps none of
 /// the `inputs` (address ranges).
 pub fn output<'b, T: Element>(
@@ -136,8 +142,7 @@ pub fn output<'b, T: Element>(
         )));
     }
     let len = out.item_count();
-    let start = out.buf_ptr() as usize;
-    let written = start..start + len * std::mem::size_of::<T>();
+    let written = buffer_bytes(out);
     if inputs
         .iter()
         .any(|range| range.start < written.end && written.start < range.end)

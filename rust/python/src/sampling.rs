@@ -2,13 +2,11 @@
 //! `torch.Tensor.numpy()` views of a step's logprobs). Converts buffers to slices and errors to
 //! exceptions; nothing else.
 
-use std::ops::Range;
-
 use hybrid_cache_sampling::{top_k_rows, TopK};
-use pyo3::buffer::{Element, PyBuffer};
+use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
-use crate::convert::{contiguous_items, output};
+use crate::convert::{buffer_bytes, contiguous_items, output};
 use crate::errors::invalid_argument;
 
 /// For `logprobs` [rows, cols] (float32, C-contiguous) and `chosen` [rows] (int64): writes
@@ -32,8 +30,8 @@ pub fn top_k_rows_cpu(
     let (rows, cols) = (values.shape[0], values.shape[1]);
     let shape = [rows, k + 1];
     // Each output may overlap neither an input nor an output before it.
-    let ids_bytes = bytes_of(&ids_out);
-    let values_bytes = bytes_of(&values_out);
+    let ids_bytes = buffer_bytes(&ids_out);
+    let values_bytes = buffer_bytes(&values_out);
     let inputs = [values.bytes(), chosen_items.bytes()];
     let ids = output(&mut ids_out, "ids_out", &shape, &inputs)?;
     let out_values = output(
@@ -65,10 +63,4 @@ pub fn top_k_rows_cpu(
         },
     )
     .map_err(|error| invalid_argument(error.to_string()))
-}
-
-/// The address range of `buffer`'s items.
-fn bytes_of<T: Element>(buffer: &PyBuffer<T>) -> Range<usize> {
-    let start = buffer.buf_ptr() as usize;
-    start..start + buffer.item_count() * std::mem::size_of::<T>()
 }

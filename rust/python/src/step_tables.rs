@@ -5,7 +5,7 @@ use hybrid_cache_attention::{decode_tables, DecodeTables};
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
-use crate::convert::{contiguous_items, output};
+use crate::convert::{buffer_bytes, contiguous_items, output};
 use crate::errors::attention_to_py;
 
 /// For `block_table` [groups, rows, width] (int32, C-contiguous), the sequences at table rows
@@ -29,10 +29,7 @@ pub fn decode_tables_cpu(
     let seqs = row_items.shape[0];
     let columns = tables_out.shape().get(2).copied().unwrap_or(0);
     let inputs = [table.bytes(), row_items.bytes(), position_items.bytes()];
-    let slots_bytes = {
-        let start = slots_out.buf_ptr() as usize;
-        start..start + slots_out.item_count() * std::mem::size_of::<i64>()
-    };
+    let slots_bytes = buffer_bytes(&slots_out);
     let tables = output(
         &mut tables_out,
         "tables_out",
