@@ -195,8 +195,8 @@ def build_decode_metadata(
     The same metadata in fewer array operations (the step's cost is their number, each a few
     microseconds when the forward has just evicted numpy from the CPU caches): positions are
     the computed counts, the query starts a range, the tables and slots of each block size
-    come from one native call over the grouped table; reductions (`max`, `all`), which cost several ufunc calls each, are left to
-    Python's `max` over the list and `np.count_nonzero`.
+    come from one native call over the grouped table (which also checks for the null block);
+    the `max`, which costs several ufunc calls as an array reduction, is Python's over the list.
     """
     positions = np.array(num_computed_tokens, dtype=np.int64)
     num_seqs = len(positions)

@@ -201,8 +201,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> list[int]:
         """Runs the scheduled tokens; returns the sampled token of each request that samples
-        (in `output.scheduled` order).
-        Logprobs (sampled tokens', prompt tokens') are recorded on the requests that ask."""
+        (in `output.scheduled` order). Logprobs are recorded for the requests that ask: the
+        sampled tokens' in `logprob_log`, the prompt tokens' on the requests."""
         if self.parallel is not None:
             return self._execute_parallel(output)
         if output.block_copies:
