@@ -293,7 +293,11 @@ def test_token_logprobs_of_a_batch_are_each_rows_own(counts):
     for rows, batch in cases:
         got = [(*row[:2], chosen_rank(row)) for row in token_logprobs(rows, batch, counts)]
         want = whole_row_logprobs(rows, batch, counts)
-        assert repr(got) == repr(want)  # the same floats (repr: NaN equals itself)
+        # The same ids and ranks; values within a few ulp of torch's log_softmax (the native
+        # one on the CPU), NaN where torch has NaN.
+        assert [(ids, rank) for ids, _, rank in got] == [(ids, rank) for ids, _, rank in want]
+        for (_, values, _), (_, expected, _) in zip(got, want):
+            assert values == pytest.approx(expected, rel=1e-6, abs=1e-6, nan_ok=True)
 
 
 def test_top_k_takes_the_native_pass_only_where_it_is_exact(monkeypatch):
@@ -635,3 +639,50 @@ def test_the_native_top_k_refuses_bad_buffers_with_what_to_change():
             np.empty((4, 11), np.float32),
             ranks,
         )
+
+
+def test_the_native_log_softmax_is_torchs_within_a_few_ulp():
+    """`log_softmax_rows_cpu` (what the CPU logprobs use) against torch's on the rows a model
+    gives (vocabularies of 512 and 32000, half-precision logits made float), rows with -inf
+    (masked tokens) and huge values, and torch's all-NaN rows; the order inside each row is
+    torch's. Refuses an output of another shape or aliasing the logits."""
+    from hybrid_cache._core import log_softmax_rows_cpu
+    from hybrid_cache.errors import InvalidArgumentError
+
+    torch.manual_seed(13)
+    inf, nan = float("inf"), float("nan")
+    cases = [torch.randn(64, 512) * 3, (torch.randn(8, 32000) * 6).half().float()]
+    edge = torch.randn(7, 33)
+    edge[0, 3:20] = -inf
+    edge[1] *= 1e37
+    edge[2, 5] = nan
+    edge[3, 0] = inf
+    edge[4] = -inf
+    edge[5] = 2.5  # all equal
+    edge[6, :] = -inf
+    edge[6, 30] = 0.0  # one finite value: logprob 0
+    cases.append(edge)
+    for logits in cases:
+        out = np.empty(tuple(logits.shape), np.float32)
+        log_softmax_rows_cpu(logits.numpy(), out)
+        expected = logits.log_softmax(dim=-1)
+        got = torch.from_numpy(out)
+        assert torch.equal(got.isnan(), expected.isnan())
+        assert torch.equal(got.isneginf(), expected.isneginf())
+        finite = expected.isfinite()
+        tolerance = 8 * torch.finfo(torch.float32).eps * (logits.abs().amax(-1, keepdim=True) + 12)
+        assert ((got - expected).abs()[finite] <= tolerance.expand_as(got)[finite]).all()
+        # Ranked alike: argsorts agree wherever torch's values are distinct.
+        for row in range(len(logits)):
+            values = expected[row][finite[row]]
+            if values.unique().numel() == values.numel():
+                assert torch.equal(got[row][finite[row]].argsort(), values.argsort())
+    assert out[6].tolist() == [-inf] * 30 + [0.0, -inf, -inf]
+
+    logits = torch.randn(4, 10).numpy()
+    with pytest.raises(InvalidArgumentError, match="out must be a writable C-contiguous array"):
+        log_softmax_rows_cpu(logits, np.empty((4, 11), np.float32))
+    with pytest.raises(InvalidArgumentError, match="out overlaps"):
+        log_softmax_rows_cpu(logits, logits)
+    with pytest.raises(InvalidArgumentError, match="logits must be C-contiguous"):
+        log_softmax_rows_cpu(logits.T, np.empty((10, 4), np.float32))

@@ -311,6 +311,12 @@ def silu_mul_cpu(
 ) -> None:
     """`out = silu(gate) * up` element-wise on the CPU, with `gelu_tanh_mul_cpu`'s arguments."""
 
+def log_softmax_rows_cpu(logits: npt.NDArray[np.float32], out: npt.NDArray[np.float32]) -> None:
+    """Writes the log-softmax of each row of `logits` [rows, cols] (C-contiguous) into `out`
+    (the same shape, writable, not overlapping `logits`): torch's formula
+    `(x - max) - log(sum(exp(x - max)))` with a vectorised exponential, within a few ulp of
+    torch's values; a row holding a NaN or +inf, or only -inf, is all NaN, as in torch."""
+
 def top_k_rows_cpu(
     logprobs: npt.NDArray[np.float32],
     k: int,
@@ -326,3 +332,17 @@ def top_k_rows_cpu(
     counts nowhere). Returns the rows whose top k is not settled (a tie among the k + 1
     largest, or a NaN): their top-k columns are a guess, to be recomputed (ranks are exact). `InvalidArgumentError` for shapes, `k >= cols` or a chosen id
     outside the row."""
+
+def logprob_top_k_rows_cpu(
+    logits: npt.NDArray[np.float32],
+    k: int,
+    chosen: npt.NDArray[np.int64],
+    ids_out: npt.NDArray[np.int64],
+    values_out: npt.NDArray[np.float32],
+    ranks_out: npt.NDArray[np.int64],
+) -> list[int]:
+    """`top_k_rows_cpu` of the log-softmax of `logits` without writing it: the values are
+    `log_softmax_rows_cpu`'s to the bit, the ids and ranks those of the logits (the same order;
+    where rounding makes two logprobs equal, the logit decides). Returns the unsettled rows
+    and the rows the log-softmax makes NaN (NaN values, rank 0): recompute those from
+    `log_softmax_rows_cpu`. Errors as `top_k_rows_cpu`'s."""

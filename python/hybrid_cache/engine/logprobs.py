@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from hybrid_cache._core import top_k_rows_cpu
+from hybrid_cache._core import log_softmax_rows_cpu, logprob_top_k_rows_cpu, top_k_rows_cpu
 from hybrid_cache.engine.outputs import Logprob
 
 # One position: the ids and logprobs of the chosen token and then the top k (most likely
@@ -35,13 +35,16 @@ def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: Sequence[int]
 ) -> LogprobRows:
     """Per row of `logits` [rows, vocab]: the logprob and rank of `token_ids[row]` and the
-    `num_logprobs[row]` most likely tokens, from torch's log_softmax of the logits as given
-    (rank 1 = most likely; the chosen token's rank counts the tokens at least as likely)."""
-    logprobs = logits.float().log_softmax(dim=-1)
-    k = min(max(num_logprobs, default=0), logprobs.shape[-1])
-    if logprobs.device.type == "cpu":
-        ids, values, ranks = top_k(logprobs, k, token_ids.numpy())
+    `num_logprobs[row]` most likely tokens, from the log-softmax of the logits as given
+    (rank 1 = most likely; the chosen token's rank counts the tokens at least as likely).
+    On the CPU the log-softmax is the native one, taken with the top k from the logits
+    (`logprob_top_k`); elsewhere torch's."""
+    logits = logits.float()
+    k = min(max(num_logprobs, default=0), logits.shape[-1])
+    if logits.device.type == "cpu":
+        ids, values, ranks = logprob_top_k(logits, k, token_ids.numpy())
         return LogprobRows(ids, values, ranks, num_logprobs, k)
+    logprobs = logits.log_softmax(dim=-1)
     chosen_ids = token_ids.to(logprobs.device).view(-1, 1)
     ids, values = chosen_ids, logprobs.gather(1, chosen_ids)
     if k:
@@ -193,6 +196,34 @@ def chosen_rank(row: TokenLogprobs) -> int:
         return rank
     chosen = values[0]
     return sum(value >= chosen for value in values[1:])
+
+
+def logprob_top_k(
+    logits: torch.Tensor, k: int, chosen_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`top_k` of the log-softmax of CPU `logits` [rows, vocab], without the log-softmax
+    matrix where it can: `_core.logprob_top_k_rows_cpu` shifts each row's top k + 1 logits by
+    the row's log-softmax (`log_softmax_rows_cpu`'s values to the bit; the order and ranks
+    those of the logits). The rows it does not settle (ties, NaN, infinities) take `top_k` of
+    their `log_softmax_rows_cpu` rows: torch's top k on the same values."""
+    num_rows, vocab_size = logits.shape
+    array = np.ascontiguousarray(logits.numpy())
+    chosen = np.ascontiguousarray(chosen_ids, dtype=np.int64)
+    if k >= vocab_size:
+        logprobs = np.empty_like(array)
+        log_softmax_rows_cpu(array, logprobs)
+        return top_k(torch.from_numpy(logprobs), k, chosen)
+    ids = np.empty((num_rows, k + 1), dtype=np.int64)
+    values = np.empty((num_rows, k + 1), dtype=np.float32)
+    ranks = np.empty(num_rows, dtype=np.int64)
+    others = logprob_top_k_rows_cpu(array, k, chosen, ids, values, ranks)
+    if others:
+        logprobs = np.empty((len(others), vocab_size), dtype=np.float32)
+        log_softmax_rows_cpu(array[others], logprobs)
+        ids[others], values[others], ranks[others] = top_k(
+            torch.from_numpy(logprobs), k, chosen[others]
+        )
+    return ids, values, ranks
 
 
 def top_k(

@@ -31,6 +31,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(elementwise::gelu_tanh_mul_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise::silu_mul_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise::rotary_neox_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(sampling::log_softmax_rows_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(sampling::top_k_rows_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(sampling::logprob_top_k_rows_cpu, m)?)?;
     Ok(())
 }

@@ -1,13 +1,27 @@
-//! `top_k_rows_cpu`: hybrid-cache-sampling's top k of each row on buffers (numpy arrays, e.g.
-//! `torch.Tensor.numpy()` views of a step's logprobs). Converts buffers to slices and errors to
-//! exceptions; nothing else.
+//! `log_softmax_rows_cpu`, `top_k_rows_cpu` and `logprob_top_k_rows_cpu`: hybrid-cache-sampling's
+//! row operations on buffers (numpy arrays, e.g. `torch.Tensor.numpy()` views of a step's
+//! logits). Converts buffers to slices and errors to exceptions; nothing else.
 
-use hybrid_cache_sampling::{top_k_rows, TopK};
+use hybrid_cache_sampling::{
+    log_softmax_rows, logprob_top_k_rows, top_k_rows, SamplingError, TopK,
+};
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
 use crate::convert::{buffer_bytes, contiguous_items, output};
 use crate::errors::invalid_argument;
+
+/// Writes the log-softmax of each row of `logits` [rows, cols] (float32, C-contiguous) into
+/// `out` (the same shape, writable, not overlapping `logits`).
+#[pyfunction]
+#[pyo3(signature = (logits, out))]
+pub fn log_softmax_rows_cpu(logits: PyBuffer<f32>, mut out: PyBuffer<f32>) -> PyResult<()> {
+    let values = contiguous_items(&logits, "logits", 2)?;
+    let cols = values.shape[1];
+    let shape = [values.shape[0], cols];
+    let out = output(&mut out, "out", &shape, &[values.bytes()])?;
+    log_softmax_rows(values.slice, cols, out).map_err(|error| invalid_argument(error.to_string()))
+}
 
 /// For `logprobs` [rows, cols] (float32, C-contiguous) and `chosen` [rows] (int64): writes
 /// `ids_out` / `values_out` [rows, k + 1] (int64 / float32, writable), column 0 the chosen
@@ -21,15 +35,55 @@ pub fn top_k_rows_cpu(
     logprobs: PyBuffer<f32>,
     k: usize,
     chosen: PyBuffer<i64>,
-    mut ids_out: PyBuffer<i64>,
-    mut values_out: PyBuffer<f32>,
-    mut ranks_out: PyBuffer<i64>,
+    ids_out: PyBuffer<i64>,
+    values_out: PyBuffer<f32>,
+    ranks_out: PyBuffer<i64>,
 ) -> PyResult<Vec<usize>> {
-    let values = contiguous_items(&logprobs, "logprobs", 2)?;
+    let buffers = (logprobs, chosen, ids_out, values_out, ranks_out);
+    with_top_k_buffers(buffers, "logprobs", k, top_k_rows)
+}
+
+/// `top_k_rows_cpu` of the log-softmax of `logits` (`log_softmax_rows_cpu`'s values to the
+/// bit) without writing it: ids and ranks those of the logits. Rows the log-softmax makes NaN
+/// get NaN values and rank 0 and are returned with the unsettled ones: recompute those from
+/// `log_softmax_rows_cpu`.
+#[pyfunction]
+#[pyo3(signature = (logits, k, chosen, ids_out, values_out, ranks_out))]
+pub fn logprob_top_k_rows_cpu(
+    logits: PyBuffer<f32>,
+    k: usize,
+    chosen: PyBuffer<i64>,
+    ids_out: PyBuffer<i64>,
+    values_out: PyBuffer<f32>,
+    ranks_out: PyBuffer<i64>,
+) -> PyResult<Vec<usize>> {
+    let buffers = (logits, chosen, ids_out, values_out, ranks_out);
+    with_top_k_buffers(buffers, "logits", k, logprob_top_k_rows)
+}
+
+/// The inputs and outputs of a top k: `values` [rows, cols], `chosen` [rows], `ids_out` and
+/// `values_out` [rows, k + 1], `ranks_out` [rows].
+type TopKBuffers = (
+    PyBuffer<f32>,
+    PyBuffer<i64>,
+    PyBuffer<i64>,
+    PyBuffer<f32>,
+    PyBuffer<i64>,
+);
+
+/// Runs `top_k` on the buffers' slices (`name`: the values' argument name), each output
+/// checked to overlap neither an input nor an output before it.
+fn with_top_k_buffers(
+    buffers: TopKBuffers,
+    name: &str,
+    k: usize,
+    top_k: impl FnOnce(&[f32], usize, usize, &[i64], TopK<'_>) -> Result<Vec<usize>, SamplingError>,
+) -> PyResult<Vec<usize>> {
+    let (values, chosen, mut ids_out, mut values_out, mut ranks_out) = buffers;
+    let values = contiguous_items(&values, name, 2)?;
     let chosen_items = contiguous_items(&chosen, "chosen", 1)?;
     let (rows, cols) = (values.shape[0], values.shape[1]);
     let shape = [rows, k + 1];
-    // Each output may overlap neither an input nor an output before it.
     let ids_bytes = buffer_bytes(&ids_out);
     let values_bytes = buffer_bytes(&values_out);
     let inputs = [values.bytes(), chosen_items.bytes()];
@@ -51,16 +105,11 @@ pub fn top_k_rows_cpu(
             values_bytes,
         ],
     )?;
-    top_k_rows(
-        values.slice,
-        cols,
-        k,
-        chosen_items.slice,
-        TopK {
-            ids,
-            values: out_values,
-            ranks,
-        },
-    )
-    .map_err(|error| invalid_argument(error.to_string()))
+    let out = TopK {
+        ids,
+        values: out_values,
+        ranks,
+    };
+    top_k(values.slice, cols, k, chosen_items.slice, out)
+        .map_err(|error| invalid_argument(error.to_string()))
 }

@@ -9,10 +9,20 @@
 //! top-k routine returns the same ids. Other rows are left to the caller (the engine asks
 //! `torch.topk`, whose order among equal values is its own).
 //!
-//! Layering: `error`, then `top_k`, then this file's re-exports.
+//!
+//! `log_softmax_rows`: the log-softmax of each row, torch's formula with a vectorised
+//! exponential, within a few ulp of torch's values. `logprob_top_k_rows`: `top_k_rows` of that
+//! log-softmax from the logits, writing only the k + 1 values it reports.
+//!
+//! Layering: `error`, then `log_softmax`, then `top_k` (its scan shifts values by a row's
+//! log-softmax), then `logprobs`, then this file's re-exports.
 
 mod error;
+mod log_softmax;
+mod logprobs;
 mod top_k;
 
 pub use error::SamplingError;
+pub use log_softmax::log_softmax_rows;
+pub use logprobs::logprob_top_k_rows;
 pub use top_k::{top_k_rows, TopK};

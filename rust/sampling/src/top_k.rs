@@ -10,6 +10,7 @@
 //!    enter the sorted buffer of the `k + 1` largest.
 
 use crate::error::{ensure, SamplingError};
+use crate::log_softmax::Shift;
 
 /// Values per chunk of the first pass: at least `MIN_CHUNK`, a multiple of it, and few enough
 /// chunks per row (`MAX_CHUNKS`) that selecting the floor among their maxima stays cheap. And
@@ -46,6 +47,21 @@ pub fn top_k_rows(
     k: usize,
     chosen: &[i64],
     out: TopK<'_>,
+) -> Result<Vec<usize>, SamplingError> {
+    shifted_top_k_rows(values, cols, k, chosen, out, |_, _| Some(Shift::NONE))
+}
+
+/// `top_k_rows` of each row shifted by `shift(row, scan)` (called after the row's scan): the
+/// values written are `shift.apply(value)`, the order and ranks those of the values as given
+/// (a shift keeps them). A row whose shift is None is written as NaN, rank 0, and reported
+/// unsettled.
+pub(crate) fn shifted_top_k_rows(
+    values: &[f32],
+    cols: usize,
+    k: usize,
+    chosen: &[i64],
+    out: TopK<'_>,
+    mut shift: impl FnMut(&[f32], &Scan) -> Option<Shift>,
 ) -> Result<Vec<usize>, SamplingError> {
     ensure(cols > 0 && values.len().is_multiple_of(cols), || {
         format!("{} values do not make rows of {cols} columns", values.len())
@@ -91,18 +107,38 @@ pub fn top_k_rows(
             )));
         };
         ids[0] = token;
-        out_values[0] = line[column];
-        let (settled, at_least) = best.scan(line, line[column]);
-        *rank = at_least as i64;
-        if !settled {
+        let scan = best.scan(line, line[column]);
+        for (slot, &id) in best.ids[..k].iter().enumerate() {
+            ids[slot + 1] = id as i64;
+        }
+        let Some(shift) = shift(line, &scan) else {
+            out_values.fill(f32::NAN);
+            *rank = 0;
+            unsettled.push(row);
+            continue;
+        };
+        out_values[0] = shift.apply(line[column]);
+        *rank = scan.at_least as i64;
+        if !scan.settled {
             unsettled.push(row);
         }
-        for (slot, (&value, &id)) in best.values[..k].iter().zip(&best.ids[..k]).enumerate() {
-            out_values[slot + 1] = value;
-            ids[slot + 1] = id as i64;
+        for (slot, &value) in best.values[..k].iter().enumerate() {
+            out_values[slot + 1] = shift.apply(value);
         }
     }
     Ok(unsettled)
+}
+
+/// What a row's scan found.
+pub(crate) struct Scan {
+    /// The top k is the only one (the k + 1 largest strictly decreasing, no NaN).
+    pub settled: bool,
+    /// How many of the row's values are at least the chosen one.
+    pub at_least: usize,
+    /// The row holds a NaN.
+    pub nan: bool,
+    /// The row's largest value (NaN left out; meaningless when `nan`).
+    pub largest: f32,
 }
 
 /// The `width` largest values of one row seen so far, descending, with their columns.
@@ -126,9 +162,9 @@ impl Best {
         }
     }
 
-    /// Fills the buffer from `line`; returns whether the result is settled and how many of
-    /// the row's values are at least `chosen`.
-    fn scan(&mut self, line: &[f32], chosen: f32) -> (bool, usize) {
+    /// Fills the buffer from `line`; says whether the result is settled, how many of the
+    /// row's values are at least `chosen`, whether the row holds a NaN, and its largest value.
+    fn scan(&mut self, line: &[f32], chosen: f32) -> Scan {
         let width = self.values.len();
         self.values.fill(f32::NEG_INFINITY);
         self.len = 0;
@@ -136,7 +172,13 @@ impl Best {
         let chunk = chunk_size(line.len());
         let pass = first_pass(line, chunk, chosen, &mut self.maxima);
         if pass.nan {
-            return (false, pass.at_least); // the caller recomputes the row's top k
+            // The caller recomputes the row's top k.
+            return Scan {
+                settled: false,
+                at_least: pass.at_least,
+                nan: true,
+                largest: f32::NAN,
+            };
         }
         // Pass 2: the floor, then the chunks that reach it.
         let floor = if self.maxima.len() > width {
@@ -158,7 +200,12 @@ impl Best {
             self.insert_at_least(&line[start..end], start, floor);
         }
         let settled = self.len == width && self.values.windows(2).all(|pair| pair[0] > pair[1]);
-        (settled, pass.at_least)
+        Scan {
+            settled,
+            at_least: pass.at_least,
+            nan: false,
+            largest: self.values[0],
+        }
     }
 
     /// Inserts the values of `part` (columns from `start`) that are at least `floor`, in

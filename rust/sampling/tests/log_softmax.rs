@@ -1,0 +1,148 @@
+//! `log_softmax_rows` against the same formula in float64: within a few float32 ulp of the
+//! row's `ln(sum)` on random rows (ties, `-inf`, huge and tiny values, every length), the
+//! order of a row's values kept, and torch's all-NaN rows (a NaN, `+inf`, only `-inf`).
+
+use hybrid_cache_sampling::{log_softmax_rows, SamplingError};
+use proptest::prelude::*;
+
+/// The reference in float64: `(x - max) - ln(sum(exp(x - max)))`, `-inf` where `x - max`
+/// is beyond float32's range (as in float32, and in torch).
+fn reference(line: &[f32]) -> Vec<f64> {
+    let max = line
+        .iter()
+        .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+    let sum: f64 = line.iter().map(|&v| (f64::from(v) - max).exp()).sum();
+    line.iter()
+        .map(|&v| {
+            if v - max as f32 == f32::NEG_INFINITY {
+                f64::NEG_INFINITY
+            } else {
+                (f64::from(v) - max) - sum.ln()
+            }
+        })
+        .collect()
+}
+
+fn run(values: &[f32], cols: usize) -> Vec<f32> {
+    let mut out = vec![0.25; values.len()];
+    log_softmax_rows(values, cols, &mut out).unwrap();
+    out
+}
+
+fn check(values: &[f32], cols: usize) {
+    let out = run(values, cols);
+    for (line, got) in values.chunks(cols).zip(out.chunks(cols)) {
+        let want = reference(line);
+        // The error lies in ln(sum) (one value per row, up to ln(cols)) and the two
+        // float32 subtractions, whose operands reach the row's range.
+        let range = line.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
+        let tolerance = 8.0 * f64::from(f32::EPSILON) * (range + (cols as f64).ln() + 1.0);
+        for (column, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            if w == f64::NEG_INFINITY {
+                assert_eq!(g, f32::NEG_INFINITY, "column {column} of {line:?}");
+                continue;
+            }
+            assert!(
+                (f64::from(g) - w).abs() <= tolerance,
+                "column {column}: {g} against {w} (tolerance {tolerance}) in {line:?}"
+            );
+        }
+        // One shift for the whole row: larger values stay at least as large.
+        for a in 0..line.len() {
+            for b in 0..line.len() {
+                if line[a] > line[b] {
+                    assert!(got[a] >= got[b], "columns {a}, {b} of {line:?}");
+                }
+            }
+        }
+    }
+}
+
+fn value() -> impl Strategy<Value = f32> {
+    prop_oneof![
+        8 => -20.0f32..20.0,
+        1 => Just(f32::NEG_INFINITY),
+        1 => Just(1.5f32),
+        1 => -3.0e38f32..3.0e38,
+        1 => -1.0e-30f32..1.0e-30,
+    ]
+}
+
+proptest! {
+    #[test]
+    fn rows_are_the_float64_formula(
+        cols in 1usize..70,
+        rows in 1usize..5,
+        seed in proptest::collection::vec(value(), 1..350),
+    ) {
+        let values: Vec<f32> = (0..rows * cols).map(|i| seed[i % seed.len()]).collect();
+        let values: Vec<f32> = values
+            .chunks(cols)
+            .flat_map(|line| {
+                let mut line = line.to_vec();
+                if line.iter().all(|v| *v == f32::NEG_INFINITY) {
+                    line[0] = 0.0; // an all -inf row is NaN: checked on its own below
+                }
+                line
+            })
+            .collect();
+        check(&values, cols);
+    }
+}
+
+#[test]
+fn rows_of_a_vocabulary_are_the_float64_formula() {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let values: Vec<f32> = (0..4 * 32768)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32) / 1e6 - 8.0
+        })
+        .collect();
+    check(&values, 32768);
+}
+
+#[test]
+fn rows_torch_makes_nan_are_nan() {
+    let inf = f32::INFINITY;
+    for line in [
+        vec![1.0, f32::NAN, 2.0],
+        vec![1.0, inf, 2.0],
+        vec![inf, inf],
+        vec![f32::NEG_INFINITY; 3],
+        vec![f32::NEG_INFINITY, inf],
+        vec![0.5; 9].into_iter().chain([f32::NAN]).collect(),
+    ] {
+        let out = run(&line, line.len());
+        assert!(out.iter().all(|v| v.is_nan()), "{line:?} gave {out:?}");
+    }
+    // A NaN row leaves the next one alone.
+    let out = run(&[f32::NAN, 0.0, 0.0, 0.0], 2);
+    assert!(out[0].is_nan() && out[1].is_nan());
+    assert_eq!(out[2..], [-std::f32::consts::LN_2; 2]);
+}
+
+#[test]
+fn equal_values_share_the_mass_exactly() {
+    let out = run(&[3.0; 16], 16);
+    assert!(out.iter().all(|&v| v == -(16f32.ln())), "{out:?}");
+    assert_eq!(run(&[-1.0], 1), [0.0]);
+}
+
+#[test]
+fn mismatched_shapes_say_what_to_change() {
+    let mut out = vec![0.0; 6];
+    let error = log_softmax_rows(&[0.0; 5], 2, &mut out).unwrap_err();
+    assert!(
+        error.0.contains("5 logits do not make rows of 2"),
+        "{error}"
+    );
+    let error: SamplingError = log_softmax_rows(&[0.0; 4], 2, &mut out).unwrap_err();
+    assert!(
+        error.0.contains("as many values as the logits (4), got 6"),
+        "{error}"
+    );
+    assert!(log_softmax_rows(&[0.0; 4], 0, &mut out[..4]).is_err());
+}
