@@ -78,7 +78,7 @@ class LogprobLog:
 
     def record(self, rows: LogprobRows, request_ids: Sequence[str]) -> None:
         """Keeps `rows`, row i being `request_ids[i]`'s."""
-        self.records.append((rows, dict(zip(request_ids, range(len(request_ids))))))
+        self.records.append((rows, RowIndex(request_ids)))
 
     def open(self) -> int:
         """A new reader's cursor: the records from now on."""
@@ -117,8 +117,27 @@ class LogprobLog:
         self.base = self.low
 
 
-# A step's rows and, per request id, the index of its row there.
-LogprobRecord = tuple["LogprobRows", dict[str, int]]
+class RowIndex:
+    """A step's request ids, row i being `request_ids[i]`'s; the map id -> row is made on the
+    first lookup (when a request reads its rows, out of the step's time)."""
+
+    __slots__ = ("request_ids", "_rows")
+
+    def __init__(self, request_ids: Sequence[str]) -> None:
+        self.request_ids = request_ids
+        self._rows: Optional[dict[str, int]] = None
+
+    def get(self, request_id: str) -> Optional[int]:
+        """The row of `request_id`, or None when the step has none."""
+        rows = self._rows
+        if rows is None:
+            ids = self.request_ids
+            rows = self._rows = dict(zip(ids, range(len(ids))))
+        return rows.get(request_id)
+
+
+# A step's rows and the index of each request's row there.
+LogprobRecord = tuple["LogprobRows", RowIndex]
 
 
 def take_rows(records: Iterable[LogprobRecord], request_id: str) -> list[TokenLogprobs]:
