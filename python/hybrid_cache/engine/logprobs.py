@@ -32,7 +32,7 @@ TokenLogprobs = tuple[list[int], list[float], Optional[int]]
 
 
 def token_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: Sequence[int]
+    logits: torch.Tensor, token_ids: torch.Tensor | np.ndarray, num_logprobs: Sequence[int]
 ) -> LogprobRows:
     """Per row of `logits` [rows, vocab]: the logprob and rank of `token_ids[row]` and the
     `num_logprobs[row]` most likely tokens, from the log-softmax of the logits as given
@@ -42,9 +42,10 @@ def token_logprobs(
     logits = logits.float()
     k = min(max(num_logprobs, default=0), logits.shape[-1])
     if logits.device.type == "cpu":
-        ids, values, ranks = logprob_top_k(logits, k, token_ids.numpy())
+        ids, values, ranks = logprob_top_k(logits, k, np.asarray(token_ids))
         return LogprobRows(ids, values, ranks, num_logprobs, k)
     logprobs = logits.log_softmax(dim=-1)
+    assert isinstance(token_ids, torch.Tensor), "on a device the sampled ids are a tensor"
     chosen_ids = token_ids.to(logprobs.device).view(-1, 1)
     ids, values = chosen_ids, logprobs.gather(1, chosen_ids)
     if k:

@@ -293,7 +293,11 @@ class ModelRunner:
         logits = self._compute_logits(self._sampled_rows(hidden, query_lens, sample_indices))
         if not columns.needs_extras:
             return self.sampler.sample_token_ids(logits, request_ids, params)
-        sampled = self.sampler.sample(logits, request_ids, params, sampling)
+        sampled: torch.Tensor | np.ndarray
+        if logits.device.type == "cpu":
+            sampled = self.sampler.sample_cpu(logits, request_ids, params, sampling)
+        else:
+            sampled = self.sampler.sample(logits, request_ids, params, sampling)
         counts = columns.logprob_counts
         if None not in counts:  # every row: no gathers, no request touched
             self.logprob_log.record(token_logprobs(logits, sampled, counts), request_ids)

@@ -134,6 +134,22 @@ class Sampler:
             return _cpu_argmax(logits.float()).tolist()
         return self.sample(logits, request_ids, params).tolist()
 
+    def sample_cpu(
+        self,
+        logits: torch.Tensor,
+        request_ids: Sequence[str],
+        params: Sequence[SamplingParams],
+        requests: Optional[Sequence[Request]] = None,
+    ) -> np.ndarray:
+        """`sample(...)` of CPU logits as an int64 array; an all-greedy batch without penalties
+        or min_tokens straight from numpy's argmax (no tensor)."""
+        if not any(map(_TEMPERATURE, params)) and not any(map(_NEEDS_HISTORY, params)):
+            assert logits.dim() == 2 and logits.shape[0] == len(request_ids) == len(params), (
+                "one row of logits per request"
+            )
+            return _cpu_argmax(logits.float()).astype(np.int64, copy=False)
+        return self.sample(logits, request_ids, params, requests).numpy()
+
     def free(self, request_id: str) -> None:
         """Forgets a finished request's generator and prompt tokens."""
         self.generators.pop(request_id, None)
