@@ -686,3 +686,17 @@ def test_the_native_log_softmax_is_torchs_within_a_few_ulp():
         log_softmax_rows_cpu(logits, logits)
     with pytest.raises(InvalidArgumentError, match="logits must be C-contiguous"):
         log_softmax_rows_cpu(logits.T, np.empty((10, 4), np.float32))
+
+
+def test_a_rank_counts_logprobs_rounding_made_equal():
+    """Distinct logits whose logprobs round to one value (small logits beside a large one):
+    the chosen token's rank counts every token whose logprob is at least its own, as torch's
+    log_softmax gives them, not only the larger logits."""
+    logits = torch.tensor([[30.0, 1e-7, 2e-7, 0.0, -1e-7, -5.0, 3e-7]])
+    reference = logits.log_softmax(dim=-1)[0]
+    assert reference[1] == reference[2] == reference[3]  # the case: rounding ties them
+    for chosen in (1, 3, 4, 5):
+        (row,) = token_logprobs(logits, torch.tensor([chosen]), [2])
+        assert row[2] == int((reference >= reference[chosen]).sum()), chosen
+        assert row[1][0] == pytest.approx(reference[chosen].item(), abs=1e-6)
+        assert row[0][1] == 0  # the largest logit leads

@@ -342,7 +342,8 @@ def logprob_top_k_rows_cpu(
     ranks_out: npt.NDArray[np.int64],
 ) -> list[int]:
     """`top_k_rows_cpu` of the log-softmax of `logits` without writing it: the values are
-    `log_softmax_rows_cpu`'s to the bit, the ids and ranks those of the logits (the same order;
-    where rounding makes two logprobs equal, the logit decides). Returns the unsettled rows
+    `log_softmax_rows_cpu`'s to the bit and the ranks count them; the ids are ordered by the
+    logits (the same order; where rounding makes two logprobs equal, the logit decides).
+    Returns the unsettled rows
     and the rows the log-softmax makes NaN (NaN values, rank 0): recompute those from
     `log_softmax_rows_cpu`. Errors as `top_k_rows_cpu`'s."""

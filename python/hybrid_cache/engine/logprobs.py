@@ -223,8 +223,8 @@ def logprob_top_k(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`top_k` of the log-softmax of CPU `logits` [rows, vocab], without the log-softmax
     matrix where it can: `_core.logprob_top_k_rows_cpu` shifts each row's top k + 1 logits by
-    the row's log-softmax (`log_softmax_rows_cpu`'s values to the bit; the order and ranks
-    those of the logits). The rows it does not settle (ties, NaN, infinities) take `top_k` of
+    the row's log-softmax (`log_softmax_rows_cpu`'s values to the bit, the ranks counted over
+    them, the order the logits'). The rows it does not settle (ties, NaN, infinities) take `top_k` of
     their `log_softmax_rows_cpu` rows: torch's top k on the same values."""
     num_rows, vocab_size = logits.shape
     array = np.ascontiguousarray(logits.numpy())

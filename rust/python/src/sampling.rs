@@ -44,7 +44,7 @@ pub fn top_k_rows_cpu(
 }
 
 /// `top_k_rows_cpu` of the log-softmax of `logits` (`log_softmax_rows_cpu`'s values to the
-/// bit) without writing it: ids and ranks those of the logits. Rows the log-softmax makes NaN
+/// bit, the ranks counted over them) without writing it: ids in the logits' order. Rows the log-softmax makes NaN
 /// get NaN values and rank 0 and are returned with the unsettled ones: recompute those from
 /// `log_softmax_rows_cpu`.
 #[pyfunction]

@@ -1,10 +1,10 @@
-//! `top_k_rows` on a decode step's logprobs: 64 rows, k = 5, vocabularies of 512 (the tiny
-//! presets) and 32768. Each iteration takes the next of 16 different matrices: on one matrix
+//! `top_k_rows` on a decode step's logprobs, and `log_softmax_rows` and `logprob_top_k_rows`
+//! on its logits: 64 rows, k = 5, vocabularies of 512 (the tiny presets) and 32768. Each iteration takes the next of 16 different matrices: on one matrix
 //! over and over the branch predictor learns the row and the figure is several times too
 //! good.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use hybrid_cache_sampling::{top_k_rows, TopK};
+use hybrid_cache_sampling::{log_softmax_rows, logprob_top_k_rows, top_k_rows, TopK};
 
 fn rows(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
     let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
@@ -41,6 +41,30 @@ fn bench(c: &mut Criterion) {
                     },
                 )
                 .unwrap()
+            })
+        });
+        c.bench_function(&format!("logprob_top_5_of_64_rows_x_{cols}"), |b| {
+            b.iter(|| {
+                next = (next + 1) % matrices.len();
+                logprob_top_k_rows(
+                    black_box(&matrices[next]),
+                    cols,
+                    5,
+                    &chosen,
+                    TopK {
+                        ids: &mut ids,
+                        values: &mut out,
+                        ranks: &mut ranks,
+                    },
+                )
+                .unwrap()
+            })
+        });
+        let mut logprobs = vec![0f32; 64 * cols];
+        c.bench_function(&format!("log_softmax_of_64_rows_x_{cols}"), |b| {
+            b.iter(|| {
+                next = (next + 1) % matrices.len();
+                log_softmax_rows(black_box(&matrices[next]), cols, &mut logprobs).unwrap()
             })
         });
     }

@@ -1,18 +1,19 @@
 //! The logprobs a step reports, straight from its logits: per row the chosen token's logprob
 //! and rank and the top k, where the log-softmax is a shift of the row (`Shift`), so the top
-//! k and the ranks are those of the logits, and only the k + 1 values written are shifted.
-//! The row's maximum comes from the top k's scan; one more pass sums the exponentials.
+//! k is that of the logits, and only the k + 1 values written are shifted. The row's maximum
+//! comes from the top k's scan; one pass sums the exponentials, one counts the rank.
 
 use crate::error::SamplingError;
 use crate::log_softmax::Shift;
 use crate::top_k::{shifted_top_k_rows, TopK};
 
 /// `top_k_rows` of the log-softmax of `logits` (`[rows, cols]`, row-major) without writing
-/// it: the values are `log_softmax_rows`' to the bit, the ids and ranks those of the logits
-/// (the log-softmax keeps their order; where rounding makes two logprobs equal, the logit
-/// decides). Rows the log-softmax makes NaN (a NaN or `+inf`, or only `-inf`) get NaN values,
-/// rank 0 (a NaN counts nowhere) and are reported unsettled, as are rows whose top k is not
-/// settled: recompute those from `log_softmax_rows`.
+/// it: the values are `log_softmax_rows`' to the bit and the ranks count its values (as
+/// `top_k_rows` of it would); the ids are ordered by the logits (the log-softmax keeps their
+/// order; where rounding makes two logprobs equal, the logit decides). Rows the log-softmax
+/// makes NaN (a NaN or `+inf`, or only `-inf`) get NaN values, rank 0 (a NaN counts nowhere)
+/// and are reported unsettled, as are rows whose top k is not settled in the logits: recompute
+/// those from `log_softmax_rows`.
 pub fn logprob_top_k_rows(
     logits: &[f32],
     cols: usize,
@@ -21,7 +22,24 @@ pub fn logprob_top_k_rows(
     out: TopK<'_>,
 ) -> Result<Vec<usize>, SamplingError> {
     let mut scratch = vec![0f32; cols];
-    shifted_top_k_rows(logits, cols, k, chosen, out, |line, scan| {
-        Shift::of_row(line, scan.largest, scan.nan, &mut scratch)
+    shifted_top_k_rows(logits, cols, k, chosen, out, |line, scan, chosen| {
+        let shift = Shift::of_row(line, scan.largest, scan.nan, &mut scratch)?;
+        Some((shift, at_least(line, shift, shift.apply(chosen))))
     })
+}
+
+/// How many of `line`'s logprobs (`shift` of its values) are at least `logprob`: the values'
+/// own count can be lower, where rounding makes logprobs of different values equal.
+fn at_least(line: &[f32], shift: Shift, logprob: f32) -> usize {
+    const LANES: usize = 8;
+    let mut counts = [0u32; LANES];
+    let mut parts = line.chunks_exact(LANES);
+    for part in &mut parts {
+        for lane in 0..LANES {
+            counts[lane] += u32::from(shift.apply(part[lane]) >= logprob);
+        }
+    }
+    let tail = parts.remainder().iter();
+    let tail = tail.filter(|&&value| shift.apply(value) >= logprob).count();
+    counts.iter().map(|&count| count as usize).sum::<usize>() + tail
 }

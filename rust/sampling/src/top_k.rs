@@ -48,20 +48,22 @@ pub fn top_k_rows(
     chosen: &[i64],
     out: TopK<'_>,
 ) -> Result<Vec<usize>, SamplingError> {
-    shifted_top_k_rows(values, cols, k, chosen, out, |_, _| Some(Shift::NONE))
+    shifted_top_k_rows(values, cols, k, chosen, out, |_, scan, _| {
+        Some((Shift::NONE, scan.at_least))
+    })
 }
 
-/// `top_k_rows` of each row shifted by `shift(row, scan)` (called after the row's scan): the
-/// values written are `shift.apply(value)`, the order and ranks those of the values as given
-/// (a shift keeps them). A row whose shift is None is written as NaN, rank 0, and reported
-/// unsettled.
+/// `top_k_rows` of each row shifted by `shift(row, scan, chosen value)` (called after the
+/// row's scan), which also gives the chosen token's rank: the values written are
+/// `shift.apply(value)`, the order that of the values as given (a shift keeps it). A row
+/// whose shift is None is written as NaN, rank 0, and reported unsettled.
 pub(crate) fn shifted_top_k_rows(
     values: &[f32],
     cols: usize,
     k: usize,
     chosen: &[i64],
     out: TopK<'_>,
-    mut shift: impl FnMut(&[f32], &Scan) -> Option<Shift>,
+    mut shift: impl FnMut(&[f32], &Scan, f32) -> Option<(Shift, usize)>,
 ) -> Result<Vec<usize>, SamplingError> {
     ensure(cols > 0 && values.len().is_multiple_of(cols), || {
         format!("{} values do not make rows of {cols} columns", values.len())
@@ -111,14 +113,14 @@ pub(crate) fn shifted_top_k_rows(
         for (slot, &id) in best.ids[..k].iter().enumerate() {
             ids[slot + 1] = id as i64;
         }
-        let Some(shift) = shift(line, &scan) else {
+        let Some((shift, at_least)) = shift(line, &scan, line[column]) else {
             out_values.fill(f32::NAN);
             *rank = 0;
             unsettled.push(row);
             continue;
         };
         out_values[0] = shift.apply(line[column]);
-        *rank = scan.at_least as i64;
+        *rank = at_least as i64;
         if !scan.settled {
             unsettled.push(row);
         }

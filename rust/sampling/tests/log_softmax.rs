@@ -1,8 +1,11 @@
 //! `log_softmax_rows` against the same formula in float64: within a few float32 ulp of the
 //! row's `ln(sum)` on random rows (ties, `-inf`, huge and tiny values, every length), the
-//! order of a row's values kept, and torch's all-NaN rows (a NaN, `+inf`, only `-inf`).
+//! order of a row's values kept, and torch's all-NaN rows (a NaN, `+inf`, only `-inf`); and
+//! `logprob_top_k_rows` against `log_softmax_rows` followed by `top_k_rows`.
 
-use hybrid_cache_sampling::{log_softmax_rows, SamplingError};
+use hybrid_cache_sampling::{
+    log_softmax_rows, logprob_top_k_rows, top_k_rows, SamplingError, TopK,
+};
 use proptest::prelude::*;
 
 /// The reference in float64: `(x - max) - ln(sum(exp(x - max)))`, `-inf` where `x - max`
@@ -145,4 +148,103 @@ fn mismatched_shapes_say_what_to_change() {
         "{error}"
     );
     assert!(log_softmax_rows(&[0.0; 4], 0, &mut out[..4]).is_err());
+}
+
+/// `logprob_top_k_rows` and `log_softmax_rows` then `top_k_rows`: the same value bits in every
+/// column and the same ranks; the ids of the logits, which are the log-softmax's wherever its
+/// top k + 1 stay distinct; all-NaN rows as NaN, rank 0, unsettled.
+fn check_logprob_top_k(logits: &[f32], cols: usize, k: usize, chosen: &[i64]) {
+    let rows = logits.len() / cols;
+    let run = |f: &dyn Fn(&[f32], TopK<'_>) -> Vec<usize>| {
+        let (mut ids, mut values, mut ranks) = (
+            vec![-7; rows * (k + 1)],
+            vec![0.5; rows * (k + 1)],
+            vec![-7; rows],
+        );
+        let unsettled = f(
+            logits,
+            TopK {
+                ids: &mut ids,
+                values: &mut values,
+                ranks: &mut ranks,
+            },
+        );
+        (ids, values, ranks, unsettled)
+    };
+    let (ids, values, ranks, unsettled) =
+        run(&|l, out| logprob_top_k_rows(l, cols, k, chosen, out).unwrap());
+    let mut logprobs = vec![0.0; logits.len()];
+    log_softmax_rows(logits, cols, &mut logprobs).unwrap();
+    let on_logits = run(&|l, out| top_k_rows(l, cols, k, chosen, out).unwrap());
+    let on_logprobs = run(&|_, out| top_k_rows(&logprobs, cols, k, chosen, out).unwrap());
+    let width = k + 1;
+    for row in 0..rows {
+        let line = &logprobs[row * cols..(row + 1) * cols];
+        let span = row * width..(row + 1) * width;
+        if line.iter().all(|v| v.is_nan()) {
+            assert!(values[span].iter().all(|v| v.is_nan()) && ranks[row] == 0);
+            assert!(unsettled.contains(&row));
+            continue;
+        }
+        // The ids and settledness are the logits' own; the rank counts the logprobs.
+        assert_eq!(ids[span.clone()], on_logits.0[span.clone()], "row {row}");
+        assert_eq!(unsettled.contains(&row), on_logits.3.contains(&row));
+        assert_eq!(ranks[row], on_logprobs.2[row], "row {row}");
+        // Each value is the log-softmax at its id, to the bit.
+        for (&id, &value) in ids[span.clone()].iter().zip(&values[span.clone()]) {
+            assert_eq!(
+                value.to_bits(),
+                line[id as usize].to_bits(),
+                "row {row} id {id}"
+            );
+        }
+        if !on_logprobs.3.contains(&row) && !unsettled.contains(&row) {
+            assert_eq!(ids[span.clone()], on_logprobs.0[span], "row {row}");
+        }
+    }
+}
+
+proptest! {
+    #[test]
+    fn the_top_k_of_the_logprobs_from_the_logits(
+        cols in 2usize..90,
+        rows in 1usize..5,
+        seed in proptest::collection::vec(value(), 1..400),
+        k_seed in 0usize..1000,
+        chosen_seed in 0usize..1000,
+    ) {
+        let values: Vec<f32> = (0..rows * cols).map(|i| seed[i % seed.len()]).collect();
+        let k = k_seed % cols;
+        let chosen: Vec<i64> = (0..rows).map(|r| ((chosen_seed * (r + 3)) % cols) as i64).collect();
+        check_logprob_top_k(&values, cols, k, &chosen);
+    }
+}
+
+#[test]
+fn the_top_k_of_the_logprobs_of_nan_and_infinite_rows() {
+    let inf = f32::INFINITY;
+    let logits = [
+        [0.0, 1.0, f32::NAN, 2.0],
+        [inf, 1.0, 0.0, -1.0],
+        [f32::NEG_INFINITY; 4],
+        [3.0, -inf, 1.0, 2.0],
+    ]
+    .concat();
+    check_logprob_top_k(&logits, 4, 2, &[0, 1, 2, 1]);
+    let error = logprob_top_k_rows(
+        &logits,
+        4,
+        2,
+        &[0, 1, 2, 4],
+        TopK {
+            ids: &mut [0; 12],
+            values: &mut [0.0; 12],
+            ranks: &mut [0; 4],
+        },
+    )
+    .unwrap_err();
+    assert!(
+        error.0.contains("chosen id 4 of row 3 is outside 0..4"),
+        "{error}"
+    );
 }
