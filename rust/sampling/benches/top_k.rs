@@ -4,7 +4,12 @@
 //! good.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use hybrid_cache_sampling::{log_softmax_rows, logprob_top_k_rows, top_k_rows, TopK};
+use hybrid_cache_sampling::{
+    log_softmax_rows, logprob_top_k_rows, top_k_rows, SamplingError, TopK,
+};
+
+/// `top_k_rows` and `logprob_top_k_rows`.
+type TopKRows = fn(&[f32], usize, usize, &[i64], TopK<'_>) -> Result<Vec<usize>, SamplingError>;
 
 fn rows(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
     let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
@@ -24,42 +29,23 @@ fn bench(c: &mut Criterion) {
         let mut next = 0;
         let chosen = vec![1i64; 64];
         let mut ids = vec![0i64; 64 * 6];
-        let mut out = vec![0f32; 64 * 6];
+        let mut values = vec![0f32; 64 * 6];
         let mut ranks = vec![0i64; 64];
-        c.bench_function(&format!("top_5_of_64_rows_x_{cols}"), |b| {
-            b.iter(|| {
-                next = (next + 1) % matrices.len();
-                top_k_rows(
-                    black_box(&matrices[next]),
-                    cols,
-                    5,
-                    &chosen,
-                    TopK {
+        let cases: [(&str, TopKRows); 2] =
+            [("top_5", top_k_rows), ("logprob_top_5", logprob_top_k_rows)];
+        for (name, top_k) in cases {
+            c.bench_function(&format!("{name}_of_64_rows_x_{cols}"), |b| {
+                b.iter(|| {
+                    next = (next + 1) % matrices.len();
+                    let out = TopK {
                         ids: &mut ids,
-                        values: &mut out,
+                        values: &mut values,
                         ranks: &mut ranks,
-                    },
-                )
-                .unwrap()
-            })
-        });
-        c.bench_function(&format!("logprob_top_5_of_64_rows_x_{cols}"), |b| {
-            b.iter(|| {
-                next = (next + 1) % matrices.len();
-                logprob_top_k_rows(
-                    black_box(&matrices[next]),
-                    cols,
-                    5,
-                    &chosen,
-                    TopK {
-                        ids: &mut ids,
-                        values: &mut out,
-                        ranks: &mut ranks,
-                    },
-                )
-                .unwrap()
-            })
-        });
+                    };
+                    top_k(black_box(&matrices[next]), cols, 5, &chosen, out).unwrap()
+                })
+            });
+        }
         let mut logprobs = vec![0f32; 64 * cols];
         c.bench_function(&format!("log_softmax_of_64_rows_x_{cols}"), |b| {
             b.iter(|| {
