@@ -1,16 +1,17 @@
 //! The log-softmax of each row, `(x - max) - ln(sum(exp(x - max)))`, the formula torch's CPU
 //! kernel uses, in passes over the row that vectorise (the maximum, the exponentials, their
-//! sum, the output; `logprobs` takes the maximum from its top k and writes only k + 1 values). The exponential is a polynomial over a reduced range (no libm
-//! call per value), within about one ulp; the sum is kept in `LANES` independent float32
-//! sums, added up in float64, so a value differs from torch's by at most a few ulp of the
-//! row's `ln(sum)`, never in order.
+//! sum, the output; `logprobs` takes the maximum from its top k and writes only k + 1
+//! values). The exponential is a polynomial over a reduced range (no libm call per value),
+//! within about one ulp; the sum is kept in independent float32 lanes (8 in the portable
+//! build, 16 with AVX2 + FMA), added up in float64, so a value differs from torch's by at most
+//! a few ulp of the row's `ln(sum)`, never in order.
 //!
 //! Rows torch makes all NaN are all NaN here too: a row holding a NaN or `+inf`, and a row of
 //! only `-inf` (its maximum minus itself is NaN).
 
 use crate::error::{ensure, SamplingError};
 
-/// Independent maxima and sums kept per row (one AVX2 register of float32).
+/// Independent maxima and sums the portable loops keep per row (one AVX2 register of float32).
 const LANES: usize = 8;
 
 /// Below this, `exp` is under float32's normal range; the row's maximum adds 1 to the sum, so
