@@ -1,11 +1,13 @@
-"""The model runner's decode-only metadata matches the general builder field for field."""
+"""The model runner's decode-only metadata (reused buffers, one native call) matches the general
+builder field for field."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from hybrid_cache.attention.metadata import build_attention_metadata, build_decode_metadata
+from hybrid_cache.attention.decode_inputs import DecodeInputBuffers, build_decode_metadata
+from hybrid_cache.attention.metadata import build_attention_metadata
 
 
 @pytest.mark.parametrize("block_sizes", [[16], [16, 16, 16], [16, 32], [8, 16, 8]])
@@ -59,31 +61,59 @@ def test_decode_metadata_rejects_a_null_slot() -> None:
         build_decode_metadata([9], [1], table, [4])
 
 
-def test_the_native_decode_tables_refuse_bad_input_and_write_nothing() -> None:
-    from hybrid_cache._core import decode_tables_cpu
+def test_reused_buffers_give_each_step_its_own_metadata_and_grow() -> None:
+    """One set of buffers over steps of different sizes (growing past its first capacity)
+    gives what fresh buffers give; per-step tensors are new objects each step."""
+    rng = np.random.default_rng(1)
+    block_sizes = [16, 32]
+    table = rng.integers(1, 1000, size=(2, 40, 64), dtype=np.int32)
+    buffers = DecodeInputBuffers(block_sizes)
+    seen: list[torch.Tensor] = []
+    for num_seqs in [3, 1, 17, 40, 0, 5]:
+        rows = [int(r) for r in rng.permutation(40)[:num_seqs]]
+        num_computed = [int(n) for n in rng.integers(0, 16 * 64, size=num_seqs)]
+        metadata, positions = buffers.build(num_computed, rows, table)
+        fresh, fresh_positions = build_decode_metadata(num_computed, rows, table, block_sizes)
+        assert torch.equal(positions, fresh_positions) and positions.tolist() == num_computed
+        assert torch.equal(metadata.seq_lens, fresh.seq_lens)
+        assert torch.equal(metadata.query_start_loc, fresh.query_start_loc)
+        assert metadata.max_seq_len == fresh.max_seq_len
+        for got, want in zip(metadata.groups, fresh.groups, strict=True):
+            assert torch.equal(got.block_table, want.block_table)
+            assert got.block_table.is_contiguous() and got.slot_mapping.is_contiguous()
+            assert torch.equal(got.slot_mapping, want.slot_mapping)
+        assert all(positions is not earlier for earlier in seen)
+        seen.append(positions)
+
+
+def test_the_native_decode_inputs_refuse_bad_input() -> None:
+    from hybrid_cache._core import decode_inputs_cpu
     from hybrid_cache.errors import InvalidArgumentError
 
     table = np.arange(1, 2 * 3 * 4 + 1, dtype=np.int32).reshape(2, 3, 4)
-    tables, slots = np.full((2, 2, 3), -1, np.int32), np.full((2, 2), -1, np.int64)
-    rows, positions = np.array([2, 0]), np.array([9, 0])
-    decode_tables_cpu(table, rows, positions, 4, tables, slots)
-    assert tables.tolist() == table[:, [2, 0], :3].tolist()
-    assert slots.tolist() == (table[:, [2, 0], [2, 0]] * 4 + [1, 0]).tolist()
-    for bad_rows, bad_positions, match in [
+    positions, seq_lens = np.full(4, -1, np.int64), np.full(4, -1, np.int32)
+    tables, slots = np.full(64, -1, np.int32), np.full(4, -1, np.int64)
+    outputs = (positions, seq_lens, tables, slots)
+    assert decode_inputs_cpu(table, [2, 0], [9, 0], [4, 4], *outputs) == 10
+    assert positions[:2].tolist() == [9, 0] and seq_lens[:2].tolist() == [10, 1]
+    assert tables[:12].reshape(2, 2, 3).tolist() == table[:, [2, 0], :3].tolist()
+    assert slots.reshape(2, 2).tolist() == (table[:, [2, 0], [2, 0]] * 4 + [1, 0]).tolist()
+    assert (tables[12:] == -1).all()
+    for bad_rows, bad_computed, match in [
         ([3, 0], [9, 0], "row 3 of sequence 0 is outside the table's 3 rows"),
         ([2, 0], [9, 16], "position 16 of sequence 1 is outside a row of 4 blocks"),
-        ([2, 0], [9, -1], "position -1 of sequence 1"),
+        ([2, 0], [9, -1], "sequence 1 has -1 computed tokens"),
+        ([2, 0], [9], "1 computed counts for 2 rows"),
     ]:
-        fresh_tables, fresh_slots = np.full_like(tables, -1), np.full_like(slots, -1)
         with pytest.raises(InvalidArgumentError, match=match):
-            decode_tables_cpu(
-                table, np.array(bad_rows), np.array(bad_positions), 4, fresh_tables, fresh_slots
-            )
-        assert (fresh_tables == -1).all() and (fresh_slots == -1).all()
-    backing = np.array([2, 0, 0, 0])  # slots viewing the rows' memory: refused
-    with pytest.raises(InvalidArgumentError, match="slots_out overlaps"):
-        decode_tables_cpu(table, backing[:2], positions, 4, tables, backing.reshape(2, 2))
+            decode_inputs_cpu(table, bad_rows, bad_computed, [4, 4], *outputs)
+    with pytest.raises(InvalidArgumentError, match="block_table has 2 groups, block_sizes names 1"):
+        decode_inputs_cpu(table, [2, 0], [9, 0], [4], *outputs)
+    with pytest.raises(InvalidArgumentError, match="tables and slots must hold 12 and 4 items"):
+        decode_inputs_cpu(table, [2, 0], [9, 0], [4, 4], positions, seq_lens, tables[:11], slots)
+    with pytest.raises(InvalidArgumentError, match="positions_out overlaps"):
+        decode_inputs_cpu(table, [2, 0], [9, 0], [4, 4], positions, seq_lens, tables, positions)
     with pytest.raises(InvalidArgumentError, match="tables_out must be a writable"):
-        decode_tables_cpu(table, rows, positions, 4, np.empty((2, 3, 3), np.int32), slots)
-    with pytest.raises(InvalidArgumentError, match="must hold groups x seqs x columns"):
-        decode_tables_cpu(table, rows, positions, 4, np.empty((2, 2, 5), np.int32), slots)
+        decode_inputs_cpu(table, [2, 0], [9, 0], [4, 4], positions, seq_lens, tables[::2], slots)
+    with pytest.raises(InvalidArgumentError, match="block_table must be C-contiguous"):
+        decode_inputs_cpu(table[:, ::-1], [2, 0], [9, 0], [4, 4], *outputs)

@@ -10,7 +10,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from hybrid_cache.attention.metadata import build_attention_metadata, build_decode_metadata
+from hybrid_cache.attention.decode_inputs import build_decode_metadata
+from hybrid_cache.attention.metadata import build_attention_metadata
 from hybrid_cache.cli import main
 from hybrid_cache.config import check_tensor_parallel, load_model_spec, per_rank_kv_heads
 from hybrid_cache.engine import LLM

@@ -256,20 +256,25 @@ def write_cache_cpu(
     `InvalidBlockError` for a slot outside the cache, `InvalidArgumentError` for shapes, strides
     and overlaps; nothing is written then."""
 
-def decode_tables_cpu(
+def decode_inputs_cpu(
     block_table: npt.NDArray[np.int32],
-    rows: npt.NDArray[np.int64],
-    positions: npt.NDArray[np.int64],
-    block_size: int,
+    rows: Sequence[int],
+    num_computed: Sequence[int],
+    block_sizes: Sequence[int],
+    positions_out: npt.NDArray[np.int64],
+    seq_lens_out: npt.NDArray[np.int32],
     tables_out: npt.NDArray[np.int32],
     slots_out: npt.NDArray[np.int64],
-) -> None:
-    """A decode step's tables: for `block_table` [groups, rows, width] (C-contiguous) and the
-    sequences at table rows `rows` with their new token at `positions`, writes `tables_out`
-    [groups, seqs, columns] (each row's first `columns` blocks) and `slots_out` [groups, seqs]
-    (the new token's slot, `block * block_size + position % block_size`).
+) -> int:
+    """A decode step's inputs: for `block_table` [groups, rows, width] (C-contiguous) and the
+    sequences at table rows `rows` whose new token sits at `num_computed`, one group per entry
+    of `block_sizes`, writes the prefixes of the 1-d buffers `positions_out` (`num_computed`),
+    `seq_lens_out` (one more), `tables_out` (group g's `[seqs, ceil(max_seq_len /
+    block_sizes[g])]` after group g - 1's) and `slots_out` (`[groups, seqs]`, the new token's
+    slot, `block * block_size + position % block_size`); returns `max_seq_len`.
     `InvalidBlockError` when a new token maps to the null block, `InvalidArgumentError` for a
-    row or block outside the table, shapes and overlaps; nothing is written then."""
+    row or block outside the table, buffers too short or overlapping; outputs are then
+    unspecified."""
 
 def rotary_neox_cpu(
     x: npt.NDArray[np.float32],

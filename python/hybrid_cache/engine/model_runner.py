@@ -38,7 +38,7 @@ from hybrid_cache.attention import (
     build_attention_metadata,
     set_forward_context,
 )
-from hybrid_cache.attention.metadata import build_decode_metadata
+from hybrid_cache.attention.decode_inputs import DecodeInputBuffers
 from hybrid_cache.attention.selector import (
     describe_attention_backends,
     select_attention_backends,
@@ -187,6 +187,8 @@ class ModelRunner:
         # The core's grouped block table as numpy (shared memory): gathers rows faster.
         self.block_table_array: np.ndarray = kv_cache.block_table.numpy()
         self.one_block_size: bool = len(set(self.block_sizes)) == 1
+        # Host buffers every decode step's metadata is written into (valid for one step).
+        self.decode_buffers: DecodeInputBuffers = DecodeInputBuffers(self.block_sizes)
         # Groups a tail replay reads below its frontier without writing (full attention), and
         # whether the core may replay at all (else no step looks at the frontiers).
         self.full_groups: tuple[int, ...] = tuple(
@@ -342,8 +344,8 @@ class ModelRunner:
         if sum(query_lens) == len(query_lens) and not replaying:
             # One token each (decode): no slices, no sums.
             token_ids = list(map(operator.getitem, map(_ALL_TOKEN_IDS, requests), num_computed))
-            metadata, positions = build_decode_metadata(
-                num_computed, rows, self.block_table_array, self.block_sizes
+            metadata, positions = self.decode_buffers.build(
+                num_computed, rows, self.block_table_array
             )
         else:
             token_ids = _input_token_ids(requests, num_computed, query_lens)

@@ -55,4 +55,4 @@ pub use layout::{HeadShape, Paged, PagedCache, PagedCacheMut};
 pub use paged::paged_attention;
 pub use paged::query::{AttentionParams, QueryRows};
 pub use simd::dispatch::{force_portable, use_avx2_fma};
-pub use step_tables::{decode_tables, DecodeTables};
+pub use step_tables::{decode_inputs, decode_tables, DecodeInputs, DecodeTables};

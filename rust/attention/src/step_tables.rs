@@ -109,6 +109,116 @@ pub fn decode_tables(
     Ok(())
 }
 
+/// Where `decode_inputs` writes; each slice at least as long as the step needs (only its
+/// prefix is written, so one set of buffers serves every step): `positions` and `seq_lens`
+/// `[seqs]`, `tables` each group's `[seqs, columns of its block size]` one after another,
+/// `slots` `[groups, seqs]`.
+pub struct DecodeInputs<'a> {
+    pub positions: &'a mut [i64],
+    pub seq_lens: &'a mut [i32],
+    pub tables: &'a mut [i32],
+    pub slots: &'a mut [i64],
+}
+
+/// A decode step's inputs in one call: for the sequences at table `rows` whose new token sits
+/// at `num_computed` (their computed tokens), the positions (`num_computed`), the sequence
+/// lengths (one more, int32), and per group `g` of `block_sizes[g]`-token blocks its table
+/// `[seqs, ceil(max_seq_len / block_sizes[g])]` and the new tokens' slots, as
+/// `decode_tables` writes them (groups of one block size in one call). Returns
+/// `max_seq_len`, the longest sequence. Errors as `decode_tables` does, and when a buffer is
+/// too short or a length is outside int32; outputs are then unspecified.
+pub fn decode_inputs(
+    block_table: &[i32],
+    width: usize,
+    rows: &[i64],
+    num_computed: &[i64],
+    block_sizes: &[usize],
+    out: DecodeInputs<'_>,
+) -> Result<usize, AttentionError> {
+    let (groups, seqs) = (block_sizes.len(), rows.len());
+    ensure(num_computed.len() == seqs, || {
+        format!("{} computed counts for {seqs} rows", num_computed.len())
+    })?;
+    ensure(
+        out.positions.len() >= seqs && out.seq_lens.len() >= seqs,
+        || {
+            format!(
+                "positions and seq_lens must hold {seqs} items, got {} and {}",
+                out.positions.len(),
+                out.seq_lens.len()
+            )
+        },
+    )?;
+    let mut max_seq_len = 0usize;
+    for (seq, &computed) in num_computed.iter().enumerate() {
+        let seq_len = i32::try_from(computed)
+            .ok()
+            .filter(|c| (0..i32::MAX).contains(c));
+        let Some(seq_len) = seq_len else {
+            return Err(AttentionError::InvalidArgument(format!(
+                "sequence {seq} has {computed} computed tokens, outside 0..{}",
+                i32::MAX
+            )));
+        };
+        out.positions[seq] = computed;
+        out.seq_lens[seq] = seq_len + 1;
+        max_seq_len = max_seq_len.max(seq_len as usize + 1);
+    }
+    ensure(groups > 0, || {
+        "block_sizes must name at least one group".into()
+    })?;
+    let positions = &out.positions[..seqs];
+    // At most the table's width: a longer sequence is the position error `decode_tables` gives.
+    let columns = |size: usize| max_seq_len.div_ceil(size.max(1)).min(width);
+    let table_items: usize = block_sizes.iter().map(|&size| seqs * columns(size)).sum();
+    ensure(
+        out.tables.len() >= table_items && out.slots.len() >= groups * seqs,
+        || {
+            format!(
+                "tables and slots must hold {table_items} and {} items, got {} and {}",
+                groups * seqs,
+                out.tables.len(),
+                out.slots.len()
+            )
+        },
+    )?;
+    if block_sizes.iter().all(|&size| size == block_sizes[0]) {
+        let out = DecodeTables {
+            tables: &mut out.tables[..table_items],
+            slots: &mut out.slots[..groups * seqs],
+        };
+        decode_tables(
+            block_table,
+            groups,
+            width,
+            rows,
+            positions,
+            block_sizes[0],
+            out,
+        )?;
+        return Ok(max_seq_len);
+    }
+    ensure(block_table.len().is_multiple_of(groups), || {
+        format!(
+            "{} table entries do not make {groups} groups",
+            block_table.len()
+        )
+    })?;
+    let group_len = block_table.len() / groups;
+    let mut offset = 0;
+    for (group, &size) in block_sizes.iter().enumerate() {
+        let items = seqs * columns(size);
+        let out = DecodeTables {
+            tables: &mut out.tables[offset..offset + items],
+            slots: &mut out.slots[group * seqs..(group + 1) * seqs],
+        };
+        let table = &block_table[group * group_len..(group + 1) * group_len];
+        decode_tables(table, 1, width, rows, positions, size, out)?;
+        offset += items;
+    }
+    Ok(max_seq_len)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,5 +279,68 @@ mod tests {
         assert!(call(&[0], &[9]).contains("group 1, block 2) maps to the null block"));
         assert!(call(&[0, 1], &[0]).contains("1 positions for 2 rows"));
         assert_eq!((tables, slots), (vec![-1; 6], vec![-1; 2]));
+    }
+
+    #[test]
+    fn inputs_of_one_block_size_match_decode_tables() {
+        let block_table = table();
+        let (mut positions, mut seq_lens) = (vec![-1; 4], vec![-1; 4]);
+        let (mut tables, mut slots) = (vec![-1; 20], vec![-1; 6]);
+        let out = DecodeInputs {
+            positions: &mut positions,
+            seq_lens: &mut seq_lens,
+            tables: &mut tables,
+            slots: &mut slots,
+        };
+        let longest = decode_inputs(&block_table, 4, &[2, 0], &[9, 0], &[4, 4], out).unwrap();
+        assert_eq!(longest, 10);
+        assert_eq!(
+            (&positions[..2], &seq_lens[..2]),
+            (&[9, 0][..], &[10, 1][..])
+        );
+        assert_eq!(
+            &tables[..12],
+            [21, 22, 23, 1, 2, 3, 121, 122, 123, 101, 102, 103]
+        );
+        assert_eq!(&slots[..4], [23 * 4 + 1, 4, 123 * 4 + 1, 101 * 4]);
+        assert_eq!((&tables[12..], &slots[4..]), (&[-1; 8][..], &[-1; 2][..]));
+    }
+
+    #[test]
+    fn inputs_of_two_block_sizes_lay_each_group_table_after_the_last() {
+        let block_table = table();
+        let (mut positions, mut seq_lens) = (vec![0; 2], vec![0; 2]);
+        let (mut tables, mut slots) = (vec![-1; 12], vec![-1; 4]);
+        let out = DecodeInputs {
+            positions: &mut positions,
+            seq_lens: &mut seq_lens,
+            tables: &mut tables,
+            slots: &mut slots,
+        };
+        // Group 0 in blocks of 4 (3 columns for 10 tokens), group 1 in blocks of 8 (2).
+        decode_inputs(&block_table, 4, &[2, 0], &[9, 0], &[4, 8], out).unwrap();
+        assert_eq!(&tables[..10], [21, 22, 23, 1, 2, 3, 121, 122, 101, 102]);
+        assert_eq!(slots, [23 * 4 + 1, 4, 122 * 8 + 1, 101 * 8]);
+    }
+
+    #[test]
+    fn inputs_say_which_buffer_or_count_is_wrong() {
+        let block_table = table();
+        let call = |computed: &[i64], items: usize| {
+            let (mut positions, mut seq_lens) = (vec![0; 2], vec![0; 2]);
+            let (mut tables, mut slots) = (vec![0; items], vec![0; 4]);
+            let out = DecodeInputs {
+                positions: &mut positions,
+                seq_lens: &mut seq_lens,
+                tables: &mut tables,
+                slots: &mut slots,
+            };
+            decode_inputs(&block_table, 4, &[2, 0], computed, &[4, 4], out)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(call(&[9, 0], 11).contains("tables and slots must hold 12 and 4 items"));
+        assert!(call(&[9], 12).contains("1 computed counts for 2 rows"));
+        assert!(call(&[9, -1], 12).contains("sequence 1 has -1 computed tokens"));
     }
 }

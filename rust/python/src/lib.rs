@@ -26,7 +26,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(coordinator::worst_case_live_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(attention::paged_attention_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(cache_write::write_cache_cpu, m)?)?;
-    m.add_function(wrap_pyfunction!(step_tables::decode_tables_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(step_tables::decode_inputs_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise::rms_norm_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise::gelu_tanh_mul_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(elementwise::silu_mul_cpu, m)?)?;

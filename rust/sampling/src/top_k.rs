@@ -184,12 +184,7 @@ impl Best {
         }
         // Pass 2: the floor, then the chunks that reach it.
         let floor = if self.maxima.len() > width {
-            self.order.clear();
-            self.order.extend_from_slice(&self.maxima);
-            let (_, nth, _) = self
-                .order
-                .select_nth_unstable_by(width - 1, |a, b| b.total_cmp(a));
-            *nth
+            nth_largest(&self.maxima, width, &mut self.order)
         } else {
             f32::NEG_INFINITY
         };
@@ -254,6 +249,33 @@ impl Best {
         self.ids[slot] = column;
         self.len = (self.len + 1).min(width);
     }
+}
+
+/// Widths up to this select their floor among the chunk maxima by a pass of compare-exchanges
+/// (no data-dependent branch), larger ones by `select_nth_unstable_by`.
+const MAX_EXCHANGE_WIDTH: usize = 8;
+
+/// The `width`-th largest of `maxima` (none NaN; more than `width` of them), `order` a
+/// scratch buffer for large widths.
+fn nth_largest(maxima: &[f32], width: usize, order: &mut Vec<f32>) -> f32 {
+    if width > MAX_EXCHANGE_WIDTH {
+        order.clear();
+        order.extend_from_slice(maxima);
+        let (_, nth, _) = order.select_nth_unstable_by(width - 1, |a, b| b.total_cmp(a));
+        return *nth;
+    }
+    // `top` stays sorted, largest first: each value moves down through it, every slot keeping
+    // the larger of itself and the value passing by.
+    let mut top = [f32::NEG_INFINITY; MAX_EXCHANGE_WIDTH];
+    for &value in maxima {
+        let mut passing = value;
+        for slot in top.iter_mut().take(width) {
+            let kept = larger(*slot, passing);
+            passing = if passing > *slot { *slot } else { passing };
+            *slot = kept;
+        }
+    }
+    top[width - 1]
 }
 
 /// What pass 1 learns of a row besides its chunk maxima.
@@ -330,4 +352,27 @@ fn first_pass_body(line: &[f32], chunk: usize, chosen: f32, maxima: &mut Vec<f32
         maxima.push(tail.iter().fold(f32::NEG_INFINITY, |a, &b| larger(a, b)));
     }
     FirstPass { nan, at_least }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_floor_is_the_width_th_largest_by_either_selection() {
+        let maxima: Vec<f32> = (0..40)
+            .map(|i| ((i * 37) % 23) as f32 - 11.0)
+            .chain([f32::NEG_INFINITY, 12.0, 12.0, -0.0, 0.0])
+            .collect();
+        let mut sorted = maxima.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let mut order = Vec::new();
+        for width in 1..=20 {
+            let want = sorted[width - 1];
+            let got = nth_largest(&maxima, width, &mut order);
+            assert!(got == want, "width {width}: {got} against {want}");
+        }
+        let lows = [f32::NEG_INFINITY, f32::NEG_INFINITY, -1.0];
+        assert_eq!(nth_largest(&lows, 2, &mut order), f32::NEG_INFINITY);
+    }
 }

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from hybrid_cache.attention import AttentionMetadata, build_attention_metadata
-from hybrid_cache.attention.metadata import build_decode_metadata
+from hybrid_cache.attention.decode_inputs import build_decode_metadata
 
 # Header: operation, n, T, G, C, K, decode flag, payload length, P, S (-1: every row),
 # write_from flag.
