@@ -281,66 +281,59 @@ mod tests {
         assert_eq!((tables, slots), (vec![-1; 6], vec![-1; 2]));
     }
 
-    #[test]
-    fn inputs_of_one_block_size_match_decode_tables() {
+    /// What `inputs` returns: the call's result, the positions and slots, the lengths, the
+    /// table entries.
+    type Inputs = (
+        Result<usize, AttentionError>,
+        [Vec<i64>; 2],
+        Vec<i32>,
+        Vec<i32>,
+    );
+
+    /// `decode_inputs` over `table()` for sequences at rows 2 and 0, into buffers of 4
+    /// positions and lengths, `table_items` table entries and 4 slots, all -1 first.
+    fn inputs(computed: &[i64], block_sizes: &[usize], table_items: usize) -> Inputs {
         let block_table = table();
         let (mut positions, mut seq_lens) = (vec![-1; 4], vec![-1; 4]);
-        let (mut tables, mut slots) = (vec![-1; 20], vec![-1; 6]);
+        let (mut tables, mut slots) = (vec![-1; table_items], vec![-1; 4]);
         let out = DecodeInputs {
             positions: &mut positions,
             seq_lens: &mut seq_lens,
             tables: &mut tables,
             slots: &mut slots,
         };
-        let longest = decode_inputs(&block_table, 4, &[2, 0], &[9, 0], &[4, 4], out).unwrap();
-        assert_eq!(longest, 10);
+        let result = decode_inputs(&block_table, 4, &[2, 0], computed, block_sizes, out);
+        (result, [positions, slots], seq_lens, tables)
+    }
+
+    #[test]
+    fn inputs_of_one_block_size_match_decode_tables() {
+        let (longest, [positions, slots], seq_lens, tables) = inputs(&[9, 0], &[4, 4], 20);
+        assert_eq!(longest.unwrap(), 10);
         assert_eq!(
             (&positions[..2], &seq_lens[..2]),
             (&[9, 0][..], &[10, 1][..])
         );
-        assert_eq!(
-            &tables[..12],
-            [21, 22, 23, 1, 2, 3, 121, 122, 123, 101, 102, 103]
-        );
-        assert_eq!(&slots[..4], [23 * 4 + 1, 4, 123 * 4 + 1, 101 * 4]);
-        assert_eq!((&tables[12..], &slots[4..]), (&[-1; 8][..], &[-1; 2][..]));
+        let want = [21, 22, 23, 1, 2, 3, 121, 122, 123, 101, 102, 103];
+        assert_eq!((&tables[..12], &tables[12..]), (&want[..], &[-1; 8][..]));
+        assert_eq!(slots, [23 * 4 + 1, 4, 123 * 4 + 1, 101 * 4]);
     }
 
     #[test]
     fn inputs_of_two_block_sizes_lay_each_group_table_after_the_last() {
-        let block_table = table();
-        let (mut positions, mut seq_lens) = (vec![0; 2], vec![0; 2]);
-        let (mut tables, mut slots) = (vec![-1; 12], vec![-1; 4]);
-        let out = DecodeInputs {
-            positions: &mut positions,
-            seq_lens: &mut seq_lens,
-            tables: &mut tables,
-            slots: &mut slots,
-        };
         // Group 0 in blocks of 4 (3 columns for 10 tokens), group 1 in blocks of 8 (2).
-        decode_inputs(&block_table, 4, &[2, 0], &[9, 0], &[4, 8], out).unwrap();
+        let (longest, [_, slots], _, tables) = inputs(&[9, 0], &[4, 8], 12);
+        assert_eq!(longest.unwrap(), 10);
         assert_eq!(&tables[..10], [21, 22, 23, 1, 2, 3, 121, 122, 101, 102]);
         assert_eq!(slots, [23 * 4 + 1, 4, 122 * 8 + 1, 101 * 8]);
     }
 
     #[test]
     fn inputs_say_which_buffer_or_count_is_wrong() {
-        let block_table = table();
-        let call = |computed: &[i64], items: usize| {
-            let (mut positions, mut seq_lens) = (vec![0; 2], vec![0; 2]);
-            let (mut tables, mut slots) = (vec![0; items], vec![0; 4]);
-            let out = DecodeInputs {
-                positions: &mut positions,
-                seq_lens: &mut seq_lens,
-                tables: &mut tables,
-                slots: &mut slots,
-            };
-            decode_inputs(&block_table, 4, &[2, 0], computed, &[4, 4], out)
-                .unwrap_err()
-                .to_string()
-        };
-        assert!(call(&[9, 0], 11).contains("tables and slots must hold 12 and 4 items"));
-        assert!(call(&[9], 12).contains("1 computed counts for 2 rows"));
-        assert!(call(&[9, -1], 12).contains("sequence 1 has -1 computed tokens"));
+        let message =
+            |computed: &[i64], items| inputs(computed, &[4, 4], items).0.unwrap_err().to_string();
+        assert!(message(&[9, 0], 11).contains("tables and slots must hold 12 and 4 items"));
+        assert!(message(&[9], 12).contains("1 computed counts for 2 rows"));
+        assert!(message(&[9, -1], 12).contains("sequence 1 has -1 computed tokens"));
     }
 }
