@@ -168,3 +168,35 @@ def test_a_held_request_starts_while_the_one_before_it_waits_for_blocks():
     assert held.num_cached_tokens == 12
     assert blocked.finish_reason is FinishReason.LENGTH
     assert kv.num_free_blocks == kv.num_blocks - 1
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_under_lpm_newer_running_requests_give_way_before_a_hold(policy):
+    # R1 (5 blocks) and R2 (1 block) run; W arrives and holds P's 3 cached blocks, the last
+    # free ones. When R1's next token needs a block, "fcfs" releases W's hold (nobody is
+    # preempted, and R1's block evicts part of P's prefix); "lpm" preempts R2, the newest
+    # running request, keeps the hold, and W hits all of P's 12 tokens.
+    kv = make_kv(num_blocks=10)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, policy=policy)
+    scheduler.add_request(make_request("P0", P_PROMPT))
+    drain(scheduler)
+    first = make_request("R1", list(range(30, 50)), max_tokens=4)  # 5 blocks, then a 6th
+    second = make_request("R2", list(range(60, 64)), max_tokens=8)  # 4 tokens: 1 block
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    assert step(scheduler) == ["R1", "R2"]
+    waiting = make_request("W3", P_PROMPT + [7])
+    scheduler.add_request(waiting)
+    assert scheduler.held == {"W3": 12} and kv.num_free_blocks == 0
+    scheduled = step(scheduler)  # each one's next token needs a new block
+    if policy == "lpm":
+        assert scheduled == ["R1"] and scheduler.num_preemptions == 1
+        assert scheduler.held == {"W3": 12} and second.status is RequestStatus.PREEMPTED
+    else:
+        assert scheduled[0] == "R1" and scheduler.num_preemptions == 0
+        assert not scheduler.held
+    drain(scheduler)
+    for request in (first, second, waiting):
+        assert request.finish_reason is FinishReason.LENGTH
+    assert (waiting.num_cached_tokens == 12) == (policy == "lpm")
+    assert kv.num_free_blocks == kv.num_blocks - 1, "every block comes back"

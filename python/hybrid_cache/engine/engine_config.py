@@ -448,7 +448,8 @@ def add_engine_arguments(
     add(
         "scheduling_policy",
         help="admission order of waiting requests: fcfs (first come first served) or lpm "
-        "(longest cached prefix first; scheduler.py)",
+        "(longest cached prefix first, and running requests that cannot grow preempt newer "
+        "ones before a waiting request's held hit is released; scheduler.py)",
     )
     add(
         "hold_waiting_prefixes",
