@@ -61,6 +61,17 @@ def _cpu_argmax(logits: torch.Tensor) -> np.ndarray:
     return logits.detach().numpy().argmax(axis=-1)
 
 
+def _greedy_cpu(
+    logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
+) -> np.ndarray:
+    """The greedy tokens of an all-greedy CPU batch (one row of logits per request, no
+    penalties): `_cpu_argmax`, as `sample` would pick them."""
+    assert logits.dim() == 2 and logits.shape[0] == len(request_ids) == len(params), (
+        "one row of logits per request"
+    )
+    return _cpu_argmax(logits.float())
+
+
 _TEMPERATURE = operator.attrgetter("temperature")
 _NEEDS_HISTORY = operator.attrgetter("needs_history")
 _NO_TOKENS = torch.empty(0, dtype=torch.long)
@@ -128,10 +139,7 @@ class Sampler:
         """`sample(...).tolist()`; an all-greedy batch on the CPU goes from numpy's argmax
         straight to a list (no int64 cast, no tensor: the same ints, fewer calls)."""
         if logits.device.type == "cpu" and not any(map(_TEMPERATURE, params)):
-            assert logits.dim() == 2 and logits.shape[0] == len(request_ids) == len(params), (
-                "one row of logits per request"
-            )
-            return _cpu_argmax(logits.float()).tolist()
+            return _greedy_cpu(logits, request_ids, params).tolist()
         return self.sample(logits, request_ids, params).tolist()
 
     def sample_cpu(
@@ -144,10 +152,7 @@ class Sampler:
         """`sample(...)` of CPU logits as an int64 array; an all-greedy batch without penalties
         or min_tokens straight from numpy's argmax (no tensor)."""
         if not any(map(_TEMPERATURE, params)) and not any(map(_NEEDS_HISTORY, params)):
-            assert logits.dim() == 2 and logits.shape[0] == len(request_ids) == len(params), (
-                "one row of logits per request"
-            )
-            return _cpu_argmax(logits.float()).astype(np.int64, copy=False)
+            return _greedy_cpu(logits, request_ids, params).astype(np.int64, copy=False)
         return self.sample(logits, request_ids, params, requests).numpy()
 
     def free(self, request_id: str) -> None:

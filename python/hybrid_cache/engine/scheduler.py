@@ -348,28 +348,32 @@ class Scheduler:
         output: SchedulerOutput,
     ) -> bool:
         """After `request`'s allocation failed: preempts newest-first, retrying after each,
-        until it fits; False when the request itself had to be preempted."""
+        until it fits; False when the request itself had to be preempted. `request` is running
+        (the newest running request at worst)."""
+        kv_cache = self.kv_cache
         if self.policy == "lpm":
             # The holds are the cached prefixes "lpm" orders by: newer running requests give
             # way first (their blocks stay cached, so a preempted request often resumes from
             # them; measured in BENCHMARKS.md).
-            while self.held and self.running and self.running[-1] is not request:
-                victim = self.running.pop()
-                self._preempt(victim)
-                output.num_preemptions += 1
-                if self.kv_cache.allocate(request, num_computed_tokens, num_new_tokens):
+            while self.held and self.running[-1] is not request:
+                self._preempt_newest(output)
+                if kv_cache.allocate(request, num_computed_tokens, num_new_tokens):
                     return True
         while self._release_held():
-            if self.kv_cache.allocate(request, num_computed_tokens, num_new_tokens):
+            if kv_cache.allocate(request, num_computed_tokens, num_new_tokens):
                 return True
         while True:
-            victim = self.running.pop()
-            self._preempt(victim)
-            output.num_preemptions += 1
-            if victim is request:
+            if self._preempt_newest(output) is request:
                 return False
-            if self.kv_cache.allocate(request, num_computed_tokens, num_new_tokens):
+            if kv_cache.allocate(request, num_computed_tokens, num_new_tokens):
                 return True
+
+    def _preempt_newest(self, output: SchedulerOutput) -> Request:
+        """Preempts the newest running request (counted in `output`); returns it."""
+        victim = self.running.pop()
+        self._preempt(victim)
+        output.num_preemptions += 1
+        return victim
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

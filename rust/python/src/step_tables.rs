@@ -7,7 +7,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
 use crate::convert::{buffer_bytes, contiguous_items, output};
-use crate::errors::attention_to_py;
+use crate::errors::{attention_to_py, invalid_argument};
 
 /// For `block_table` [groups, rows, width] (int32, C-contiguous) and the sequences at table
 /// rows `rows` whose new token sits at `num_computed` (lists), one group per entry of
@@ -29,7 +29,7 @@ pub fn decode_inputs_cpu(
 ) -> PyResult<usize> {
     let table = contiguous_items(&block_table, "block_table", 3)?;
     if table.shape[0] != block_sizes.len() {
-        return Err(crate::errors::invalid_argument(format!(
+        return Err(invalid_argument(format!(
             "block_table has {} groups, block_sizes names {}",
             table.shape[0],
             block_sizes.len()
