@@ -184,7 +184,9 @@ def test_protected_chains_keep_round_robin_sessions_hitting_where_lru_flushes() 
     """12 sessions served one at a time (`max_num_seqs` 1: nothing waits holding a hit), a pool
     of a third of what uniform needs (BENCHMARKS.md, "Protected chains"): plain LRU evicts each
     history just before its session comes back, so only the system prompt hits after the first
-    turns; protected chains keep a fixed subset of the sessions whole."""
+    turns; protected chains keep a fixed subset of the sessions whole. In arrival order
+    (`fcfs`): "lpm" would take the sessions whose histories are cached first, which is not the
+    round robin this pattern stands for."""
     shape = MultiTurnShape(
         num_sessions=12, num_turns=4, system_len=64, turn_input_len=96, output_len=32
     )
@@ -195,6 +197,7 @@ def test_protected_chains_keep_round_robin_sessions_hitting_where_lru_flushes() 
             shape,
             kv_cache_memory="2.25MiB",
             max_num_seqs=1,
+            scheduling_policy="fcfs",
             hf_overrides={"sliding_window": 64},
             protected_prefix_fraction=fraction,
         )

@@ -4,7 +4,8 @@ scenario, window release and cache hits."""
 import gc
 
 import numpy as np
-from hybrid_cache import Coordinator, GroupSpec
+import pytest
+from hybrid_cache import Coordinator, GroupSpec, InvalidArgumentError
 
 
 def gemma2_like(num_blocks=256, max_num_reqs=4, **kwargs):
@@ -146,6 +147,39 @@ def test_cache_hit_across_two_requests():
     stats = coordinator.stats()
     assert stats["prefix_queries"] == 60 and stats["prefix_hits"] == 28
     assert stats["num_cached_blocks"] > 0
+
+
+def test_a_probe_reads_a_list_only_as_far_as_it_hashes():
+    """A list prompt is converted only as far as the probe hashes (a few blocks when nothing
+    further is cached): the answers equal the whole prompt's as an array, and a bad item
+    within the probed part is a typed error, one past it is never read."""
+    groups = [GroupSpec("full", 4), GroupSpec("sliding_window", 4, window=8)]
+    coordinator = Coordinator(512, groups, 4, 2048, 256)
+    history = list(range(100, 300))
+    coordinator.add_request(1, history)
+    coordinator.allocate(1, 0, len(history))
+    coordinator.free_request(1)
+    for prompt in (
+        history + [7, 8, 9],  # cached past the first round: the probe reads on
+        history[:40] + list(range(1000, 1600)),  # branches early: one short round
+        list(range(2000, 2600)),  # nothing cached
+        history[:3],
+    ):
+        array = np.array(prompt, dtype=np.int64)
+        assert coordinator.probe_cache_hit(prompt) == coordinator.probe_cache_hit(array)
+        assert coordinator.probe_cache_hit(tuple(prompt)) == coordinator.probe_cache_hit(array)
+    assert coordinator.probe_cache_hit(history + [7]) == 200
+    uncached = list(range(2000, 2600))
+    with pytest.raises(InvalidArgumentError, match="outside 0..2"):
+        coordinator.probe_cache_hit([-1] + uncached)
+    with pytest.raises(InvalidArgumentError, match="sequence of ints"):
+        coordinator.probe_cache_hit(["x"] + uncached)
+    with pytest.raises(InvalidArgumentError, match="at least one token"):
+        coordinator.probe_cache_hit([])
+    # Past the probed part nothing is converted (adding the request checks every item).
+    assert coordinator.probe_cache_hit(uncached + ["x"]) == 0
+    with pytest.raises(InvalidArgumentError):
+        coordinator.add_request(9, uncached + ["x"])
 
 
 def test_salt_lora_and_multimodal_keys_separate_hits():

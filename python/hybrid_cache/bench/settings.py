@@ -16,6 +16,7 @@ from hybrid_cache.engine.engine_config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_PROTECTED_PREFIX_FRACTION,
+    DEFAULT_SCHEDULING_POLICY,
     EngineConfig,
 )
 from hybrid_cache.errors import EngineConfigError, InvalidRequestError
@@ -52,7 +53,7 @@ class BenchSettings:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
     hold_waiting_prefixes: bool = True
     tail_replay: bool = True
     token_tails: bool = True

@@ -53,8 +53,10 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # runs, and cheap to zero.
 DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 1024**2
 # Admission order of waiting requests (see `scheduler.py`): first come first served, or the
-# longest cached prefix first.
+# longest cached prefix first (the default: it keeps the histories a wave of conversation turns
+# would hit; requests with nothing cached still go in arrival order; BENCHMARKS.md).
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "lpm")
+DEFAULT_SCHEDULING_POLICY = "lpm"
 # `--kv-cache-mode both` (plan, bench) runs each mode; a config holds one.
 BOTH_MODES = "both"
 # Seconds a tensor-parallel collective (the step broadcast, an all-reduce) may wait for a rank
@@ -73,7 +75,7 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_prefix_caching: bool
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
     hold_waiting_prefixes: bool = True
     tail_replay: bool = True
     token_tails: bool = True
@@ -89,7 +91,8 @@ class EngineConfig:
     on the CPU, the config's elsewhere; `device` None = CUDA when available;
     `kv_group_layout`: the planner's `group_layout`; `attention_backend`: "auto" or a backend
     name (checked by the selector, which knows the registered backends); `scheduling_policy`:
-    "fcfs" or "lpm" (`scheduler.py`); `hold_waiting_prefixes`: a request takes its prefix-cache
+    "lpm" (longest cached prefix first, the default) or "fcfs" (`scheduler.py`);
+    `hold_waiting_prefixes`: a request takes its prefix-cache
     hit when it arrives, so admissions before it cannot evict it (`scheduler.py`);
     `tail_replay`: a prefix hit whose windowed blocks were evicted keeps its full-attention
     blocks and recomputes only the windows (docs/DESIGN.md, "Tail replay");
@@ -125,7 +128,7 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
     hold_waiting_prefixes: bool = True
     tail_replay: bool = True
     token_tails: bool = True
@@ -447,9 +450,10 @@ def add_engine_arguments(
     )
     add(
         "scheduling_policy",
-        help="admission order of waiting requests: fcfs (first come first served) or lpm "
-        "(longest cached prefix first, and running requests that cannot grow preempt newer "
-        "ones before a waiting request's held hit is released; scheduler.py)",
+        help="admission order of waiting requests: lpm (longest cached prefix first, arrival "
+        "order among equal hits, at most 64 overtakes; running requests that cannot grow "
+        "preempt newer ones before a waiting request's held hit is released) or fcfs (first "
+        "come first served, as vLLM's default; scheduler.py)",
     )
     add(
         "hold_waiting_prefixes",

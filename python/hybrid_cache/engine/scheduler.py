@@ -3,14 +3,16 @@
 Every step has a token budget (`max_num_batched_tokens`) and a cap on running requests
 (`max_num_seqs`). Running requests are served first, oldest first, each taking as many of its
 uncomputed tokens as the budget leaves (a long prompt is prefilled in chunks over several steps).
-Then waiting requests are admitted, starting after their prefix-cache hit: first come first served
-(`"fcfs"`, the default), or longest cached prefix first (`"lpm"`, as SGLang's policy of that name):
-among the first `LPM_WINDOW` waiting requests, the one whose prompt the cache holds the most of
-goes first, so hits are taken before other admissions evict them. When many requests with
+Then waiting requests are admitted, starting after their prefix-cache hit: longest cached prefix
+first (`"lpm"`, the default, as SGLang's policy of that name), or first come first served
+(`"fcfs"`, vLLM's default). Under `"lpm"`, among the first `LPM_WINDOW` waiting requests the one
+whose prompt the cache holds the most of goes first (equal hits, nothing cached among them, go
+in arrival order), so hits are taken before other admissions evict them. When many requests with
 cached histories arrive together (a wave of conversation turns, a batch over shared documents)
 first come first served admits the misses first and their allocations evict the very
 histories the later requests would hit; `"lpm"` keeps them. A request overtaken
-`LPM_MAX_OVERTAKES` times is admitted next whatever its hit, so nothing waits forever.
+`LPM_MAX_OVERTAKES` times is admitted next whatever its hit, so nothing waits forever. Why it
+is the default, and what it costs: BENCHMARKS.md ("Prefix reuse under memory pressure").
 
 Holds (`hold_waiting_prefixes`, on by default): a request arriving with a prefix-cache hit takes
 that hit at once (its blocks are in use, so nothing evicts them) and waits holding it, when a
@@ -413,13 +415,17 @@ class Scheduler:
     def _admit_waiting(self, token_budget: int, output: SchedulerOutput) -> None:
         self.head_blocked = False
         lpm = self.policy == "lpm" and len(self.waiting) > 1
-        order = iter(self._lpm_order()) if lpm else None
+        order = None  # "lpm": worked out when a request is first taken (not on a full batch)
         retry: Optional[Request] = None  # admitted again after other holds were released
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             if retry is not None:
                 request, retry = retry, None
+            elif lpm:
+                if order is None:
+                    order = iter(self._lpm_order())
+                request = next(order, self.waiting[0])
             else:
-                request = self.waiting[0] if order is None else next(order, self.waiting[0])
+                request = self.waiting[0]
             held = self.held.get(request.request_id)
             if held is None:
                 # Holds give their block-table rows to admissions.

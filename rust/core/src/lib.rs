@@ -12,6 +12,7 @@ pub mod hashing;
 pub mod manager;
 pub mod mutex_pool;
 mod primitive;
+pub mod prompt;
 pub mod types;
 
 pub use allocator::{BlockAllocator, FreeTier};
@@ -23,6 +24,7 @@ pub use coordinator::{
 pub use error::CoreError;
 pub use hashing::{ExtraKeys, HashAlgo, MultimodalItem};
 pub use mutex_pool::MutexPool;
+pub use prompt::PromptPrefix;
 pub use types::{BlockHash, BlockId, CacheKey, GroupId, PoolStats, NULL_BLOCK};
 
 /// The pool the coordinator and the Python binding use.

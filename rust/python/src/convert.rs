@@ -2,10 +2,12 @@
 
 use std::ops::Range;
 
+use hybrid_cache_core::{CoreError, PromptPrefix};
 use pyo3::buffer::{Element, PyBuffer};
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 
-use crate::errors::invalid_argument;
+use crate::errors::{invalid_argument, to_py};
 
 /// A non-negative Python int as `usize`.
 pub fn size(name: &str, value: i64) -> PyResult<usize> {
@@ -41,6 +43,62 @@ pub fn token_ids(values: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
                 .map_err(|_| invalid_argument(format!("token id {token} is outside 0..2^32")))
         })
         .collect()
+}
+
+/// A Python list of token ids converted only as far as the core reads it (`PromptPrefix`):
+/// a probe that stops after a few blocks converts only those. Items past what was read are
+/// not checked (a probe changes nothing; adding the request converts and checks them all).
+pub struct ListTokens<'a, 'py> {
+    list: &'a Bound<'py, PyList>,
+    len: usize,
+    converted: Vec<u32>,
+}
+
+impl<'a, 'py> ListTokens<'a, 'py> {
+    pub fn new(list: &'a Bound<'py, PyList>) -> Self {
+        Self {
+            list,
+            len: list.len(),
+            converted: Vec::new(),
+        }
+    }
+}
+
+/// Why reading a prompt failed: a conversion (the Python error) or the core.
+pub struct ReadError(pub PyErr);
+
+impl From<CoreError> for ReadError {
+    fn from(error: CoreError) -> Self {
+        ReadError(to_py(error))
+    }
+}
+
+impl PromptPrefix for ListTokens<'_, '_> {
+    type Error = ReadError;
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn prefix(&mut self, num_tokens: usize) -> Result<&[u32], ReadError> {
+        for index in self.converted.len()..num_tokens {
+            let item = self.list.get_item(index).map_err(|_| {
+                ReadError(invalid_argument("the token ids changed while read".into()))
+            })?;
+            let token = item.extract::<i64>().map_err(|_| {
+                ReadError(invalid_argument(
+                    "token ids must be a 1-d sequence of ints".into(),
+                ))
+            })?;
+            let token = u32::try_from(token).map_err(|_| {
+                ReadError(invalid_argument(format!(
+                    "token id {token} is outside 0..2^32"
+                )))
+            })?;
+            self.converted.push(token);
+        }
+        Ok(&self.converted[..num_tokens])
+    }
 }
 
 /// A 128-bit hash from any Python int: non-negative ints below 2^128 as they are, negative

@@ -9,9 +9,9 @@ use hybrid_cache_core::{
     MultimodalItem, NewRequest,
 };
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 
-use crate::convert::{hash128, int64s, size, token_ids};
+use crate::convert::{hash128, int64s, size, token_ids, ListTokens, ReadError};
 use crate::errors::{invalid_argument, to_py};
 use crate::table_view::TableView;
 
@@ -260,8 +260,15 @@ impl PyCoordinator {
         cache_salt: Option<String>,
         mm_hashes: Option<Vec<(i64, i64, Bound<'_, PyAny>)>>,
     ) -> PyResult<usize> {
-        let tokens = token_ids(prompt_token_ids)?;
         let extra = extra_keys(lora_id, cache_salt, mm_hashes)?;
+        if let Ok(list) = prompt_token_ids.cast::<PyList>() {
+            // Converted only as far as the probe hashes (usually a few blocks).
+            return self
+                .inner
+                .probe_cache_hit_from(&mut ListTokens::new(list), &extra)
+                .map_err(|ReadError(error)| error);
+        }
+        let tokens = token_ids(prompt_token_ids)?;
         self.inner.probe_cache_hit(&tokens, &extra).map_err(to_py)
     }
 

@@ -39,6 +39,7 @@ use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::hashing::ExtraKeys;
 use crate::manager::{hit_row, AttentionManager};
+use crate::prompt::PromptPrefix;
 use crate::types::{BlockHash, BlockId, CacheKey, GroupId, NULL_BLOCK};
 
 /// Blocks of the longest hash chain a probe hashes in its first round.
@@ -173,12 +174,25 @@ impl<P: BlockAllocator> Coordinator<P> {
     /// or refuses a hit point by the blocks before it, which are all hashed. So a prompt with nothing cached costs one short round. A model with no
     /// full-attention group hashes the whole prompt.
     pub fn probe_cache_hit(&self, tokens: &[u32], extra: &ExtraKeys) -> Result<usize, CoreError> {
-        if tokens.is_empty() {
+        self.probe_cache_hit_from(&mut { tokens }, extra)
+    }
+
+    /// `probe_cache_hit` over a prompt read from the front ([`PromptPrefix`]): only the prefix
+    /// the probe hashes is asked for, so a prompt with nothing cached is read for one short
+    /// round whatever its length.
+    pub fn probe_cache_hit_from<T: PromptPrefix>(
+        &self,
+        tokens: &mut T,
+        extra: &ExtraKeys,
+    ) -> Result<usize, T::Error> {
+        let len = tokens.len();
+        if len == 0 {
             return Err(CoreError::InvalidArgument(
                 "the prompt must have at least one token".into(),
-            ));
+            )
+            .into());
         }
-        extra.validate(tokens.len())?;
+        extra.validate(len)?;
         if !self.config.enable_prefix_caching {
             return Ok(0);
         }
@@ -187,20 +201,20 @@ impl<P: BlockAllocator> Coordinator<P> {
         let full_groups = &self.full_groups;
         let first = PROBE_FIRST_BLOCKS * sizes.iter().copied().max().unwrap_or(1);
         let mut prefix = if full_groups.is_empty() {
-            tokens.len()
+            len
         } else {
-            first.max(self.hit_alignment + 1).min(tokens.len())
+            first.max(self.hit_alignment + 1).min(len)
         };
         loop {
-            extend_chains(&self.hasher, sizes, &tokens[..prefix], extra, &mut chains);
-            if prefix == tokens.len() || self.full_run_ends_before(full_groups, &chains, prefix) {
+            let prompt = tokens.prefix(prefix)?;
+            extend_chains(&self.hasher, sizes, prompt, extra, &mut chains);
+            if prefix == len || self.full_run_ends_before(full_groups, &chains, prefix) {
                 let common = self.common_hit(&chains, prefix);
                 let plain = common.tokens();
-                let prompt = &tokens[..prefix];
                 let tail = self.tail_hit(&chains, prompt, extra, &common.alone, prefix - 1, plain);
                 return Ok(tail.map_or(plain, |tail| tail.num_tokens));
             }
-            prefix = (PROBE_GROWTH * prefix).min(tokens.len());
+            prefix = (PROBE_GROWTH * prefix).min(len);
         }
     }
 
