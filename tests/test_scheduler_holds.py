@@ -200,3 +200,32 @@ def test_under_lpm_newer_running_requests_give_way_before_a_hold(policy):
         assert request.finish_reason is FinishReason.LENGTH
     assert (waiting.num_cached_tokens == 12) == (policy == "lpm")
     assert kv.num_free_blocks == kv.num_blocks - 1, "every block comes back"
+
+
+def test_lpm_weighs_a_held_request_by_its_hold():
+    # P0 computes 10 tokens and leaves a token tail (tokens 8-9, `token_tails`). D1 shares P's
+    # first 8 tokens, C2 all 10: both hold their hits on arrival, and C2 takes the tail block
+    # for itself, so a probe of C2 no longer sees it (8, like D1's). "lpm" must still put C2
+    # first: it holds 10.
+    kv = KVCacheManager(
+        17,
+        [GroupSpec("full", BLOCK)],
+        max_num_seqs=4,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        token_tails=True,
+    )
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, policy="lpm")
+    prompt = list(range(10, 20))
+    scheduler.add_request(make_request("P0", prompt))
+    drain(scheduler)
+    d1 = make_request("D1", prompt[:8] + list(range(90, 98)))
+    c2 = make_request("C2", prompt + [1, 2, 3, 4])
+    scheduler.add_request(d1)
+    scheduler.add_request(c2)
+    assert scheduler.held == {"D1": 8, "C2": 10}
+    assert kv.probe_cache_hit(c2) == 8, "the held tail is no hit for a probe"
+    assert [r.request_id for r in scheduler._lpm_order()] == ["C2", "D1"]
+    drain(scheduler)
+    assert c2.num_cached_tokens == 10 and d1.num_cached_tokens == 8
+    assert kv.num_free_blocks == kv.num_blocks - 1, "every block comes back"

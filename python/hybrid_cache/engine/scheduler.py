@@ -400,13 +400,20 @@ class Scheduler:
 
     def _lpm_order(self) -> list[Request]:
         """The first `LPM_WINDOW` waiting requests, the longest cached prefix first (ties in
-        arrival order); a request overtaken `LPM_MAX_OVERTAKES` times leads."""
+        arrival order); a request overtaken `LPM_MAX_OVERTAKES` times leads. A request that
+        holds its hit is weighed by that hit: a probe would not see the blocks it took for
+        itself (a token tail), and could weigh it below requests that hit less."""
         window = list(itertools.islice(self.waiting, LPM_WINDOW))
         overtaken = self.overtaken
+        held = self.held
         probe = self.kv_cache.probe_cache_hit
         scored = sorted(
             (
-                (overtaken.get(request.request_id, 0) < LPM_MAX_OVERTAKES, -probe(request), i)
+                (
+                    overtaken.get(request.request_id, 0) < LPM_MAX_OVERTAKES,
+                    -(held.get(request.request_id) or probe(request)),
+                    i,
+                )
                 for i, request in enumerate(window)
             ),
         )

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{add, allocate, config};
+use common::{add, allocate, config, tokens};
 use hybrid_cache_core::{AttentionKind, BlockAllocator, Coordinator, GroupSpec};
 
 /// One full-attention group, blocks of 4 tokens, 24 usable blocks.
@@ -91,4 +91,67 @@ fn a_protected_chain_nobody_hits_is_demoted_to_lru_order() {
     assert!(protected.iter().all(|&b| position(b) < position(newest[0])));
     // Still cached: demotion moves a block, it does not evict it.
     assert_eq!(run(&mut c, 100, &(0..9).collect::<Vec<u32>>()), 8);
+}
+
+/// Full attention and a window of 8 tokens (a hit point needs the 2 blocks of 4 before it), 29
+/// usable blocks, a protected budget of 2 blocks.
+fn windowed_coordinator() -> Coordinator {
+    let groups = vec![
+        GroupSpec {
+            kind: AttentionKind::Full,
+            block_size: 4,
+        },
+        GroupSpec {
+            kind: AttentionKind::SlidingWindow { window: 8 },
+            block_size: 4,
+        },
+    ];
+    let mut c = Coordinator::new(config(groups, 30)).unwrap();
+    c.set_protected_blocks(Some(2));
+    c
+}
+
+/// A 16-token prefix P. Request 1 computes P and 8 tokens of its own, then decodes (its window
+/// leaves P's end); request 2 starts from P's cache hit and does the same, while request 1
+/// still runs (`shared`) or after it was freed. Then an unrelated request is freed (its blocks
+/// join `Normal`, newer than P's window), another takes every free block but two, and a fourth
+/// request with P asks for its hit. Returns that hit and the blocks protected after request 2's
+/// window left P.
+fn hit_after_pressure(shared: bool) -> (usize, usize) {
+    let mut c = windowed_coordinator();
+    let with = |own: u32| -> Vec<u32> { tokens(0, 16).into_iter().chain(tokens(own, 8)).collect() };
+    let decode = |c: &mut Coordinator, id: u64, hit: usize| {
+        assert!(allocate(c, id, hit, 24 - hit));
+        assert!(allocate(c, id, 24, 1));
+    };
+    add(&mut c, 1, &with(100));
+    assert!(allocate(&mut c, 1, 0, 16));
+    decode(&mut c, 1, 16);
+    if !shared {
+        c.free_request(1).unwrap();
+    }
+    add(&mut c, 2, &with(200));
+    assert_eq!(c.find_cache_hit(2).unwrap(), 16);
+    decode(&mut c, 2, 16); // releases P's window: the hit point request 1 holds too, if running
+    let protected = c.num_protected_blocks();
+    add(&mut c, 3, &tokens(500, 8));
+    assert!(allocate(&mut c, 3, 0, 8));
+    c.free_request(3).unwrap();
+    add(&mut c, 4, &tokens(900, 56));
+    let mut computed = 0;
+    while c.pool().num_free_blocks() > 2 && computed < 56 && allocate(&mut c, 4, computed, 1) {
+        computed += 1;
+    }
+    assert_eq!(c.pool().num_free_blocks(), 2, "two free blocks left");
+    add(&mut c, 5, &with(300));
+    (c.find_cache_hit(5).unwrap(), protected)
+}
+
+#[test]
+fn a_shared_hit_points_window_outlives_newer_free_blocks() {
+    // Shared: P's window is protected, the last free blocks to go, and the fifth request hits P.
+    assert_eq!(hit_after_pressure(true), (16, 2));
+    // Unshared (the previous turn of one conversation): plain LRU evicts the older window first.
+    let (hit, protected) = hit_after_pressure(false);
+    assert!(hit < 16 && protected == 0, "{hit} {protected}");
 }

@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 
-use super::eviction_order::release_tier;
+use super::eviction_order::{self, release_tier};
 use super::hit_stats::{HitStats, SeenKeys};
 use super::keys::GroupKeys;
 use super::request::{HitEnd, PendingHit, RequestState};
@@ -228,9 +228,24 @@ impl<P: BlockAllocator> Coordinator<P> {
         low.clear();
         dirty_from.clear();
         let caching = self.config.enable_prefix_caching;
+        // A hit point other running requests share (they hold its full-attention prefix): the
+        // next request with that prefix needs exactly its window, so the window's blocks join
+        // the protected tier when it releases them (`eviction_order::shared_hit_point`).
+        let shared = caching
+            && self.protected.is_some()
+            && eviction_order::shared_hit_point(
+                &self.pool,
+                &self.managers,
+                &self.full_groups,
+                state,
+            );
+        let mut shared_window = std::mem::take(&mut self.shared_scratch);
+        shared_window.clear();
         for (group, manager) in self.managers.iter().enumerate() {
             let blocks = &mut state.groups[group];
             let released_range = pending_release(manager.as_ref(), blocks, computed);
+            let keys = self.keys.keys(&state.hash_chains, group);
+            let hit_window = eviction_order::hit_window(manager.as_ref(), state.hit_tokens);
             for index in released_range.clone().rev() {
                 let block = blocks.blocks[index];
                 if block == NULL_BLOCK {
@@ -249,6 +264,9 @@ impl<P: BlockAllocator> Coordinator<P> {
                 };
                 match tier {
                     FreeTier::Low => low.push(block),
+                    _ if shared && hit_window.contains(&index) && index < keys.num_full() => {
+                        shared_window.push((block, keys.full(index)));
+                    }
                     FreeTier::Normal | FreeTier::High => scratch.push(block),
                 }
             }
@@ -260,10 +278,27 @@ impl<P: BlockAllocator> Coordinator<P> {
                 (None, _) => released_range.start,
             });
         }
-        let freed = [(&low, FreeTier::Low), (&scratch, FreeTier::Normal)]
+        let protect_window = !shared_window.is_empty()
+            && self
+                .protected
+                .as_ref()
+                .is_some_and(|protected| protected.has_room(shared_window.len()));
+        if !protect_window {
+            scratch.extend(shared_window.iter().map(|&(block, _)| block));
+        }
+        let mut freed = [(&low, FreeTier::Low), (&scratch, FreeTier::Normal)]
             .into_iter()
             .filter(|(list, _)| !list.is_empty())
             .try_for_each(|(list, tier)| self.pool.free_blocks_to(list, tier));
+        if protect_window && freed.is_ok() {
+            scratch.clear();
+            scratch.extend(shared_window.iter().map(|&(block, _)| block));
+            freed = self.pool.free_blocks_to(&scratch, FreeTier::High);
+            if let (Some(protected), Ok(())) = (&mut self.protected, &freed) {
+                protected.joined(&self.pool, &shared_window);
+            }
+        }
+        self.shared_scratch = shared_window;
         if let Err(error) = freed {
             debug_assert!(false, "releasing held blocks failed: {error}");
             self.scratch = scratch;

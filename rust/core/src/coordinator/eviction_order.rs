@@ -10,7 +10,8 @@
 //!   point's blocks are gone.
 //!
 //! A released block in one of those windows joins the `Normal` tier; any other joins `Low`,
-//! which is evicted first (keyless blocks go before both). When the request is freed, the
+//! which is evicted first (keyless blocks go before both). With protection on, the window of a
+//! hit point other running requests share (`shared_hit_point`) joins the protected tier. When the request is freed, the
 //! window-released blocks of both points that are still cached are touched again
 //! (`retouch_hit_points`) and freed with the rest, so they are as recent as the request's tail
 //! instead of as old as the moment the window left them.
@@ -58,6 +59,30 @@ pub(super) fn release_tier(
         FreeTier::Normal
     } else {
         FreeTier::Low
+    }
+}
+
+/// Whether the request's hit point is shared: another request holds the last full-attention
+/// block before it (a shared system prompt or document that several running requests started
+/// from). The next request with that prefix needs exactly the hit point's window, which the
+/// window released while the full-attention prefix stays in use: those blocks join the
+/// protected tier instead of `Normal`. A hit point only its own request holds (the previous
+/// turn of a conversation, which the next turn does not continue from) is not shared.
+pub(super) fn shared_hit_point<P: BlockAllocator>(
+    pool: &P,
+    managers: &[Box<dyn AttentionManager>],
+    full_groups: &[usize],
+    state: &RequestState,
+) -> bool {
+    let Some(&group) = full_groups.first() else {
+        return false;
+    };
+    let Some(index) = (state.hit_tokens / managers[group].block_size()).checked_sub(1) else {
+        return false;
+    };
+    match state.groups[group].blocks.get(index) {
+        Some(&block) if block != NULL_BLOCK => pool.ref_count(block) > 1,
+        _ => false,
     }
 }
 

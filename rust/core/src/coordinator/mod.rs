@@ -124,6 +124,8 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     order_scratch: Vec<(usize, BlockId)>,
     /// Scratch: window-released blocks that join the `Low` free tier.
     low_scratch: Vec<BlockId>,
+    /// Released blocks of a shared hit point's window, with their keys (`allocate`).
+    shared_scratch: Vec<(BlockId, CacheKey)>,
     /// Scratch: a freed request's blocks with the keys they are cached under (protection).
     keyed_scratch: Vec<(BlockId, CacheKey)>,
     /// Scratch: per group, the first table entry an `allocate` changed.
@@ -228,6 +230,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             scratch: Vec::new(),
             order_scratch: Vec::new(),
             low_scratch: Vec::new(),
+            shared_scratch: Vec::new(),
             keyed_scratch: Vec::new(),
             dirty_from: Vec::new(),
             block_copies: Vec::new(),
