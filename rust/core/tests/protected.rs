@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{add, allocate, config, tokens};
+use common::{add, allocate, config, full_and_window, tokens};
 use hybrid_cache_core::{AttentionKind, BlockAllocator, Coordinator, GroupSpec};
 
 /// One full-attention group, blocks of 4 tokens, 24 usable blocks.
@@ -96,17 +96,7 @@ fn a_protected_chain_nobody_hits_is_demoted_to_lru_order() {
 /// Full attention and a window of 8 tokens (a hit point needs the 2 blocks of 4 before it), 29
 /// usable blocks, a protected budget of 2 blocks.
 fn windowed_coordinator() -> Coordinator {
-    let groups = vec![
-        GroupSpec {
-            kind: AttentionKind::Full,
-            block_size: 4,
-        },
-        GroupSpec {
-            kind: AttentionKind::SlidingWindow { window: 8 },
-            block_size: 4,
-        },
-    ];
-    let mut c = Coordinator::new(config(groups, 30)).unwrap();
+    let mut c = full_and_window(8, 30);
     c.set_protected_blocks(Some(2));
     c
 }

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{add, allocate, config, tokens};
+use common::{add, allocate, config, full_and_window, tokens};
 use hybrid_cache_core::{AttentionKind, Coordinator, CoreError, ExtraKeys, GroupSpec, NULL_BLOCK};
 
 const FULL: usize = 0;
@@ -12,17 +12,7 @@ const WINDOW: usize = 1;
 /// Full attention and a window of 5 (one windowed layer: R = 4), blocks of 4 tokens, 33 usable
 /// blocks.
 fn coordinator(replay_tokens: Option<usize>) -> Coordinator {
-    let groups = vec![
-        GroupSpec {
-            kind: AttentionKind::Full,
-            block_size: 4,
-        },
-        GroupSpec {
-            kind: AttentionKind::SlidingWindow { window: 5 },
-            block_size: 4,
-        },
-    ];
-    let mut c = Coordinator::new(config(groups, 34)).unwrap();
+    let mut c = full_and_window(5, 34);
     c.set_tail_replay(replay_tokens).unwrap();
     c
 }

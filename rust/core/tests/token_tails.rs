@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{add, add_with, allocate, config, tokens};
+use common::{add, add_with, allocate, config, full_and_window, tokens};
 use hybrid_cache_core::{
     AttentionKind, BlockAllocator, Coordinator, ExtraKeys, GroupSpec, NULL_BLOCK,
 };
@@ -12,17 +12,7 @@ const WINDOW: usize = 1;
 
 /// Full attention and a window of 3, blocks of 4 tokens (the example in `tails`' docs).
 fn coordinator(tails: bool) -> Coordinator {
-    let groups = vec![
-        GroupSpec {
-            kind: AttentionKind::Full,
-            block_size: 4,
-        },
-        GroupSpec {
-            kind: AttentionKind::SlidingWindow { window: 3 },
-            block_size: 4,
-        },
-    ];
-    let mut c = Coordinator::new(config(groups, 40)).unwrap();
+    let mut c = full_and_window(3, 40);
     c.set_token_tails(tails);
     c
 }

@@ -2,7 +2,8 @@
 #![allow(dead_code)] // each test file uses some of them
 
 use hybrid_cache_core::{
-    AllocateStep, Coordinator, CoordinatorConfig, ExtraKeys, GroupSpec, HashAlgo, NewRequest,
+    AllocateStep, AttentionKind, Coordinator, CoordinatorConfig, ExtraKeys, GroupSpec, HashAlgo,
+    NewRequest,
 };
 
 /// A coordinator config over `groups` with `num_blocks` blocks (the null block included), 4
@@ -18,6 +19,22 @@ pub fn config(groups: Vec<GroupSpec>, num_blocks: usize) -> CoordinatorConfig {
         hash: HashAlgo::Xxh3,
         hash_seed: 0,
     }
+}
+
+/// A coordinator over a full-attention group and a sliding-window group of `window` tokens,
+/// both with blocks of 4 tokens, and `num_blocks` blocks (the null block included).
+pub fn full_and_window(window: usize, num_blocks: usize) -> Coordinator {
+    let groups = vec![
+        GroupSpec {
+            kind: AttentionKind::Full,
+            block_size: 4,
+        },
+        GroupSpec {
+            kind: AttentionKind::SlidingWindow { window },
+            block_size: 4,
+        },
+    ];
+    Coordinator::new(config(groups, num_blocks)).unwrap()
 }
 
 /// Adds a request; returns its row.
