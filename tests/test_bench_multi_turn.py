@@ -77,6 +77,48 @@ def test_feed_resends_the_history_wave_by_wave() -> None:
     assert turns[0].hit_rate is None
 
 
+def test_the_net_rate_counts_what_a_preempted_request_recomputed() -> None:
+    """A request that hit at first and, preempted, resumed with less recomputed the difference:
+    the net rate counts the fewest tokens any of its schedulings took from the cache. Over the
+    engine (tiny-gpt-oss at a third of uniform's memory, where "lpm" preempts running requests
+    to keep held histories) the net figure is lower than the first-scheduling one, and equal
+    to it where nothing was preempted ("fcfs")."""
+    feed = MultiTurnFeed(SHAPE, vocab_size=100, seed=3)
+    for request_id, prompt in feed.next_prompts():
+        finish(feed, request_id, prompt, 0, [5] * 8)
+    second = feed.next_prompts()
+    for index, (request_id, prompt) in enumerate(second):
+        feed.record(
+            SimpleNamespace(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                output_token_ids=[7] * 8,
+                num_cached_tokens=40,
+                min_cached_tokens=0 if index == 0 else 40,  # the first recomputed everything
+            )
+        )
+    assert feed.reuse.hit_tokens == 120 and feed.reuse.net_hit_tokens == 80
+    assert feed.reuse.net_hit_rate == pytest.approx(80 / 141)
+    assert feed.reuse.to_dict()["turns"][1]["net_hit_tokens"] == 80
+
+    shape = MultiTurnShape(
+        num_sessions=12, num_turns=4, system_len=64, turn_input_len=96, output_len=32
+    )
+    results = {}
+    for policy in ("lpm", "fcfs"):
+        settings = BenchSettings.for_multi_turn(
+            "tiny-gpt-oss",
+            shape,
+            kv_cache_memory="2.25MiB",
+            hf_overrides={"sliding_window": 64},
+            scheduling_policy=policy,
+        )
+        results[policy] = simulate_mode(settings, "hybrid")
+    lpm, fcfs = results["lpm"], results["fcfs"]
+    assert lpm.num_preemptions > 0 and lpm.reuse.net_hit_tokens < lpm.reuse.hit_tokens
+    assert fcfs.num_preemptions == 0 and fcfs.reuse.net_hit_tokens == fcfs.reuse.hit_tokens
+
+
 def test_feed_ends_after_the_last_turn() -> None:
     feed = MultiTurnFeed(SHAPE, vocab_size=100, seed=0)
     for _ in range(SHAPE.num_turns):

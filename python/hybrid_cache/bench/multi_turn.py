@@ -75,11 +75,19 @@ class TurnReuse:
     hit_tokens: int = 0
     reusable_tokens: int = 0
     prompt_tokens: int = 0
+    # Hit tokens counting a preempted request's recomputation: per request the fewest tokens
+    # any of its schedulings took from the cache.
+    net_hit_tokens: int = 0
 
     @property
     def hit_rate(self) -> Optional[float]:
         """Hit over reusable tokens; None for turn 0 (nothing was computed earlier)."""
         return self.hit_tokens / self.reusable_tokens if self.reusable_tokens else None
+
+    @property
+    def net_hit_rate(self) -> Optional[float]:
+        """`hit_rate` net of what preempted requests recomputed."""
+        return self.net_hit_tokens / self.reusable_tokens if self.reusable_tokens else None
 
 
 @dataclass
@@ -93,6 +101,10 @@ class ReuseFigures:
         return sum(turn.hit_tokens for turn in self.turns if turn.turn > 0)
 
     @property
+    def net_hit_tokens(self) -> int:
+        return sum(turn.net_hit_tokens for turn in self.turns if turn.turn > 0)
+
+    @property
     def reusable_tokens(self) -> int:
         return sum(turn.reusable_tokens for turn in self.turns)
 
@@ -102,18 +114,28 @@ class ReuseFigures:
         reusable = self.reusable_tokens
         return self.hit_tokens / reusable if reusable else None
 
+    @property
+    def net_hit_rate(self) -> Optional[float]:
+        """`hit_rate` net of what preempted requests recomputed (None with one turn only)."""
+        reusable = self.reusable_tokens
+        return self.net_hit_tokens / reusable if reusable else None
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "reusable_hit_rate": self.hit_rate,
+            "reusable_net_hit_rate": self.net_hit_rate,
             "hit_tokens": self.hit_tokens,
+            "net_hit_tokens": self.net_hit_tokens,
             "reusable_tokens": self.reusable_tokens,
             "turns": [
                 {
                     "turn": turn.turn,
                     "hit_tokens": turn.hit_tokens,
+                    "net_hit_tokens": turn.net_hit_tokens,
                     "reusable_tokens": turn.reusable_tokens,
                     "prompt_tokens": turn.prompt_tokens,
                     "hit_rate": turn.hit_rate,
+                    "net_hit_rate": turn.net_hit_rate,
                 }
                 for turn in self.turns
             ],
@@ -168,11 +190,13 @@ class MultiTurnFeed:
 
     def record(self, request: Any) -> None:
         """A finished request of the current wave (`request_id`, `prompt_token_ids`,
-        `output_token_ids`, `num_cached_tokens`); the next wave follows the last of them."""
+        `output_token_ids`, `num_cached_tokens`, and `min_cached_tokens` where the engine counts
+        recomputation after preemptions); the next wave follows the last of them."""
         self._in_flight.remove(request.request_id)
         session = int(request.request_id[1:].split("-t")[0])
         figures = self.reuse.turns[-1]
         figures.hit_tokens += request.num_cached_tokens
+        figures.net_hit_tokens += getattr(request, "min_cached_tokens", request.num_cached_tokens)
         figures.prompt_tokens += len(request.prompt_token_ids)
         previous = self._previous[session]
         if previous is not None:

@@ -155,11 +155,13 @@ def format_reuse(result: RunResult) -> str:
         f"t{turn.turn} {turn.hit_rate:.0%}" for turn in reuse.turns if turn.hit_rate is not None
     )
     overall = "n/a (one turn)" if reuse.hit_rate is None else f"{reuse.hit_rate:.1%}"
+    net = "" if reuse.net_hit_rate is None else f"{reuse.net_hit_rate:.1%}"
     first = reuse.turns[0].hit_tokens if reuse.turns else 0
     return (
         f"Reusable-token hit rate: {overall} ({reuse.hit_tokens} of {reuse.reusable_tokens} "
-        f"tokens an earlier turn computed; per turn: {per_turn or '-'}); turn 0 hit {first} "
-        "system-prompt tokens"
+        f"tokens an earlier turn computed; per turn: {per_turn or '-'}); "
+        + (f"{net} net of what preempted requests recomputed; " if net else "")
+        + f"turn 0 hit {first} system-prompt tokens"
     )
 
 

@@ -105,8 +105,11 @@ class Request:
         self.eos_stop_ids: frozenset[int] = eos_stop_ids
         self.finish_reason: Optional[FinishReason] = None
         self.error: Optional[Exception] = None  # set when finish_reason is ERROR
-        # Figures: prompt tokens served from the prefix cache at first scheduling, preemptions.
+        # Figures: prompt tokens served from the prefix cache at first scheduling, the fewest
+        # served at any scheduling (a preempted request may recompute some it hit at first),
+        # preemptions.
         self.num_cached_tokens: int = 0
+        self.min_cached_tokens: int = 0
         self.num_preemptions: int = 0
         self.has_been_scheduled: bool = False
         self.arrival_time: float = time.time() if arrival_time is None else arrival_time

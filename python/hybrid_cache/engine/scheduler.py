@@ -502,9 +502,11 @@ class Scheduler:
         self.held.pop(request.request_id, None)
         self._unqueue(request)
         if not request.has_been_scheduled:
-            request.num_cached_tokens = num_hit_tokens
+            request.num_cached_tokens = request.min_cached_tokens = num_hit_tokens
             request.has_been_scheduled = True
             request.first_scheduled_time = time.time()
+        elif num_hit_tokens < request.min_cached_tokens:
+            request.min_cached_tokens = num_hit_tokens  # resumed after a preemption
         request.num_computed_tokens = num_hit_tokens
         request.replay_frontier = self.kv_cache.replay_frontier(request) if num_hit_tokens else 0
         request.status = RequestStatus.RUNNING
