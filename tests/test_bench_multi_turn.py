@@ -52,6 +52,22 @@ def finish(feed: MultiTurnFeed, request_id: str, prompt: list[int], hit: int, ou
     )
 
 
+def gpt_oss_at_a_third(**flags):
+    """The hybrid engine, simulated, on BENCHMARKS.md's multi-turn workload (12 sessions x 4
+    turns, windows of 64) with tiny-gpt-oss at a third of what uniform needs (2.25 MiB)."""
+    shape = MultiTurnShape(
+        num_sessions=12, num_turns=4, system_len=64, turn_input_len=96, output_len=32
+    )
+    settings = BenchSettings.for_multi_turn(
+        "tiny-gpt-oss",
+        shape,
+        kv_cache_memory="2.25MiB",
+        hf_overrides={"sliding_window": 64},
+        **flags,
+    )
+    return simulate_mode(settings, "hybrid")
+
+
 def test_feed_resends_the_history_wave_by_wave() -> None:
     feed = MultiTurnFeed(SHAPE, vocab_size=100, seed=3)
     first = feed.next_prompts()
@@ -101,20 +117,7 @@ def test_the_net_rate_counts_what_a_preempted_request_recomputed() -> None:
     assert feed.reuse.net_hit_rate == pytest.approx(80 / 141)
     assert feed.reuse.to_dict()["turns"][1]["net_hit_tokens"] == 80
 
-    shape = MultiTurnShape(
-        num_sessions=12, num_turns=4, system_len=64, turn_input_len=96, output_len=32
-    )
-    results = {}
-    for policy in ("lpm", "fcfs"):
-        settings = BenchSettings.for_multi_turn(
-            "tiny-gpt-oss",
-            shape,
-            kv_cache_memory="2.25MiB",
-            hf_overrides={"sliding_window": 64},
-            scheduling_policy=policy,
-        )
-        results[policy] = simulate_mode(settings, "hybrid")
-    lpm, fcfs = results["lpm"], results["fcfs"]
+    lpm, fcfs = (gpt_oss_at_a_third(scheduling_policy=policy) for policy in ("lpm", "fcfs"))
     assert lpm.num_preemptions > 0 and lpm.reuse.net_hit_tokens < lpm.reuse.hit_tokens
     assert fcfs.num_preemptions == 0 and fcfs.reuse.net_hit_tokens == fcfs.reuse.hit_tokens
 
@@ -229,21 +232,11 @@ def test_protected_chains_keep_round_robin_sessions_hitting_where_lru_flushes() 
     turns; protected chains keep a fixed subset of the sessions whole. In arrival order
     (`fcfs`): "lpm" would take the sessions whose histories are cached first, which is not the
     round robin this pattern stands for."""
-    shape = MultiTurnShape(
-        num_sessions=12, num_turns=4, system_len=64, turn_input_len=96, output_len=32
-    )
     rates = {}
     for fraction in (0.0, 0.75):
-        settings = BenchSettings.for_multi_turn(
-            "tiny-gpt-oss",
-            shape,
-            kv_cache_memory="2.25MiB",
-            max_num_seqs=1,
-            scheduling_policy="fcfs",
-            hf_overrides={"sliding_window": 64},
-            protected_prefix_fraction=fraction,
+        result = gpt_oss_at_a_third(
+            max_num_seqs=1, scheduling_policy="fcfs", protected_prefix_fraction=fraction
         )
-        result = simulate_mode(settings, "hybrid")
         assert result.num_requests == 48
         rates[fraction] = result.reuse
     lru, protected = rates[0.0], rates[0.75]

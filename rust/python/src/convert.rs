@@ -38,11 +38,14 @@ pub fn int64s(name: &str, values: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
 pub fn token_ids(values: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     int64s("token ids", values)?
         .into_iter()
-        .map(|token| {
-            u32::try_from(token)
-                .map_err(|_| invalid_argument(format!("token id {token} is outside 0..2^32")))
-        })
+        .map(token_id)
         .collect()
+}
+
+/// One token id: an int in `0..2^32`.
+fn token_id(token: i64) -> PyResult<u32> {
+    u32::try_from(token)
+        .map_err(|_| invalid_argument(format!("token id {token} is outside 0..2^32")))
 }
 
 /// A Python list of token ids converted only as far as the core reads it (`PromptPrefix`):
@@ -90,12 +93,7 @@ impl PromptPrefix for ListTokens<'_, '_> {
                     "token ids must be a 1-d sequence of ints".into(),
                 ))
             })?;
-            let token = u32::try_from(token).map_err(|_| {
-                ReadError(invalid_argument(format!(
-                    "token id {token} is outside 0..2^32"
-                )))
-            })?;
-            self.converted.push(token);
+            self.converted.push(token_id(token).map_err(ReadError)?);
         }
         Ok(&self.converted[..num_tokens])
     }

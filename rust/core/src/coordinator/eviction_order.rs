@@ -11,10 +11,10 @@
 //!
 //! A released block in one of those windows joins the `Normal` tier; any other joins `Low`,
 //! which is evicted first (keyless blocks go before both). With protection on, the window of a
-//! hit point other running requests share (`shared_hit_point`) joins the protected tier. When the request is freed, the
-//! window-released blocks of both points that are still cached are touched again
-//! (`retouch_hit_points`) and freed with the rest, so they are as recent as the request's tail
-//! instead of as old as the moment the window left them.
+//! hit point other running requests share (`shared_hit_point`) joins the protected tier. When
+//! the request is freed, the window-released blocks of both points that are still cached are
+//! touched again (`retouch_hit_points`) and freed with the rest, so they are as recent as the
+//! request's tail instead of as old as the moment the window left them.
 //!
 //! Free order (`order_for_free`): by the token position each block ends at, last first, across
 //! groups, so the free queue evicts the chain from its tail backwards in every group at once:

@@ -108,16 +108,16 @@ impl Protected {
                 debug_assert!(freed.is_ok(), "the block was just touched");
             }
         }
-        self.count + blocks <= self.budget
+        self.has_room(blocks)
     }
 
-    /// Records the blocks of `keyed` (a request freed into the `High` tier, with the keys they
-    /// are cached under) that are free now as protected.
     /// Whether `blocks` more fit under the budget now (no demotion, no tick of the clock).
     pub fn has_room(&self, blocks: usize) -> bool {
         self.count + blocks <= self.budget
     }
 
+    /// Records the blocks of `keyed` (a request freed into the `High` tier, with the keys they
+    /// are cached under) that are free now as protected.
     pub fn joined<P: BlockAllocator>(&mut self, pool: &P, keyed: &[(BlockId, CacheKey)]) {
         for &(block, key) in keyed {
             let index = block as usize;
