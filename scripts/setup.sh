@@ -9,7 +9,7 @@ PYTHON=${PYTHON:-python3}
 # Everything the tests and the engine import. pip skips what is already satisfied, so a machine that
 # already has torch never downloads it again.
 DEPS=(numpy pytest hypothesis ruff maturin torch safetensors tqdm transformers matplotlib
-      fastapi uvicorn pydantic prometheus_client httpx openai)
+      fastapi uvicorn uvloop httptools pydantic prometheus_client aiohttp httpx openai)
 missing=()
 for dep in "${DEPS[@]}"; do
     if ! "$PYTHON" -m pip show -q "$dep" >/dev/null 2>&1; then missing+=("$dep"); fi

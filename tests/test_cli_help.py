@@ -72,6 +72,9 @@ BLOCKED = [
     "pydantic",
     "prometheus_client",
     "httpx",
+    "aiohttp",
+    "uvloop",
+    "httptools",
     "openai",
 ]
 BLOCKER = textwrap.dedent(

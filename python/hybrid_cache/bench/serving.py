@@ -1,4 +1,4 @@
-"""`hybrid-cache bench serve`: load on a running server over real HTTP (httpx, async), in the
+"""`hybrid-cache bench serve`: load on a running server over real HTTP (aiohttp, async), in the
 shape of `vllm bench serve`.
 
 The prompts are the offline benchmark's (`workload.py`: seeded random token ids, the first
@@ -7,6 +7,10 @@ sent as token ids to `/v1/completions` with `stream`, greedy, `ignore_eos` and `
 output_len`, so each request generates exactly `output_len` tokens whatever the weights.
 Requests start at `request_rate` per second (Poisson arrivals, seeded; inf: all at once), at
 most `max_concurrency` at a time.
+
+The client is aiohttp (C-accelerated HTTP parsing), as `vllm bench serve`'s: on a machine where
+the client shares the cores with the server, its own CPU time is taken from the engine's (httpx
+took about three times as much CPU per streamed token; BENCHMARKS.md, "Serving").
 
 Per request: TTFT (sending to the first chunk with tokens), ITL (between chunks with tokens),
 TPOT ((latency - TTFT) / (tokens - 1)) and its tokens (`return_token_ids`); overall: requests
@@ -23,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import httpx
+import aiohttp
 
 from hybrid_cache.bench.errors import BenchConfigError
 from hybrid_cache.bench.multi_turn import MultiTurnFeed
@@ -132,17 +136,21 @@ def make_feed(settings: ServeBenchSettings, vocab_size: int) -> Any:
     return RandomFeed(prompts)
 
 
-async def served_model(client: httpx.AsyncClient, settings: ServeBenchSettings) -> dict[str, Any]:
+async def served_model(
+    client: aiohttp.ClientSession, settings: ServeBenchSettings
+) -> dict[str, Any]:
     """The `/v1/models` entry of the model to load (`--model`, else the first)."""
     try:
-        response = await client.get("/v1/models")
-    except httpx.HTTPError as error:
-        raise BenchConfigError(f"cannot reach {settings.base_url}: {error}") from error
-    if response.status_code != 200:
+        async with client.get(_url(settings, "/v1/models")) as response:
+            body = await response.text()
+            status = response.status
+    except (aiohttp.ClientError, asyncio.TimeoutError) as error:
         raise BenchConfigError(
-            f"GET {settings.base_url}/v1/models answered {response.status_code}: {response.text}"
-        )
-    models = response.json()["data"]
+            f"cannot reach {settings.base_url}: {type(error).__name__}: {error}"
+        ) from error
+    if status != 200:
+        raise BenchConfigError(f"GET {settings.base_url}/v1/models answered {status}: {body}")
+    models = json.loads(body)["data"]
     for entry in models:
         if settings.model is None or entry["id"] == settings.model:
             return entry
@@ -150,8 +158,12 @@ async def served_model(client: httpx.AsyncClient, settings: ServeBenchSettings) 
     raise BenchConfigError(f"the server does not serve {settings.model!r}; it serves {names}")
 
 
+def _url(settings: ServeBenchSettings, path: str) -> str:
+    return settings.base_url.rstrip("/") + path
+
+
 async def send(
-    client: httpx.AsyncClient, model: str, settings: ServeBenchSettings, record: RequestRecord
+    client: aiohttp.ClientSession, model: str, settings: ServeBenchSettings, record: RequestRecord
 ) -> None:
     """One streaming completion; fills `record` (its `error` when it failed)."""
     payload = {
@@ -167,16 +179,16 @@ async def send(
     start = time.perf_counter()
     last = start
     try:
-        async with client.stream("POST", "/v1/completions", json=payload) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {body[:200]}"
+        async with client.post(_url(settings, "/v1/completions"), json=payload) as response:
+            if response.status != 200:
+                body = (await response.read()).decode(errors="replace")
+                record.error = f"HTTP {response.status}: {body[:200]}"
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
+            async for line in response.content:  # one SSE line at a time
+                if not line.startswith(b"data: "):
                     continue
-                data = line[6:]
-                if data == "[DONE]":
+                data = line[6:].rstrip()
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -194,7 +206,7 @@ async def send(
                 if chunk.get("usage"):
                     details = chunk["usage"].get("prompt_tokens_details") or {}
                     record.num_cached_tokens = details.get("cached_tokens") or 0
-    except httpx.HTTPError as error:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as error:
         record.error = f"{type(error).__name__}: {error}"
     finally:
         record.latency_s = time.perf_counter() - start
@@ -204,14 +216,11 @@ async def run_serve_bench(settings: ServeBenchSettings) -> dict[str, Any]:
     """Runs the load and returns `results_of`."""
     settings.check()
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-    limits = httpx.Limits(
-        max_connections=settings.max_concurrency or 1000, max_keepalive_connections=None
-    )
-    async with httpx.AsyncClient(
-        base_url=settings.base_url,
+    connector = aiohttp.TCPConnector(limit=settings.max_concurrency or 1000)
+    async with aiohttp.ClientSession(
         headers=headers,
-        timeout=settings.timeout_s,
-        limits=limits,
+        timeout=aiohttp.ClientTimeout(total=settings.timeout_s),
+        connector=connector,
     ) as client:
         entry = await served_model(client, settings)
         vocab_size = entry.get("vocab_size")

@@ -314,8 +314,8 @@ def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "warning
         port=port,
         log_level=log_level,
         access_log=False,
-        loop="asyncio",
-        http="h11",
+        loop="auto",
+        http="auto",
         lifespan="off",
         timeout_graceful_shutdown=5,
     )
