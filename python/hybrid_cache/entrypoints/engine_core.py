@@ -111,6 +111,11 @@ class _Tracked:
     sample_times: list[float] = field(default_factory=list)  # when each sample's last came
     first_token_seen: bool = False
     sent_prompt_logprobs: bool = False
+    single: Optional[Request] = None  # the request itself when it has one sample
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.item, SampleGroup):
+            self.single = self.item  # type: ignore[assignment]
 
     def children(self) -> list[Request]:
         item = self.item
@@ -257,6 +262,9 @@ class EngineCore:
 
     def _progress(self, tracked: _Tracked, now: float) -> None:
         """Token times for the metrics; with `stream`, the samples' deltas."""
+        if tracked.single is not None:
+            self._progress_single(tracked, tracked.single, now)
+            return
         children = tracked.children()
         self._observe_tokens(tracked, children, now)
         failed = next(
@@ -278,6 +286,37 @@ class EngineCore:
         output = self._stream_output(tracked, children)
         if output.deltas:
             self._events.append((OUTPUT, tracked.key, output))
+
+    def _progress_single(self, tracked: _Tracked, request: Request, now: float) -> None:
+        """`_progress` of a request with one sample (`n == 1`), the usual case: the same
+        events in fewer steps (it runs for every request after every step)."""
+        count = len(request.output_token_ids)
+        if count != tracked.sample_tokens[0]:
+            self._observe_tokens(tracked, [request], now)
+        if request.finish_reason is FinishReason.ERROR:
+            self._fail(tracked, request.error or RuntimeError(f"{request} failed"))
+            return
+        if not tracked.stream:
+            return
+        stream = tracked.samples[0]
+        interval = self.stream_interval
+        if (
+            interval > 1
+            and stream.num_tokens
+            and count - stream.num_tokens < interval
+            and not request.is_finished
+        ):
+            return
+        delta = stream.delta(request)
+        if delta is None:
+            return
+        output = StreamOutput(
+            tracked.request_id, None, [], [delta], num_cached_tokens=request.num_cached_tokens
+        )
+        if tracked.params.prompt_logprobs is not None and not tracked.sent_prompt_logprobs:
+            output.prompt_logprobs = list(request.prompt_logprobs)
+            tracked.sent_prompt_logprobs = True
+        self._events.append((OUTPUT, tracked.key, output))
 
     def _finish(self, tracked: _Tracked, now: float) -> None:
         """A finished (or aborted) request's last output, with its `RequestOutput`."""
