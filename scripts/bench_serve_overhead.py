@@ -8,7 +8,9 @@ HTTP client run here, one side at a time (each round in a rotated order over `--
 rounds; each side's best round counts). Then, per mode, TTFT at a request rate the engine
 sustains (`--rate-share` of that mode's measured request throughput, Poisson arrivals, no
 concurrency cap), against one decode step at the full batch plus the prefill of one prompt
-alone (both timed offline).
+alone (both timed offline). Each server round also reports the CPU seconds per 8192 streamed
+tokens of the server's process, its engine process and the client (Linux `/proc`): on a
+machine with few cores they share them, so what each costs is what the engine loses.
 
     python scripts/bench_serve_overhead.py --model tiny-gemma3 --concurrency 32
 """
@@ -53,6 +55,24 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 120.0) ->
         except OSError:
             time.sleep(0.2)
     raise RuntimeError("the server did not start")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (Linux `/proc`)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as file:
+        fields = file.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_split(pid: int) -> list[float]:
+    """CPU seconds so far of server process `pid`, of its children (the engine process in
+    `process` mode) and of this process (the HTTP client)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as file:
+            children = [int(child) for child in file.read().split()]
+    except OSError:
+        children = []
+    return [cpu_seconds(pid), sum(map(cpu_seconds, children)), time.process_time()]
 
 
 def main() -> None:
@@ -122,6 +142,9 @@ def main() -> None:
         offline: list[float] = []
         served: dict[str, list[float]] = {mode: [] for mode in servers}
         serve_results: dict[str, list[dict]] = {mode: [] for mode in servers}
+        # Per round: CPU seconds per 8192 streamed tokens of the server's process, of its
+        # children (the engine process in `process` mode) and of this one (the HTTP client).
+        cpu: dict[str, list[list[float]]] = {mode: [] for mode in servers}
         for round_index in range(args.repeat):
             shift = round_index % len(sides)
             for side in sides[shift:] + sides[:shift]:
@@ -132,7 +155,11 @@ def main() -> None:
                     offline.append(sum(len(o.token_ids) for o in outputs) / elapsed)
                     steps = len(llm.step_stats)
                 else:
+                    before = cpu_split(servers[side][0].pid)
                     results = asyncio.run(run_serve_bench(settings[side]))
+                    after = cpu_split(servers[side][0].pid)
+                    per = 8192 / results["total_output_tokens"]
+                    cpu[side].append([round((b - a) * per, 3) for a, b in zip(before, after)])
                     assert results["failed"] == 0, results["errors"]
                     served[side].append(results["output_throughput"])
                     serve_results[side].append(results)
@@ -162,6 +189,7 @@ def main() -> None:
                 # Server over offline within each round (run one after the other).
                 "ratio_per_round": [server / alone for server, alone in zip(served[mode], offline)],
                 "server_ttft_p99_ms_at_concurrency": serve_results[mode][best]["ttft"]["p99_ms"],
+                "cpu_s_per_8192_tokens_server_engine_client": cpu[mode],
                 "paced_request_rate": rate,
                 "paced_ttft_p99_ms": paced["ttft"]["p99_ms"],
                 "paced_ttft_median_ms": paced["ttft"]["median_ms"],
