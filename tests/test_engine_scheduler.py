@@ -44,10 +44,12 @@ class FakeKVCacheManager:
     def replay_frontier(self, request: Request) -> int:
         return 0  # no tail replays: every hit is a plain one
 
-    def allocate(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> bool:
+    def allocate(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int, reserve: int = 0
+    ) -> bool:
         needed = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
         extra = needed - self.held[request.request_id]
-        if extra > self.num_free_blocks:
+        if extra > 0 and extra + reserve > self.num_free_blocks:
             return False
         self.held[request.request_id] = max(needed, self.held[request.request_id])
         return True

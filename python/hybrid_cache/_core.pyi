@@ -158,10 +158,13 @@ class Coordinator:
         tokens reach F, full-attention KV below F must be read, never written."""
     def pending_hit_tokens(self, request_id: int) -> int:
         """Tokens of the pending hit (0 when none): the first `allocate` starts there or at 0."""
-    def allocate(self, request_id: int, num_computed_tokens: int, num_new_tokens: int) -> bool:
+    def allocate(
+        self, request_id: int, num_computed_tokens: int, num_new_tokens: int, reserve: int = 0
+    ) -> bool:
         """Releases blocks the window skipped, applies the pending hit, allocates blocks for
         `num_new_tokens` more tokens and caches newly full blocks. All or nothing: returns False
-        (nothing changed) when the pool lacks blocks. Also False when the pending hit was evicted
+        (nothing changed) when the pool lacks blocks, or would keep fewer than `reserve` free
+        blocks after this allocation (room left for others). Also False when the pending hit was evicted
         since `find_cache_hit` (other requests reused its blocks): the pending hit is then
         dropped; call `find_cache_hit` again (or start at 0).
 

@@ -55,6 +55,7 @@ class BenchSettings:
     enable_prefix_caching: bool = True
     scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
     hold_waiting_prefixes: bool = True
+    admission_headroom: str = "auto"
     tail_replay: bool = True
     token_tails: bool = True
     protected_prefix_fraction: float = DEFAULT_PROTECTED_PREFIX_FRACTION

@@ -56,6 +56,8 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 1024**2
 # longest cached prefix first (the default: it keeps the histories a wave of conversation turns
 # would hit; requests with nothing cached still go in arrival order; BENCHMARKS.md).
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "lpm")
+# `admission_headroom`: "auto" = on for pools with windowed groups (`scheduler.py`).
+ADMISSION_HEADROOM_CHOICES: tuple[str, ...] = ("auto", "on", "off")
 DEFAULT_SCHEDULING_POLICY = "lpm"
 # `--kv-cache-mode both` (plan, bench) runs each mode; a config holds one.
 BOTH_MODES = "both"
@@ -77,6 +79,7 @@ class SchedulerLimits:
     enable_prefix_caching: bool
     scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
     hold_waiting_prefixes: bool = True
+    admission_headroom: str = "auto"
     tail_replay: bool = True
     token_tails: bool = True
     protected_prefix_fraction: float = DEFAULT_PROTECTED_PREFIX_FRACTION
@@ -94,6 +97,10 @@ class EngineConfig:
     "lpm" (longest cached prefix first, the default) or "fcfs" (`scheduler.py`);
     `hold_waiting_prefixes`: a request takes its prefix-cache
     hit when it arrives, so admissions before it cannot evict it (`scheduler.py`);
+    `admission_headroom`: "on" = while requests run and others hold their hits, an admission
+    leaves free the blocks the running requests take at their next token, so their growth does
+    not preempt it at once; "auto" (the default) = on for pools with windowed groups, where
+    such a preemption loses the newcomer's whole hit; "off" (`scheduler.py`);
     `tail_replay`: a prefix hit whose windowed blocks were evicted keeps its full-attention
     blocks and recomputes only the windows (docs/DESIGN.md, "Tail replay");
     `token_tails`: a finished request's last, partly filled block stays cached under a key of
@@ -130,6 +137,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
     hold_waiting_prefixes: bool = True
+    admission_headroom: str = "auto"
     tail_replay: bool = True
     token_tails: bool = True
     protected_prefix_fraction: float = DEFAULT_PROTECTED_PREFIX_FRACTION
@@ -228,6 +236,13 @@ class EngineConfig:
             "--hold-waiting-prefixes",
             EngineConfigError,
             _hint("hold_waiting_prefixes"),
+        )
+        check_choice(
+            self.admission_headroom,
+            ADMISSION_HEADROOM_CHOICES,
+            "--admission-headroom",
+            EngineConfigError,
+            _hint("admission_headroom"),
         )
         check_bool(self.tail_replay, "--tail-replay", EngineConfigError, _hint("tail_replay"))
         check_bool(self.token_tails, "--token-tails", EngineConfigError, _hint("token_tails"))
@@ -328,6 +343,7 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             scheduling_policy=self.scheduling_policy,
             hold_waiting_prefixes=self.hold_waiting_prefixes,
+            admission_headroom=self.admission_headroom,
             tail_replay=self.tail_replay,
             token_tails=self.token_tails,
             protected_prefix_fraction=float(self.protected_prefix_fraction),
@@ -462,6 +478,12 @@ def add_engine_arguments(
         default=defaults.get("hold_waiting_prefixes", True),
         help="a request takes its prefix-cache hit on arrival, so admissions before it cannot "
         "evict it (released, newest first, when running requests need the blocks)",
+    )
+    add(
+        "admission_headroom",
+        help="auto|on|off: while requests run and others hold their hits, an admission leaves "
+        "free the blocks the running requests take at their next token, so their growth does "
+        "not preempt it at once (auto: on for models with sliding-window layers)",
     )
     add(
         "tail_replay",

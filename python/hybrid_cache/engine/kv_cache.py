@@ -71,6 +71,12 @@ class KVCacheManager:
         protected_blocks: Optional[int] = None,
     ) -> None:
         self.groups: list[_core.GroupSpec] = list(groups)
+        # Block sizes of the groups whose blocks grow with a request's context (a windowed
+        # group's stay level once its window is full: each new block replaces one it left).
+        self.growing_block_sizes: list[int] = [
+            group.block_size for group in self.groups if group.kind != "sliding_window"
+        ]
+        self.has_windows: bool = any(group.kind == "sliding_window" for group in self.groups)
         # R of the core's tail replay (None: off); see `replay_frontier`.
         self.tail_replay_tokens: Optional[int] = (
             tail_replay_tokens if enable_prefix_caching else None
@@ -179,10 +185,13 @@ class KVCacheManager:
             return 0
         return self.coordinator.probe_cache_hit(request.all_token_ids)
 
-    def allocate(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> bool:
-        """All or nothing: blocks for `num_new_tokens` more tokens (applies the pending hit)."""
+    def allocate(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int, reserve: int = 0
+    ) -> bool:
+        """All or nothing: blocks for `num_new_tokens` more tokens (applies the pending hit),
+        refused also when fewer than `reserve` free blocks would be left."""
         core_id = self.core_ids[request.request_id]
-        return self.coordinator.allocate(core_id, num_computed_tokens, num_new_tokens)
+        return self.coordinator.allocate(core_id, num_computed_tokens, num_new_tokens, reserve)
 
     def allocate_batch(
         self,

@@ -93,6 +93,8 @@ class LLMEngine:
             limits.max_num_batched_tokens,
             policy=limits.scheduling_policy,
             hold_waiting_prefixes=limits.hold_waiting_prefixes,
+            admission_headroom=limits.admission_headroom == "on"
+            or (limits.admission_headroom == "auto" and self.kv_cache.has_windows),
         )
         self.sampler: Sampler = Sampler(seed)
         self.model_runner: StepRunner = make_runner(self.kv_cache, self.sampler)

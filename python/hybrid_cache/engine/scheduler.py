@@ -28,6 +28,13 @@ holds released: the preempted requests' blocks stay cached too, and the held his
 the waves of a multi-turn workload would otherwise lose, are kept (`BENCHMARKS.md`: 83.9 ->
 90.0% of the history reused on tiny-gpt-oss at a third of uniform's memory).
 
+Admission headroom (`admission_headroom`, on by default for pools with windowed groups): while
+requests run and others hold their hits, an admission must leave free the blocks the running
+requests take at their next token. Otherwise the next step's growth preempts the newcomer at
+once (it is the newest), after its prefill, and with the holds pinning the pool its blocks are
+the only free ones, so they are evicted before it resumes: in a windowed group that loses its
+whole hit. Measured in BENCHMARKS.md ("Admission headroom").
+
 When the pool has no blocks for a running request, the newest running request is preempted by
 recompute: its blocks are freed and it goes back to the front of the waiting queue; when
 re-admitted it is re-added with prompt + output tokens so far (often hitting its own blocks in
@@ -167,10 +174,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: str = "fcfs",
         hold_waiting_prefixes: bool = True,
+        admission_headroom: bool = False,
     ) -> None:
         assert policy in SCHEDULING_POLICIES, f"policy {policy!r} is validated by the caller"
         self.policy: str = policy
         self.hold_waiting_prefixes: bool = hold_waiting_prefixes
+        self.admission_headroom: bool = admission_headroom
         # Waiting requests holding their prefix-cache hit: request id -> hit tokens (oldest
         # hold first).
         self.held: dict[str, int] = {}
@@ -448,7 +457,8 @@ class Scheduler:
             else:
                 row, num_hit_tokens = self.kv_cache.row_of(request), held
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
-            if not self.kv_cache.allocate(request, num_hit_tokens, num_new_tokens):
+            reserve = self._admission_reserve()
+            if not self.kv_cache.allocate(request, num_hit_tokens, num_new_tokens, reserve):
                 if self.running:
                     if held is None:
                         self.kv_cache.free(request)
@@ -474,6 +484,15 @@ class Scheduler:
             self._start(request, row, num_hit_tokens, num_new_tokens, output)
             token_budget -= num_new_tokens
 
+    def _admission_reserve(self) -> int:
+        """Free blocks an admission must leave (`admission_headroom`, while requests run and
+        others hold their hits): one per running request and growing group whose next token
+        starts a block, so the next step's growth does not preempt the newcomer."""
+        if not (self.admission_headroom and self.running and self.held):
+            return 0
+        sizes = self.kv_cache.growing_block_sizes
+        return sum(request.num_tokens % size == 0 for request in self.running for size in sizes)
+
     def _admit_held(self, token_budget: int, output: SchedulerOutput, blocked: Request) -> None:
         """While `blocked` (the next in line) waits for blocks, the waiting requests holding
         their hit start, in arrival order, where the blocks for their new tokens fit: they
@@ -486,7 +505,7 @@ class Scheduler:
                 return
             hit = self.held[request.request_id]
             num_new_tokens = min(request.num_tokens - hit, token_budget)
-            if self.kv_cache.allocate(request, hit, num_new_tokens):
+            if self.kv_cache.allocate(request, hit, num_new_tokens, self._admission_reserve()):
                 self._start(request, self.kv_cache.row_of(request), hit, num_new_tokens, output)
                 token_budget -= num_new_tokens
 

@@ -862,3 +862,32 @@ fn a_probe_finds_the_hit_a_request_would_get_and_changes_nothing() {
         "the hit the probe promised"
     );
 }
+
+#[test]
+fn allocate_keeping_a_reserve_counts_the_blocks_a_window_releases() {
+    // Full B = 4 and window B = 4, W = 4, 9 usable blocks. Request 1 computes 8 tokens: 2 full
+    // blocks and 2 window blocks, 5 blocks free. Its next step (tokens 8..12) takes a full
+    // block and a window block and releases window block 0 (out of the window): 1 block net,
+    // so a reserve of 4 is kept and one of 5 is not (refused, nothing changed).
+    let mut c = coordinator(10, vec![full(4), window(4, 4)]);
+    add(&mut c, 1, &tokens(12));
+    assert!(allocate(&mut c, 1, 0, 8));
+    assert_eq!(c.pool().num_free_blocks(), 5);
+    let rows = [0, 1].map(|g| c.request_blocks(1, g).unwrap().to_vec());
+    let step = AllocateStep {
+        request_id: 1,
+        num_computed_tokens: 8,
+        num_new_tokens: 4,
+    };
+    assert!(!c.allocate_keeping(step, 5).unwrap());
+    assert_eq!(
+        c.pool().num_free_blocks(),
+        5,
+        "a refused allocate changes nothing"
+    );
+    for (group, row) in rows.iter().enumerate() {
+        assert_eq!(c.request_blocks(1, group).unwrap(), &row[..]);
+    }
+    assert!(c.allocate_keeping(step, 4).unwrap());
+    assert_eq!(c.pool().num_free_blocks(), 4);
+}

@@ -343,18 +343,21 @@ impl PyCoordinator {
         self.inner.pending_hit_tokens(request_id).map_err(to_py)
     }
 
+    #[pyo3(signature = (request_id, num_computed_tokens, num_new_tokens, reserve = 0))]
     fn allocate(
         &mut self,
         request_id: i64,
         num_computed_tokens: i64,
         num_new_tokens: i64,
+        reserve: i64,
     ) -> PyResult<bool> {
         let step = AllocateStep {
             request_id: crate::convert::request_id(request_id)?,
             num_computed_tokens: size("num_computed_tokens", num_computed_tokens)?,
             num_new_tokens: size("num_new_tokens", num_new_tokens)?,
         };
-        self.inner.allocate(step).map_err(to_py)
+        let reserve = size("reserve", reserve)?;
+        self.inner.allocate_keeping(step, reserve).map_err(to_py)
     }
 
     fn allocate_batch(

@@ -47,8 +47,19 @@ impl<P: BlockAllocator> Coordinator<P> {
     /// `find_cache_hit` (other requests' allocations reused its blocks): then the pending hit is
     /// dropped, and the request must call `find_cache_hit` again (or start at 0).
     pub fn allocate(&mut self, step: AllocateStep) -> Result<bool, CoreError> {
+        self.allocate_keeping(step, 0)
+    }
+
+    /// `allocate`, also refused (`Ok(false)`, nothing changed) when fewer than `reserve` free
+    /// blocks would be left after it: an admission that leaves the running requests room to
+    /// grow, so they do not preempt it (or another) at their next block.
+    pub fn allocate_keeping(
+        &mut self,
+        step: AllocateStep,
+        reserve: usize,
+    ) -> Result<bool, CoreError> {
         self.validate_step(&step)?;
-        self.allocate_validated(step)
+        self.allocate_validated(step, reserve)
     }
 
     /// `allocate` for each step in order; stops at the first request that does not fit and
@@ -74,7 +85,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             state.last_batch = batch_number;
         }
         for (done, step) in steps.iter().enumerate() {
-            if !self.allocate_validated(*step)? {
+            if !self.allocate_validated(*step, 0)? {
                 return Ok(done);
             }
         }
@@ -85,7 +96,11 @@ impl<P: BlockAllocator> Coordinator<P> {
         check_step(&self.config, self.request(step.request_id)?, step)
     }
 
-    fn allocate_validated(&mut self, step: AllocateStep) -> Result<bool, CoreError> {
+    fn allocate_validated(
+        &mut self,
+        step: AllocateStep,
+        reserve: usize,
+    ) -> Result<bool, CoreError> {
         let computed = step.num_computed_tokens;
         let total = computed + step.num_new_tokens;
         let state = self.requests.get_mut(&step.request_id).expect("validated");
@@ -175,7 +190,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             num_new += manager.num_new_blocks(row_len, cover(group));
         }
         let needed = num_new + hit_blocks_now_free;
-        if needed > 0 && needed > self.pool.num_free_blocks() + released_to_free {
+        if needed > 0 && needed + reserve > self.pool.num_free_blocks() + released_to_free {
             state.pending_hit = hit;
             return Ok(false);
         }
