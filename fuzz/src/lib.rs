@@ -418,9 +418,17 @@ impl<P: BlockAllocator> Harness<P> {
             }
             Op::FindHit { id } => self.find_hit(u64::from(id % NUM_IDS)),
             Op::Step { id, new } => {
+                // An id's high bit (ids are taken modulo `NUM_IDS`) asks `allocate_keeping` to
+                // leave all but `new % 8` of the free blocks free (a reserve that binds).
+                let reserve = if *id >= 128 {
+                    let free = self.coordinator.pool().num_free_blocks();
+                    free.saturating_sub(usize::from(*new % 8))
+                } else {
+                    0
+                };
                 let id = u64::from(id % NUM_IDS);
                 if let Some(step) = self.well_formed_step(id, usize::from(*new)) {
-                    self.allocate(step);
+                    self.allocate(step, reserve);
                 } else if self.requests.contains_key(&id) {
                     self.free(id); // finished
                 }
@@ -431,7 +439,7 @@ impl<P: BlockAllocator> Harness<P> {
                     num_computed_tokens: usize::from(*computed),
                     num_new_tokens: usize::from(*new),
                 };
-                self.allocate(step);
+                self.allocate(step, 0);
             }
             Op::Batch { ids, new } => self.batch(ids, usize::from(*new)),
             Op::Append { id, tokens } => {
@@ -587,10 +595,13 @@ impl<P: BlockAllocator> Harness<P> {
             || (request.num_allocated > 0 && computed > request.num_allocated)
     }
 
-    fn allocate(&mut self, step: AllocateStep) {
+    /// `allocate_keeping(step, reserve)` (`allocate` when `reserve` is 0): an accepted step
+    /// leaves `reserve` blocks free, or took none (its releases cover it).
+    fn allocate(&mut self, step: AllocateStep, reserve: usize) {
         let before = self.snapshot();
         let invalid = self.step_is_invalid(&step);
-        let result = self.coordinator.allocate(step);
+        let free_before = self.coordinator.pool().num_free_blocks();
+        let result = self.coordinator.allocate_keeping(step, reserve);
         match result {
             Err(error) => {
                 assert!(invalid, "allocate({step:?}) refused with {error:?}");
@@ -599,11 +610,16 @@ impl<P: BlockAllocator> Harness<P> {
             Ok(done) => {
                 assert!(!invalid, "allocate({step:?}) accepted invalid arguments");
                 if done {
+                    let free = self.coordinator.pool().num_free_blocks();
+                    assert!(
+                        free >= reserve.min(free_before),
+                        "allocate_keeping({step:?}, {reserve}) left {free} of {free_before} free"
+                    );
                     self.after_allocated(&[step]);
                     let hit_blocks = self.applied(step, &before, true);
                     self.check_lru_after_allocate(step.request_id, &before, &hit_blocks);
                 } else {
-                    self.refused(step, &before);
+                    self.refused(step, &before, reserve);
                 }
             }
         }
@@ -837,7 +853,7 @@ impl<P: BlockAllocator> Harness<P> {
 
     /// After `allocate` returned false: nothing changed but (maybe) the pending hit, and the
     /// pool really lacked blocks unless the hit was evicted.
-    fn refused(&mut self, step: AllocateStep, before: &Snapshot) {
+    fn refused(&mut self, step: AllocateStep, before: &Snapshot, reserve: usize) {
         assert_eq!(
             before,
             &self.snapshot(),
@@ -865,8 +881,9 @@ impl<P: BlockAllocator> Harness<P> {
             .sum();
         let free = self.coordinator.pool().num_free_blocks();
         assert!(
-            hit_dropped || free < most_needed,
-            "allocate({step:?}) refused with {free} free blocks, at most {most_needed} needed"
+            hit_dropped || free < most_needed + reserve,
+            "allocate({step:?}) refused with {free} free blocks, at most {most_needed} needed \
+             and {reserve} kept"
         );
     }
 
