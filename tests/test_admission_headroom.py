@@ -1,5 +1,5 @@
 """Admission headroom (`Scheduler(admission_headroom=True)`), over the real core: while requests
-run and others hold their hits, an admission leaves free the blocks the running requests take
+run and waiting requests hold hits, an admission leaves free the blocks the running requests take
 at their next token.
 
 One full-attention group of 4-token blocks, 9 usable blocks. P leaves 3 cached blocks. R runs
@@ -59,8 +59,8 @@ def test_with_headroom_the_newcomer_waits_and_runs_once():
 
 
 def test_no_headroom_is_kept_when_nothing_holds():
-    # The same scene without holds: W2 is admitted (the reserve applies only while others hold
-    # hits, where a preempted newcomer's blocks are the only free ones).
+    # The same scene without holds: W2 is admitted (the reserve applies only while waiting
+    # requests hold hits, where a preempted newcomer's blocks are the only free ones).
     kv = make_kv(num_blocks=10)
     scheduler = Scheduler(
         kv,

@@ -97,7 +97,7 @@ class EngineConfig:
     "lpm" (longest cached prefix first, the default) or "fcfs" (`scheduler.py`);
     `hold_waiting_prefixes`: a request takes its prefix-cache
     hit when it arrives, so admissions before it cannot evict it (`scheduler.py`);
-    `admission_headroom`: "on" = while requests run and others hold their hits, an admission
+    `admission_headroom`: "on" = while requests run and waiting requests hold hits, an admission
     leaves free the blocks the running requests take at their next token, so their growth does
     not preempt it at once; "auto" (the default) = on for pools with windowed groups, where
     such a preemption loses the newcomer's whole hit; "off" (`scheduler.py`);
@@ -481,7 +481,7 @@ def add_engine_arguments(
     )
     add(
         "admission_headroom",
-        help="auto|on|off: while requests run and others hold their hits, an admission leaves "
+        help="auto|on|off: while requests run and waiting requests hold hits, an admission leaves "
         "free the blocks the running requests take at their next token, so their growth does "
         "not preempt it at once (auto: on for models with sliding-window layers)",
     )

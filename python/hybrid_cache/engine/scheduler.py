@@ -29,7 +29,7 @@ the waves of a multi-turn workload would otherwise lose, are kept (`BENCHMARKS.m
 90.0% of the history reused on tiny-gpt-oss at a third of uniform's memory).
 
 Admission headroom (`admission_headroom`, on by default for pools with windowed groups): while
-requests run and others hold their hits, an admission must leave free the blocks the running
+requests run and waiting requests hold hits, an admission must leave free the blocks the running
 requests take at their next token. Otherwise the next step's growth preempts the newcomer at
 once (it is the newest), after its prefill, and with the holds pinning the pool its blocks are
 the only free ones, so they are evicted before it resumes: in a windowed group that loses its
@@ -486,8 +486,9 @@ class Scheduler:
 
     def _admission_reserve(self) -> int:
         """Free blocks an admission must leave (`admission_headroom`, while requests run and
-        others hold their hits): one per running request and growing group whose next token
-        starts a block, so the next step's growth does not preempt the newcomer."""
+        waiting requests, the newcomer among them, hold hits): one per running request and
+        growing group whose next token starts a block, so the next step's growth does not
+        preempt the newcomer."""
         if not (self.admission_headroom and self.running and self.held):
             return 0
         sizes = self.kv_cache.growing_block_sizes
