@@ -164,9 +164,9 @@ class Coordinator:
         """Releases blocks the window skipped, applies the pending hit, allocates blocks for
         `num_new_tokens` more tokens and caches newly full blocks. All or nothing: returns False
         (nothing changed) when the pool lacks blocks, or would keep fewer than `reserve` free
-        blocks after this allocation (room left for others). Also False when the pending hit was evicted
-        since `find_cache_hit` (other requests reused its blocks): the pending hit is then
-        dropped; call `find_cache_hit` again (or start at 0).
+        blocks after this allocation (room left for others). Also False when the pending hit was
+        evicted since `find_cache_hit` (other requests reused its blocks): the pending hit is
+        then dropped; call `find_cache_hit` again (or start at 0).
 
         The first allocate of a request starts at 0 computed tokens or at its pending hit; later
         ones never go back, never pass the tokens that have slots or are known, and ask for at
