@@ -195,6 +195,8 @@ class ModelRunner:
             index for index, group in enumerate(kv_cache.groups) if group.kind == "full"
         )
         self.may_replay: bool = kv_cache.tail_replay_tokens is not None
+        # The last step's sampling columns and what they were taken from (`_columns`).
+        self._last_columns: Optional[tuple[list[Request], list[bool], SamplingColumns]] = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -218,7 +220,7 @@ class ModelRunner:
             requests, output.rows, num_computed, query_lens
         )
         metadata = metadata_to(metadata, self.device)
-        columns = _sampling_columns(output.samples, requests)
+        columns = self._columns(output.samples, requests)
         prompt_plan = _prompt_logprob_plan(requests, num_computed, query_lens)
         with set_forward_context(metadata, self.kv_caches):
             hidden = self.model(input_ids.to(self.device), positions.to(self.device))
@@ -238,7 +240,7 @@ class ModelRunner:
             )
         else:
             token_ids = []
-        columns = _sampling_columns(output.samples, requests)
+        columns = self._columns(output.samples, requests)
         prompt_plan = _prompt_logprob_plan(requests, num_computed, query_lens)
         logit_rows: dict[str, Any] = {}
         if self.vocab_parallel and requests:
@@ -267,6 +269,22 @@ class ModelRunner:
             with set_forward_context(metadata, self.kv_caches):
                 hidden = self.model(input_ids.to(self.device), positions.to(self.device))
         return self._sample(hidden, requests, query_lens, columns, prompt_plan)
+
+    def _columns(self, samples: list[bool], requests: list[Request]) -> SamplingColumns:
+        """`_sampling_columns`, or the last step's when the batch is the same requests in the
+        same order sampling alike (most decode steps): a request's id, params and logprob
+        count never change, so neither do its columns. The check is two C-level passes."""
+        last = self._last_columns
+        if (
+            last is not None
+            and last[1] == samples
+            and len(last[0]) == len(requests)
+            and all(map(operator.is_, last[0], requests))
+        ):
+            return last[2]
+        columns = _sampling_columns(samples, requests)
+        self._last_columns = (list(requests), list(samples), columns)
+        return columns
 
     def _compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
         """The LM head over `rows` (a collective when it is vocabulary-parallel: a failed rank

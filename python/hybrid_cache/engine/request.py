@@ -6,7 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Optional, Union
 
-from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
+from hybrid_cache.engine.detokenizer import IncrementalDetokenizer, StopFlags
 from hybrid_cache.engine.logprobs import take_rows
 from hybrid_cache.engine.sampling_params import SamplingParams
 
@@ -26,6 +26,21 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
     ERROR = "error"
+
+
+# Stop-token sets by value, so requests asking alike share one object: every step reads each
+# running request's set, and a shared one stays in the CPU caches (the forward evicts the rest).
+_STOP_SETS: dict[frozenset[int], frozenset[int]] = {}
+_MAX_STOP_SETS = 256
+
+
+def _shared_stop_set(stop_ids: frozenset[int]) -> frozenset[int]:
+    shared = _STOP_SETS.get(stop_ids)
+    if shared is None:
+        if len(_STOP_SETS) >= _MAX_STOP_SETS:
+            _STOP_SETS.clear()
+        shared = _STOP_SETS[stop_ids] = stop_ids
+    return shared
 
 
 class Request:
@@ -71,12 +86,22 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens: int = 0
         self.output_token_ids: list[int] = []
-        self.stop_token_id_set: frozenset[int] = eos_stop_ids.union(sampling_params.stop_token_ids)
+        self.stop_token_id_set: frozenset[int] = _shared_stop_set(
+            eos_stop_ids.union(sampling_params.stop_token_ids)
+        )
         self.min_tokens: int = sampling_params.min_tokens
         self._length_limit: int = min(
             len(prompt_token_ids) + sampling_params.max_tokens, max_total_tokens
         )
         self.checks_stop_strings: bool = detokenizer is not None and bool(sampling_params.stop)
+        # Which tokens may complete a stop string (the detokenizer's, shared by requests with
+        # the same stop strings; None: every token is decoded as it comes), and whether the
+        # detokenizer holds tokens back (then the next token is decoded whatever it is): read
+        # here, a step touches the detokenizer only for the tokens it decodes.
+        self.stop_flags: Optional[StopFlags] = (
+            detokenizer.stop_flags if detokenizer is not None else None
+        )
+        self.holds_text: bool = False
         self.detokenizer: Optional[IncrementalDetokenizer] = detokenizer
         # Metrics (time.time() seconds), set by the scheduler.
         self.last_token_time: Optional[float] = None
@@ -168,14 +193,15 @@ class Request:
             self.stop_reason = None if token_id in self.eos_stop_ids else token_id
             return FinishReason.STOP
         if self.checks_stop_strings:
-            detokenizer = self.detokenizer
-            assert detokenizer is not None
-            flags = detokenizer.stop_flags
+            flags = self.stop_flags
             # A token that cannot complete a stop string waits undecoded (`detokenizer.py`).
-            if flags is None or flags[token_id] or detokenizer.num_unflushed:
+            if flags is None or flags[token_id] or self.holds_text:
+                detokenizer = self.detokenizer
+                assert detokenizer is not None
                 stop = detokenizer.catch_up_and_match(
                     output_token_ids, len(output_token_ids) > self.min_tokens
                 )
+                self.holds_text = detokenizer.num_unflushed > 0
                 if stop is not None:
                     self.stop_reason = stop
                     return FinishReason.STOP
