@@ -117,3 +117,67 @@ def test_the_native_decode_inputs_refuse_bad_input() -> None:
         decode_inputs_cpu(table, [2, 0], [9, 0], [4, 4], positions, seq_lens, tables[::2], slots)
     with pytest.raises(InvalidArgumentError, match="block_table must be C-contiguous"):
         decode_inputs_cpu(table[:, ::-1], [2, 0], [9, 0], [4, 4], *outputs)
+
+
+def _decode_inputs_run(reuse: bool) -> tuple[list[list[int]], int, int]:
+    """Seeded sampling over requests that finish at different steps, one that joins late and
+    preempts, and one-token prompts that join as others finish: the tokens, and how many decode steps took their input ids from the last
+    step's sampled tokens (`ModelRunner._last_sampled`), and the preemptions. `reuse=False` reads every step's
+    input ids from the requests."""
+    from hybrid_cache.engine.llm import LLM
+    from hybrid_cache.engine.model_runner import ModelRunner
+    from hybrid_cache.engine.sampling_params import SamplingParams
+
+    llm = LLM(
+        "tiny-llama", load_format="dummy", kv_cache_memory="192KiB", max_model_len=128, seed=3
+    )
+    runner = llm.engine.model_runner
+    prepare = ModelRunner._prepare_inputs
+    reused = 0
+
+    def counting(self, requests, rows, num_computed, query_lens, last_sampled=None):
+        nonlocal reused
+        decode = sum(query_lens) == len(query_lens)
+        if last_sampled is not None and decode and len(last_sampled) == len(requests):
+            reused += 1
+        return prepare(
+            self, requests, rows, num_computed, query_lens, last_sampled if reuse else None
+        )
+
+    runner._prepare_inputs = counting.__get__(runner)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 500, (n,), generator=generator).tolist() for n in (40, 9, 70)]
+    engine = llm.engine
+    for index, (prompt, max_tokens) in enumerate(zip(prompts, (30, 12, 25))):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=index, ignore_eos=True)
+        engine.add_request(str(index), prompt, params)
+    outputs: dict[str, list[int]] = {}
+    joined = 0
+    for step in range(400):
+        if step == 6:  # joins while the others decode
+            late = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+            engine.add_request("late", prompts[2][:50], late)
+        for finished in engine.step():
+            outputs[finished.request_id] = list(finished.output_token_ids)
+            if joined < 2:
+                # A one-token prompt joins as another leaves: the next step is the same size
+                # and computes one token per request, but the newcomer's is its prompt's.
+                params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+                engine.add_request(f"one{joined}", [17 + joined], params)
+                joined += 1
+        if not engine.has_unfinished_requests():
+            break
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks - 1, "blocks leaked"
+    return [outputs[key] for key in sorted(outputs)], reused, engine.stats.num_preemptions
+
+
+def test_decode_steps_take_the_last_sampled_tokens_as_input_only_for_the_same_batch() -> None:
+    """A decode step of the batch the last step sampled in full takes those tokens as its input
+    ids; batches that changed (a request finished, joined or was preempted) read them from the
+    requests. The tokens equal a run that always reads them from the requests."""
+    reused_tokens, reused, preemptions = _decode_inputs_run(reuse=True)
+    read_tokens, _, _ = _decode_inputs_run(reuse=False)
+    assert preemptions > 0, "the pool should be tight enough to preempt"
+    assert reused > 10, "decode steps of an unchanged batch should take the sampled tokens"
+    assert reused_tokens == read_tokens
+    assert [len(tokens) for tokens in reused_tokens] == [30, 12, 25, 20, 8, 8]

@@ -11,6 +11,7 @@ import itertools
 import operator
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -97,6 +98,11 @@ class KVCacheManager:
         self.core_ids: dict[str, int] = {}
         self.rows: dict[str, int] = {}
         self.next_core_ids: itertools.count[int] = itertools.count()
+        # The last batch whose core ids were looked up, with them and (once asked) its rows:
+        # a decode step asks for the same requests' ids two or three times, and the next step
+        # for the same batch again. Forgotten when any request is freed (a request added
+        # again gets new ones).
+        self._batch_memo: Optional[_BatchMemo] = None
         with warnings.catch_warnings():
             # The core's view may be read-only; we never write through it.
             warnings.simplefilter("ignore", UserWarning)
@@ -219,6 +225,7 @@ class KVCacheManager:
         """Returns every block of the request and its row (finish, abort or preemption)."""
         core_id = self.core_ids.pop(request.request_id)
         del self.rows[request.request_id]
+        self._batch_memo = None
         self.coordinator.free_request(core_id)
 
     def take_block_copies(self) -> list[tuple[int, int]]:
@@ -232,11 +239,27 @@ class KVCacheManager:
 
     def rows_of(self, requests: Sequence[Request]) -> list[int]:
         """`row_of` for each request."""
-        return list(map(self.rows.__getitem__, map(_REQUEST_ID, requests)))
+        memo = self._memo_of(requests)
+        if memo.rows is None:
+            memo.rows = list(map(self.rows.__getitem__, map(_REQUEST_ID, requests)))
+        return memo.rows
 
     def _core_ids_of(self, requests: Sequence[Request]) -> list[int]:
         """The requests' core ids (C-level maps: no bytecode per request)."""
-        return list(map(self.core_ids.__getitem__, map(_REQUEST_ID, requests)))
+        return self._memo_of(requests).core_ids
+
+    def _memo_of(self, requests: Sequence[Request]) -> _BatchMemo:
+        """The batch memo of `requests` (the same objects in the same order), made anew when
+        the last one is of another batch. The check reads no request's id."""
+        memo = self._batch_memo
+        if (
+            memo is None
+            or len(memo.requests) != len(requests)
+            or not all(map(operator.is_, memo.requests, requests))
+        ):
+            core_ids = list(map(self.core_ids.__getitem__, map(_REQUEST_ID, requests)))
+            memo = self._batch_memo = _BatchMemo(list(requests), core_ids)
+        return memo
 
     def num_used_blocks_per_group(self) -> list[int]:
         return list(self.coordinator.num_used_blocks_per_group())
@@ -247,6 +270,16 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; refused (False) while any request holds blocks."""
         return self.coordinator.reset_prefix_cache()
+
+
+@dataclass
+class _BatchMemo:
+    """A batch's requests and their core ids and rows (`KVCacheManager._memo_of`). The lists
+    are handed out as they are: callers only read them."""
+
+    requests: list[Request]
+    core_ids: list[int]
+    rows: Optional[list[int]] = None
 
 
 def num_kv_tokens(request: Request) -> int:

@@ -197,16 +197,23 @@ class ModelRunner:
         self.may_replay: bool = kv_cache.tail_replay_tokens is not None
         # The last step's sampling columns and what they were taken from (`_columns`).
         self._last_columns: Optional[tuple[list[Request], list[bool], SamplingColumns]] = None
+        # The last step's sampled tokens (int64), when every request of its batch sampled on
+        # the CPU, with that batch's columns: a decode step of the same batch (the same
+        # columns) computes exactly these tokens, which the scheduler appended in order.
+        self._last_sampled: Optional[tuple[SamplingColumns, np.ndarray]] = None
 
     @property
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.slot_tensors)
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> list[int]:
         """Runs the scheduled tokens; returns the sampled token of each request that samples
         (in `output.scheduled` order). Logprobs are recorded for the requests that ask: the
         sampled tokens' in `logprob_log`, the prompt tokens' on the requests."""
+        with _inference_mode():
+            return self._execute(output)
+
+    def _execute(self, output: SchedulerOutput) -> list[int]:
         if self.parallel is not None:
             return self._execute_parallel(output)
         if output.block_copies:
@@ -216,11 +223,16 @@ class ModelRunner:
         # Whole columns (C-level maps, no bytecode per request), all taken before the forward,
         # while the requests are in the CPU caches (the forward evicts them).
         requests, num_computed, query_lens = output.requests, output.num_computed, output.num_new
+        columns = self._columns(output.samples, requests)
+        last = self._last_sampled
         input_ids, metadata, positions = self._prepare_inputs(
-            requests, output.rows, num_computed, query_lens
+            requests,
+            output.rows,
+            num_computed,
+            query_lens,
+            last[1] if last is not None and last[0] is columns else None,
         )
         metadata = metadata_to(metadata, self.device)
-        columns = self._columns(output.samples, requests)
         prompt_plan = _prompt_logprob_plan(requests, num_computed, query_lens)
         with set_forward_context(metadata, self.kv_caches):
             hidden = self.model(input_ids.to(self.device), positions.to(self.device))
@@ -306,18 +318,24 @@ class ModelRunner:
         samples (from the LM head over the last hidden row of each). The LM head runs in
         this order on every rank when it is vocabulary-parallel (`worker.ShardRunner`)."""
         sample_indices, sampling, request_ids, params = columns[:4]
+        self._last_sampled = None  # set again below when every request samples on the CPU
         if prompt_plan is not None:
             self._record_prompt_logprobs(hidden, requests, prompt_plan)
         if not sample_indices:
             return []
         logits = self._compute_logits(self._sampled_rows(hidden, query_lens, sample_indices))
-        if not columns.needs_extras:
+        on_cpu = logits.device.type == "cpu"
+        if not columns.needs_extras and not on_cpu:
             return self.sampler.sample_token_ids(logits, request_ids, params)
         sampled: torch.Tensor | np.ndarray
-        if logits.device.type == "cpu":
+        if on_cpu:
             sampled = self.sampler.sample_cpu(logits, request_ids, params, sampling)
+            every_row = len(sample_indices) == len(requests)
+            self._last_sampled = (columns, sampled) if every_row else None
         else:
             sampled = self.sampler.sample(logits, request_ids, params, sampling)
+        if not columns.needs_extras:
+            return sampled.tolist()
         counts = columns.logprob_counts
         if None not in counts:  # every row: no gathers, no request touched
             self.logprob_log.record(token_logprobs(logits, sampled, counts), request_ids)
@@ -356,15 +374,20 @@ class ModelRunner:
         rows: list[int],
         num_computed: list[int],
         query_lens: list[int],
+        last_sampled: Optional[np.ndarray] = None,
     ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """The step's input ids, attention metadata and positions (on the CPU)."""
+        """The step's input ids, attention metadata and positions (on the CPU).
+        `last_sampled`: the tokens the last step sampled for this same batch (`_execute`),
+        the input of a decode step without reading a request's tokens."""
         frontiers, replaying = self._replay_frontiers(requests, num_computed)
         if sum(query_lens) == len(query_lens) and not replaying:
             # One token each (decode): no slices, no sums.
-            token_ids = list(map(operator.getitem, map(_ALL_TOKEN_IDS, requests), num_computed))
             metadata, positions = self.decode_buffers.build(
                 num_computed, rows, self.block_table_array
             )
+            if last_sampled is not None and len(last_sampled) == len(requests):
+                return torch.from_numpy(last_sampled), metadata, positions
+            token_ids = list(map(operator.getitem, map(_ALL_TOKEN_IDS, requests), num_computed))
         else:
             token_ids = _input_token_ids(requests, num_computed, query_lens)
             block_tables = self._gather_block_tables(
@@ -499,6 +522,18 @@ _SAMPLING_PARAMS = operator.attrgetter("sampling_params")
 _WANTS_PROMPT_LOGPROBS = operator.attrgetter("wants_prompt_logprobs")
 _NUM_SAMPLE_LOGPROBS = operator.attrgetter("num_sample_logprobs")
 _NEEDS_SAMPLING_EXTRAS = operator.attrgetter("needs_sampling_extras")
+
+
+# torch's inference-mode guard itself, where this torch has it (see `_inference_mode`).
+_INFERENCE_GUARD = getattr(torch._C, "_InferenceMode", None)
+
+
+def _inference_mode() -> Any:
+    """Inference mode for one step: torch's guard where this torch has it (about half the
+    cost of `torch.inference_mode()`, whose Python wrapper each step paid with the CPU caches
+    cold), else the public context manager. The same mode either way."""
+    guard = _INFERENCE_GUARD
+    return guard(True) if guard is not None else torch.inference_mode()
 
 
 def metadata_to(metadata: AttentionMetadata, device: torch.device) -> AttentionMetadata:
