@@ -201,6 +201,10 @@ class ModelRunner:
         # the CPU, with that batch's columns: a decode step of the same batch (the same
         # columns) computes exactly these tokens, which the scheduler appended in order.
         self._last_sampled: Optional[tuple[SamplingColumns, np.ndarray]] = None
+        # The columns of the last batch none of whose requests wanted prompt logprobs: a
+        # request never wants them again once recorded, so the same batch (the same columns)
+        # needs no plan.
+        self._no_prompt_logprobs: Optional[SamplingColumns] = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -233,7 +237,11 @@ class ModelRunner:
             last[1] if last is not None and last[0] is columns else None,
         )
         metadata = metadata_to(metadata, self.device)
-        prompt_plan = _prompt_logprob_plan(requests, num_computed, query_lens)
+        prompt_plan = None
+        if columns is not self._no_prompt_logprobs:
+            prompt_plan = _prompt_logprob_plan(requests, num_computed, query_lens)
+            if prompt_plan is None:
+                self._no_prompt_logprobs = columns
         with set_forward_context(metadata, self.kv_caches):
             hidden = self.model(input_ids.to(self.device), positions.to(self.device))
         return self._sample(hidden, requests, query_lens, columns, prompt_plan)
