@@ -1,11 +1,12 @@
 //! The logprobs a step reports, straight from its logits: per row the chosen token's logprob
 //! and rank and the top k, where the log-softmax is a shift of the row (`Shift`), so the top
 //! k is that of the logits, and only the k + 1 values written are shifted. The row's maximum
-//! comes from the top k's scan; one pass sums the exponentials, one counts the rank.
+//! comes from the top k's scan; one pass sums the exponentials, and one counts the rank unless
+//! the top k settles it (`rank_in_top_k`).
 
 use crate::error::SamplingError;
 use crate::log_softmax::Shift;
-use crate::top_k::{shifted_top_k_rows, TopK};
+use crate::top_k::{shifted_top_k_rows, Scan, TopK};
 
 /// `top_k_rows` of the log-softmax of `logits` (`[rows, cols]`, row-major) without writing
 /// it: the values are `log_softmax_rows`' to the bit and the ranks count its values (as
@@ -22,10 +23,38 @@ pub fn logprob_top_k_rows(
     out: TopK<'_>,
 ) -> Result<Vec<usize>, SamplingError> {
     let mut scratch = vec![0f32; cols];
-    shifted_top_k_rows(logits, cols, k, chosen, out, |line, scan, chosen| {
-        let shift = Shift::of_row(line, scan.largest, scan.nan, &mut scratch)?;
-        Some((shift, at_least(line, shift, shift.apply(chosen))))
-    })
+    shifted_top_k_rows(
+        logits,
+        cols,
+        k,
+        chosen,
+        out,
+        |line, scan, chosen, largest| {
+            let shift = Shift::of_row(line, scan.largest, scan.nan, &mut scratch)?;
+            let logprob = shift.apply(chosen);
+            let rank = rank_in_top_k(scan, shift, logprob, largest)
+                .unwrap_or_else(|| at_least(line, shift, logprob));
+            Some((shift, rank))
+        },
+    )
+}
+
+/// The chosen token's rank from the row's `largest` k + 1 values alone, where they settle it:
+/// the row is settled (those are its k + 1 largest) and the (k + 1)-th largest's logprob is
+/// below the chosen one's. A shift is monotone (a rounded subtraction never reverses an
+/// order), so every value outside the top k, being at most the (k + 1)-th, has a logprob below
+/// the chosen one's too, and the count over the top k is the count over the row. This is the
+/// usual case (a greedy or likely token), and it saves the pass over the row.
+fn rank_in_top_k(scan: &Scan, shift: Shift, logprob: f32, largest: &[f32]) -> Option<usize> {
+    let (&next, top) = largest.split_last()?;
+    if !scan.settled || shift.apply(next) >= logprob {
+        return None;
+    }
+    Some(
+        top.iter()
+            .filter(|&&value| shift.apply(value) >= logprob)
+            .count(),
+    )
 }
 
 /// How many of `line`'s logprobs (`shift` of its values) are at least `logprob`: the values'

@@ -48,13 +48,14 @@ pub fn top_k_rows(
     chosen: &[i64],
     out: TopK<'_>,
 ) -> Result<Vec<usize>, SamplingError> {
-    shifted_top_k_rows(values, cols, k, chosen, out, |_, scan, _| {
+    shifted_top_k_rows(values, cols, k, chosen, out, |_, scan, _, _| {
         Some((Shift::NONE, scan.at_least))
     })
 }
 
-/// `top_k_rows` of each row shifted by `shift(row, scan, chosen value)` (called after the
-/// row's scan), which also gives the chosen token's rank: the values written are
+/// `top_k_rows` of each row shifted by `shift(row, scan, chosen value, largest)` (called
+/// after the row's scan; `largest`: the row's k + 1 largest values, descending, as the scan
+/// kept them), which also gives the chosen token's rank: the values written are
 /// `shift.apply(value)`, the order that of the values as given (a shift keeps it). A row
 /// whose shift is None is written as NaN, rank 0, and reported unsettled.
 pub(crate) fn shifted_top_k_rows(
@@ -63,7 +64,7 @@ pub(crate) fn shifted_top_k_rows(
     k: usize,
     chosen: &[i64],
     out: TopK<'_>,
-    mut shift: impl FnMut(&[f32], &Scan, f32) -> Option<(Shift, usize)>,
+    mut shift: impl FnMut(&[f32], &Scan, f32, &[f32]) -> Option<(Shift, usize)>,
 ) -> Result<Vec<usize>, SamplingError> {
     ensure(cols > 0 && values.len().is_multiple_of(cols), || {
         format!("{} values do not make rows of {cols} columns", values.len())
@@ -113,7 +114,7 @@ pub(crate) fn shifted_top_k_rows(
         for (slot, &id) in best.ids[..k].iter().enumerate() {
             ids[slot + 1] = id as i64;
         }
-        let Some((shift, at_least)) = shift(line, &scan, line[column]) else {
+        let Some((shift, at_least)) = shift(line, &scan, line[column], &best.values) else {
             out_values.fill(f32::NAN);
             *rank = 0;
             unsettled.push(row);

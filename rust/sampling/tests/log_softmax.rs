@@ -220,6 +220,38 @@ proptest! {
     }
 }
 
+proptest! {
+    /// The chosen token among the row's largest (greedy or likely: the rank then comes from the
+    /// top k alone), in rows whose values crowd within rounding of each other near the top, so
+    /// that distinct logits share a logprob: the rank still counts the logprobs.
+    #[test]
+    fn the_rank_of_a_chosen_token_among_the_largest(
+        cols in 2usize..90,
+        base in -20.0f32..20.0,
+        // Steps of a few ulp at magnitudes around the base: collisions after the shift.
+        steps in proptest::collection::vec(0u32..6, 90),
+        spread in proptest::collection::vec(-8.0f32..0.0, 90),
+        crowd in 1usize..12,
+        k_seed in 0usize..1000,
+        place in 0usize..1000,
+    ) {
+        let mut line: Vec<f32> = (0..cols).map(|i| base + spread[i]).collect();
+        // The first `crowd` columns sit a few ulp apart just under a common top value.
+        let mut top = base + 1.0;
+        for (slot, &step) in line.iter_mut().zip(&steps).take(crowd.min(cols)) {
+            *slot = top;
+            for _ in 0..step {
+                top = f32::from_bits(top.to_bits() - 1);
+            }
+        }
+        let k = k_seed % cols;
+        let mut order: Vec<usize> = (0..cols).collect();
+        order.sort_by(|&a, &b| line[b].total_cmp(&line[a]));
+        let chosen = order[place % (k + 1)] as i64;
+        check_logprob_top_k(&line, cols, k, &[chosen]);
+    }
+}
+
 #[test]
 fn the_top_k_of_the_logprobs_of_nan_and_infinite_rows() {
     let inf = f32::INFINITY;
