@@ -19,7 +19,7 @@ import torch
 
 from hybrid_cache import _core
 from hybrid_cache.engine.errors import InsufficientKVCacheError
-from hybrid_cache.engine.request import Request
+from hybrid_cache.engine.request import Request, same_requests
 from hybrid_cache.planner import KVCacheLayout
 
 _REQUEST_ID = operator.attrgetter("request_id")
@@ -252,11 +252,7 @@ class KVCacheManager:
         """The batch memo of `requests` (the same objects in the same order), made anew when
         the last one is of another batch. The check reads no request's id."""
         memo = self._batch_memo
-        if (
-            memo is None
-            or len(memo.requests) != len(requests)
-            or not all(map(operator.is_, memo.requests, requests))
-        ):
+        if memo is None or not same_requests(memo.requests, requests):
             core_ids = list(map(self.core_ids.__getitem__, map(_REQUEST_ID, requests)))
             memo = self._batch_memo = _BatchMemo(list(requests), core_ids)
         return memo

@@ -53,7 +53,7 @@ from hybrid_cache.engine.parallel.step_inputs import (
     sampled_rows,
     step_batch,
 )
-from hybrid_cache.engine.request import Request
+from hybrid_cache.engine.request import Request, same_requests
 from hybrid_cache.engine.sampler import Sampler
 from hybrid_cache.engine.scheduler import SchedulerOutput
 from hybrid_cache.models.parallel_layers import is_vocab_parallel
@@ -295,12 +295,7 @@ class ModelRunner:
         same order sampling alike (most decode steps): a request's id, params and logprob
         count never change, so neither do its columns. The check is two C-level passes."""
         last = self._last_columns
-        if (
-            last is not None
-            and last[1] == samples
-            and len(last[0]) == len(requests)
-            and all(map(operator.is_, last[0], requests))
-        ):
+        if last is not None and last[1] == samples and same_requests(last[0], requests):
             return last[2]
         columns = _sampling_columns(samples, requests)
         self._last_columns = (list(requests), list(samples), columns)
@@ -334,7 +329,7 @@ class ModelRunner:
         logits = self._compute_logits(self._sampled_rows(hidden, query_lens, sample_indices))
         on_cpu = logits.device.type == "cpu"
         if not columns.needs_extras and not on_cpu:
-            return self.sampler.sample_token_ids(logits, request_ids, params)
+            return self.sampler.sample(logits, request_ids, params).tolist()
         sampled: torch.Tensor | np.ndarray
         if on_cpu:
             sampled = self.sampler.sample_cpu(logits, request_ids, params, sampling)

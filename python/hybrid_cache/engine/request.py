@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import operator
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Optional, Union
 
 from hybrid_cache.engine.detokenizer import IncrementalDetokenizer, StopFlags
@@ -41,6 +43,12 @@ def _shared_stop_set(stop_ids: frozenset[int]) -> frozenset[int]:
             _STOP_SETS.clear()
         shared = _STOP_SETS[stop_ids] = stop_ids
     return shared
+
+
+def same_requests(these: Sequence[Request], those: Sequence[Request]) -> bool:
+    """Whether two batches are the same request objects in the same order (one C-level pass,
+    no request's attributes read): what the engine's per-batch memos are keyed on."""
+    return len(these) == len(those) and all(map(operator.is_, these, those))
 
 
 class Request:

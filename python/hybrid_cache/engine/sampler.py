@@ -130,18 +130,6 @@ class Sampler:
         tokens[rows] = (probs / noise).argmax(dim=-1)
         return tokens
 
-    def sample_token_ids(
-        self,
-        logits: torch.Tensor,
-        request_ids: Sequence[str],
-        params: Sequence[SamplingParams],
-    ) -> list[int]:
-        """`sample(...).tolist()`; an all-greedy batch on the CPU goes from numpy's argmax
-        straight to a list (no int64 cast, no tensor: the same ints, fewer calls)."""
-        if logits.device.type == "cpu" and not any(map(_TEMPERATURE, params)):
-            return _greedy_cpu(logits, request_ids, params).tolist()
-        return self.sample(logits, request_ids, params).tolist()
-
     def sample_cpu(
         self,
         logits: torch.Tensor,

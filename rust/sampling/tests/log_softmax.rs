@@ -236,8 +236,9 @@ proptest! {
         place in 0usize..1000,
     ) {
         let mut line: Vec<f32> = (0..cols).map(|i| base + spread[i]).collect();
-        // The first `crowd` columns sit a few ulp apart just under a common top value.
-        let mut top = base + 1.0;
+        // The first `crowd` columns sit a few ulp apart at and below a common top value, positive
+        // so that one less in its bits is the next float down.
+        let mut top = base.abs() + 1.0;
         for (slot, &step) in line.iter_mut().zip(&steps).take(crowd.min(cols)) {
             *slot = top;
             for _ in 0..step {
