@@ -65,6 +65,15 @@ pub trait BlockAllocator: Send + Sync {
     /// `free_blocks`, cached blocks joining the `tier` queue.
     fn free_blocks_to(&self, blocks: &[BlockId], tier: FreeTier) -> Result<(), CoreError>;
 
+    /// `free_blocks_to` for a caller that holds every reference it gives back (the coordinator
+    /// returning its requests' blocks): the same outcome when it does, without the validation
+    /// pass. When it does not, the call is not all-or-nothing: an id out of range or not held
+    /// is skipped (never released twice, never queued twice), the others are released, and the
+    /// first such id is reported.
+    fn release_held_to(&self, blocks: &[BlockId], tier: FreeTier) -> Result<(), CoreError> {
+        self.free_blocks_to(blocks, tier)
+    }
+
     /// The block cached under `key`: its first copy, else its spare (the first copy's twin,
     /// left alone when that was evicted); None when neither exists. Does not take a reference.
     fn cached_block(&self, key: CacheKey) -> Option<BlockId>;

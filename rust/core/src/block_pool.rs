@@ -7,18 +7,18 @@
 //!   cached or freed.
 //! - `free_queue`: the LRU free queues (keyless, `Low`, `Normal`, `High`: evicted in that
 //!   order) with lazy deletion and the reservation counter (see `free_queue`).
-//! - `cache`: a concurrent map `CacheKey -> BlockId` (`papaya` in the std build).
-//! - `spares`: the same kind of map for a key's second copy (a block that computed a key another
-//!   block already held). A lookup that finds no first copy takes the spare, so a spare stays
-//!   findable when its twin is evicted without ever being moved: only the holder of a block
-//!   (the thread caching it, or the one that claimed it) adds or removes its map entry.
+//! - `cache`: the lock-free map `CacheKey -> BlockId` (`cache_map`) of each key's first copy
+//!   and its one spare (a block that computed a key another block already held). A lookup that
+//!   finds no first copy takes the spare, so a spare stays findable when its twin is evicted
+//!   without ever being moved: only the holder of a block (the thread caching it, or the one
+//!   that claimed it) adds or removes its map entry, at the slot the block records.
 //!
 //! # Protocol
 //!
 //! - `get_new_blocks(k)`: reserve `k` units from the free counter (all or nothing), then pop
 //!   entries and claim each valid one by CAS `(0, g, c) -> (1, g+1, 0)`, skipping stale entries.
-//!   A claimed block that was cached loses its key: its entry in `cache` or in `spares` (the
-//!   one that maps the key to this block) is removed; an eviction is counted.
+//!   A claimed block that was cached loses its key: its entry in `cache` (first copy or
+//!   spare) is removed; an eviction is counted.
 //! - `free_blocks_to(tier)`: validate every id against a snapshot, then release each; the
 //!   release that reaches 0 pushes `(block, g)` at the tail of the keyless queue when the state
 //!   word had no cached bit, else of `tier`'s queue, and then adds one unit to the counter.
@@ -30,13 +30,13 @@
 //!   equal the key, after reserving one unit (no unit: refused); the queue entry goes stale and
 //!   the map entry is removed as an eviction's is, without counting one.
 //! - `cache_block`: take the block's key slots (`pending` bit, block must be held and
-//!   uncached), insert `key -> block` into the map if absent (else into `spares` if absent
-//!   there; else give the slots back), write the key, then publish it by setting the cached
-//!   bit (Release).
+//!   uncached), write the key, insert the block into the map as the key's first copy if it has
+//!   none, else as its spare if it has none (else give the slots back), then publish the key
+//!   by setting the cached bit (Release).
 //! - `cached_block`: the key's first copy, else its spare.
 //!
 //! Invariants: a block is held (ref count > 0) or free with exactly one valid queue entry (or its
-//! release is between the CAS and the push); `cache[key] == b` (or `spares[key] == b`) and `b`
+//! release is between the CAS and the push); `cache` maps `key` to `b` (first copy or spare) and `b`
 //! cached imply `b`'s key slots hold `key`; a cached bit is cleared before its map entry is removed and set after its
 //! map entry is inserted, so a lookup may find a block that is not (or no longer) cached, which
 //! `touch_cached` reports as a miss.
@@ -74,11 +74,10 @@
 //!   (see `free_queue`); meanwhile an allocation of every last free block may be refused.
 
 use std::fmt;
-#[cfg(not(loom))]
-use std::hash::{BuildHasher, Hasher};
 
 use crate::allocator::{BlockAllocator, FreeTier};
 use crate::block_state::{BlockSlot, Claim, NotHeld, Release, Touch};
+use crate::cache_map::{CacheMap, Copy};
 use crate::error::CoreError;
 use crate::free_queue::{Entry, FreeQueue};
 use crate::primitive::{AtomicU64, AtomicUsize, Ordering};
@@ -88,129 +87,19 @@ use crate::types::{BlockId, CacheKey, PoolStats, NULL_BLOCK};
 /// `tests/pool_contract.rs` rejects frees of a few ids and of 30 ids, covering both paths.
 const SMALL_FREE: usize = 16;
 
-/// Hasher for cache keys. The keys are already well-mixed 128-bit hashes, so a multiply-fold is
-/// enough (SipHash would dominate a lookup).
-#[cfg(not(loom))]
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct KeyHasher(u64);
-
-#[cfg(not(loom))]
-const MIX: u64 = 0x9e37_79b9_7f4a_7c15;
-
-#[cfg(not(loom))]
-impl Hasher for KeyHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = (self.0 ^ byte as u64).wrapping_mul(MIX);
-        }
-    }
-
-    fn write_u32(&mut self, value: u32) {
-        self.0 = (self.0 ^ value as u64).wrapping_mul(MIX);
-    }
-
-    fn write_u128(&mut self, value: u128) {
-        self.0 = (self.0 ^ value as u64).wrapping_mul(MIX);
-        self.0 = (self.0 ^ (value >> 64) as u64).wrapping_mul(MIX);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0 ^ (self.0 >> 29)
-    }
-}
-
-/// Builds [`KeyHasher`]s.
-#[cfg(not(loom))]
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct BuildKeyHasher;
-
-#[cfg(not(loom))]
-impl BuildHasher for BuildKeyHasher {
-    type Hasher = KeyHasher;
-
-    fn build_hasher(&self) -> KeyHasher {
-        KeyHasher::default()
-    }
-}
-
-/// The prefix-cache map. Entries are only inserted if absent and only removed conditionally,
-/// never overwritten.
-#[cfg(not(loom))]
-struct CacheMap(papaya::HashMap<CacheKey, BlockId, BuildKeyHasher>);
-
-#[cfg(not(loom))]
-impl CacheMap {
-    fn new() -> Self {
-        CacheMap(papaya::HashMap::with_hasher(BuildKeyHasher))
-    }
-
-    fn get(&self, key: CacheKey) -> Option<BlockId> {
-        self.0.pin().get(&key).copied()
-    }
-
-    fn insert_if_absent(&self, key: CacheKey, block: BlockId) -> bool {
-        self.0.pin().try_insert(key, block).is_ok()
-    }
-
-    /// Removes `key` if it maps to `block`; true when it did.
-    fn remove_if_maps_to(&self, key: CacheKey, block: BlockId) -> bool {
-        matches!(
-            self.0.pin().remove_if(&key, |_, value| *value == block),
-            Ok(Some(_))
-        )
-    }
-}
-
-/// Under loom the map is a plain locked `HashMap`: the models target the state word and queue.
-#[cfg(loom)]
-struct CacheMap(crate::primitive::Mutex<std::collections::HashMap<CacheKey, BlockId>>);
-
-#[cfg(loom)]
-impl CacheMap {
-    fn new() -> Self {
-        CacheMap(crate::primitive::Mutex::new(
-            std::collections::HashMap::new(),
-        ))
-    }
-
-    fn get(&self, key: CacheKey) -> Option<BlockId> {
-        self.0.lock().unwrap().get(&key).copied()
-    }
-
-    fn insert_if_absent(&self, key: CacheKey, block: BlockId) -> bool {
-        let mut map = self.0.lock().unwrap();
-        if map.contains_key(&key) {
-            return false;
-        }
-        map.insert(key, block);
-        true
-    }
-
-    fn remove_if_maps_to(&self, key: CacheKey, block: BlockId) -> bool {
-        let mut map = self.0.lock().unwrap();
-        if map.get(&key) == Some(&block) {
-            map.remove(&key);
-            return true;
-        }
-        false
-    }
-}
-
 /// The lock-free block pool. See the module docs.
 pub struct BlockPool {
     /// One slot per block, index = block id; slot 0 (the null block) is never used.
     blocks: Box<[BlockSlot]>,
     /// Free blocks in eviction order (lazily deleted) and the count allocators reserve from.
     free_queue: FreeQueue,
-    /// `key -> block` for cached blocks (and, transiently, blocks being cached or evicted).
+    /// `key -> block` for each key's first copy and its spare (`cached_block` falls back to the
+    /// spare), including, transiently, blocks being cached or evicted.
     cache: CacheMap,
-    /// `key -> block` for the one spare copy of a key (its first copy in `cache`, or gone):
-    /// `cached_block` falls back to it.
-    spares: CacheMap,
     /// Blocks whose cached bit is set, plus those between map insert and publishing; exact
     /// whenever no `cache_block` is in flight.
     num_cached: AtomicUsize,
-    /// Entries in `spares` (exact whenever no cache call is in flight).
+    /// Spare entries in `cache` (exact whenever no cache call is in flight).
     num_spares: AtomicUsize,
     /// Cached blocks claimed for reuse (keys dropped by lazy eviction).
     num_evictions: AtomicU64,
@@ -241,8 +130,7 @@ impl BlockPool {
         Ok(BlockPool {
             blocks,
             free_queue,
-            cache: CacheMap::new(),
-            spares: CacheMap::new(),
+            cache: CacheMap::new(num_blocks),
             num_spares: AtomicUsize::new(0),
             num_cached: AtomicUsize::new(0),
             num_evictions: AtomicU64::new(0),
@@ -276,12 +164,23 @@ impl BlockPool {
     /// writer does not hold.
     fn drop_key(&self, block: BlockId) {
         // The claimer holds the block and the cached bit is clear, so nobody rewrites the slots.
-        let key = self.blocks[block as usize].key();
-        if !self.cache.remove_if_maps_to(key, block) {
-            self.remove_spare(key, block);
-        }
+        let slot = &self.blocks[block as usize];
+        self.remove_entry(slot, slot.key(), block);
         // Relaxed: statistics only.
         self.num_cached.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Removes the map entry of `block` (held by this thread) for `key`, if it has one.
+    fn remove_entry(&self, slot: &BlockSlot, key: CacheKey, block: BlockId) {
+        if self.cache.remove(slot.map_slot(), key, block) == Some(Copy::Spare) {
+            // Relaxed: statistics only.
+            self.num_spares.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The key slots of `block`, as the cache map reads them.
+    fn key_of(&self, block: BlockId) -> CacheKey {
+        self.blocks[block as usize].key()
     }
 
     /// The queue entry of a block just taken out of the free state by a touch or a take is
@@ -292,14 +191,6 @@ impl BlockPool {
                 .load()
                 .is_free_with(entry.generation)
         });
-    }
-
-    /// Removes the spare entry `key -> block`, if it is there.
-    fn remove_spare(&self, key: CacheKey, block: BlockId) {
-        if self.spares.remove_if_maps_to(key, block) {
-            // Relaxed: statistics only.
-            self.num_spares.fetch_sub(1, Ordering::Relaxed);
-        }
     }
 
     /// Checks a whole `free_blocks` call before anything changes; same order and errors as
@@ -314,12 +205,14 @@ impl BlockPool {
                 }
             }
         } else {
-            let mut seen = std::collections::HashMap::with_capacity(blocks.len());
-            for &block in blocks {
+            // Sorted, a block's copies are adjacent: one pass counts them. Cheaper than a hash
+            // map of counts (a request frees hundreds of blocks at once).
+            let mut sorted = blocks.to_vec();
+            sorted.sort_unstable();
+            for run in sorted.chunk_by(|a, b| a == b) {
+                let block = run[0];
                 let slot = self.check_block(block)?;
-                let times = seen.entry(block).or_insert(0u64);
-                *times += 1;
-                if *times > slot.load().ref_count() {
+                if run.len() as u64 > slot.load().ref_count() {
                     return Err(CoreError::DoubleFree { block });
                 }
             }
@@ -364,30 +257,41 @@ impl BlockAllocator for BlockPool {
 
     fn free_blocks_to(&self, blocks: &[BlockId], tier: FreeTier) -> Result<(), CoreError> {
         self.validate_free(blocks)?;
-        let mut raced = None;
+        self.release_held_to(blocks, tier)
+    }
+
+    fn release_held_to(&self, blocks: &[BlockId], tier: FreeTier) -> Result<(), CoreError> {
+        let mut error = None;
+        let mut now_free = 0;
         for &block in blocks {
-            match self.blocks[block as usize].release() {
-                Release::NowFree { generation, cached } => self
-                    .free_queue
-                    .push(Entry { block, generation }, tier.queue(cached)),
+            let slot = match self.check_block(block) {
+                Ok(slot) => slot,
+                Err(invalid) => {
+                    error.get_or_insert(invalid);
+                    continue;
+                }
+            };
+            match slot.release() {
+                Release::NowFree { generation, cached } => {
+                    let entry = Entry { block, generation };
+                    self.free_queue.push_uncounted(entry, tier.queue(cached));
+                    now_free += 1;
+                }
                 Release::StillHeld => {}
                 Release::NotHeld => {
-                    raced.get_or_insert(CoreError::DoubleFree { block });
+                    error.get_or_insert(CoreError::DoubleFree { block });
                 }
             }
         }
-        raced.map_or(Ok(()), Err)
+        // One unit per block queued above, added once all their entries are in: the counter
+        // never runs ahead of the valid entries (`free_queue`).
+        self.free_queue.count_pushed(now_free);
+        error.map_or(Ok(()), Err)
     }
 
     fn cached_block(&self, key: CacheKey) -> Option<BlockId> {
-        // The spares are looked up only when there are some (usually none): a miss then costs
-        // one probe. A spare being cached as this runs may be missed, as a first copy may.
-        // Relaxed: a hint; `touch_cached` checks whatever is found.
-        self.cache.get(key).or_else(|| {
-            (self.num_spares.load(Ordering::Relaxed) > 0)
-                .then(|| self.spares.get(key))
-                .flatten()
-        })
+        // A hint: `touch_cached` checks whatever is found.
+        self.cache.get(key, |block| self.key_of(block))
     }
 
     fn touch_cached(&self, block: BlockId, key: CacheKey) -> bool {
@@ -436,25 +340,22 @@ impl BlockAllocator for BlockPool {
             Ok(None) => return Ok(false),
             Ok(Some(generation)) => generation,
         };
-        let spare = if self.cache.insert_if_absent(key, block) {
-            false
-        } else if self.spares.insert_if_absent(key, block) {
-            // Relaxed: statistics only.
-            self.num_spares.fetch_add(1, Ordering::Relaxed);
-            true
-        } else {
+        // The key is written before the entry is inserted, so whoever finds the entry reads it.
+        slot.write_pending_key(key);
+        let Some((copy, at)) = self.cache.insert(key, block, |block| self.key_of(block)) else {
             slot.abort_caching(generation);
             return Ok(false);
         };
+        slot.set_map_slot(at);
+        if copy == Copy::Spare {
+            // Relaxed: statistics only.
+            self.num_spares.fetch_add(1, Ordering::Relaxed);
+        }
         // Counted before the bit is published so a concurrent eviction never underflows it.
         // Relaxed: statistics only.
         self.num_cached.fetch_add(1, Ordering::Relaxed);
         if !slot.finish_caching(generation, key) {
-            if spare {
-                self.remove_spare(key, block);
-            } else {
-                self.cache.remove_if_maps_to(key, block);
-            }
+            self.remove_entry(slot, key, block);
             self.num_cached.fetch_sub(1, Ordering::Relaxed);
             return Ok(false);
         }
@@ -467,9 +368,7 @@ impl BlockAllocator for BlockPool {
         }
         for (block, slot) in self.blocks.iter().enumerate().skip(1) {
             if let Some(key) = slot.forget_key() {
-                if !self.cache.remove_if_maps_to(key, block as BlockId) {
-                    self.remove_spare(key, block as BlockId);
-                }
+                self.remove_entry(slot, key, block as BlockId);
                 // Relaxed: statistics only.
                 self.num_cached.fetch_sub(1, Ordering::Relaxed);
             }

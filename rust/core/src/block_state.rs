@@ -148,6 +148,9 @@ pub(crate) struct BlockSlot {
     key_hash_high: AtomicU64,
     /// Low 64 bits of the cached key's hash; same rule as `key_group`.
     key_hash_low: AtomicU64,
+    /// The cache map slot of the block's entry (`cache_map`); written and read only by the
+    /// block's holder (ordered by the state word's CASes), so a std atomic even under loom.
+    map_slot: std::sync::atomic::AtomicU32,
 }
 
 impl BlockSlot {
@@ -157,6 +160,7 @@ impl BlockSlot {
             key_group: AtomicU32::new(0),
             key_hash_high: AtomicU64::new(0),
             key_hash_low: AtomicU64::new(0),
+            map_slot: std::sync::atomic::AtomicU32::new(0),
         }
     }
 
@@ -179,6 +183,28 @@ impl BlockSlot {
             group,
             hash: BlockHash(((high as u128) << 64) | low as u128),
         }
+    }
+
+    /// The cache map slot recorded by `set_map_slot`.
+    pub(crate) fn map_slot(&self) -> usize {
+        // Relaxed: only the block's holder reads it, after the CASes that made it the holder.
+        self.map_slot.load(std::sync::atomic::Ordering::Relaxed) as usize
+    }
+
+    /// Records the cache map slot of the block's entry (the holder, while caching it).
+    pub(crate) fn set_map_slot(&self, slot: usize) {
+        // Relaxed: see `map_slot`.
+        let slot = u32::try_from(slot).expect("the cache map has at most 2^32 slots");
+        self.map_slot
+            .store(slot, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Writes the key slots of a block this caller is caching (`begin_caching` returned its
+    /// generation), before its cache map entry is inserted: a reader that finds the entry
+    /// then reads this key (`cache_map`).
+    pub(crate) fn write_pending_key(&self, key: CacheKey) {
+        debug_assert!(self.load().is_pending(), "only while caching");
+        self.write_key(key);
     }
 
     fn write_key(&self, key: CacheKey) {

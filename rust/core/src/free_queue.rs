@@ -138,6 +138,20 @@ impl FreeQueue {
         self.num_countable.fetch_add(1, Ordering::Release);
     }
 
+    /// Queues an entry without making it countable yet: the caller adds its unit with
+    /// [`FreeQueue::count_pushed`] once it has pushed the batch (one counter update per batch).
+    pub(crate) fn push_uncounted(&self, entry: Entry, queue: usize) {
+        self.fifos[queue].push(entry);
+    }
+
+    /// Makes `count` entries pushed by [`FreeQueue::push_uncounted`] countable.
+    pub(crate) fn count_pushed(&self, count: usize) {
+        if count > 0 {
+            // Release: a reserver that sees these units (Acquire) also sees their entries.
+            self.num_countable.fetch_add(count, Ordering::Release);
+        }
+    }
+
     /// Reserves `count` units, all or nothing. On refusal returns how many were countable.
     pub(crate) fn try_reserve(&self, count: usize) -> Result<(), usize> {
         // Relaxed for the first read: the CAS below re-validates it.

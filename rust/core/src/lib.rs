@@ -5,6 +5,7 @@
 pub mod allocator;
 pub mod block_pool;
 mod block_state;
+mod cache_map;
 pub mod coordinator;
 pub mod error;
 mod free_queue;

@@ -5,7 +5,7 @@ use std::ops::Range;
 use hybrid_cache_core::{CoreError, PromptPrefix};
 use pyo3::buffer::{Element, PyBuffer};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyList, PyTuple};
 
 use crate::errors::{invalid_argument, to_py};
 
@@ -24,14 +24,28 @@ pub fn request_id(value: i64) -> PyResult<u64> {
 /// Integers from anything exposing an int64 buffer (numpy int64 arrays: one copy, no per-item
 /// Python calls) or from any sequence of ints.
 pub fn int64s(name: &str, values: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    let not_ints = || invalid_argument(format!("{name} must be a 1-d sequence of ints"));
+    // Lists and tuples first: asking them for a buffer would build a TypeError each call.
+    if let Ok(list) = values.cast::<PyList>() {
+        return list
+            .iter()
+            .map(|item| item.extract::<i64>())
+            .collect::<PyResult<_>>()
+            .map_err(|_| not_ints());
+    }
+    if let Ok(tuple) = values.cast::<PyTuple>() {
+        return tuple
+            .iter()
+            .map(|item| item.extract::<i64>())
+            .collect::<PyResult<_>>()
+            .map_err(|_| not_ints());
+    }
     if let Ok(buffer) = PyBuffer::<i64>::get(values) {
         if buffer.dimensions() <= 1 {
             return buffer.to_vec(values.py());
         }
     }
-    values
-        .extract::<Vec<i64>>()
-        .map_err(|_| invalid_argument(format!("{name} must be a 1-d sequence of ints")))
+    values.extract::<Vec<i64>>().map_err(|_| not_ints())
 }
 
 /// Token ids: ints in `0..2^32`.

@@ -304,11 +304,11 @@ impl<P: BlockAllocator> Coordinator<P> {
         let mut freed = [(&low, FreeTier::Low), (&scratch, FreeTier::Normal)]
             .into_iter()
             .filter(|(list, _)| !list.is_empty())
-            .try_for_each(|(list, tier)| self.pool.free_blocks_to(list, tier));
+            .try_for_each(|(list, tier)| self.pool.release_held_to(list, tier));
         if protect_window && freed.is_ok() {
             scratch.clear();
             scratch.extend(shared_window.iter().map(|&(block, _)| block));
-            freed = self.pool.free_blocks_to(&scratch, FreeTier::High);
+            freed = self.pool.release_held_to(&scratch, FreeTier::High);
             if let (Some(protected), Ok(())) = (&mut self.protected, &freed) {
                 protected.joined(&self.pool, &shared_window);
             }

@@ -74,7 +74,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             self.order_scratch
                 .sort_by_key(|&(end, _)| std::cmp::Reverse(end));
             freed.extend(self.order_scratch.drain(..).map(|(_, block)| block));
-            result = self.pool.free_blocks(&freed);
+            result = self.pool.release_held_to(&freed, FreeTier::Normal);
             freed.clear();
         }
         eviction_order::order_for_free(&self.managers, state, &mut self.order_scratch, &mut freed);
@@ -89,7 +89,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             FreeTier::Normal
         };
         if result.is_ok() {
-            result = self.pool.free_blocks_to(&freed, tier);
+            result = self.pool.release_held_to(&freed, tier);
         }
         if let (Some(protected), true, Ok(())) = (&mut self.protected, protect, &result) {
             protected.joined(&self.pool, &keyed);

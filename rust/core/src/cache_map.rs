@@ -1,0 +1,416 @@
+//! The prefix-cache map `CacheKey -> BlockId`: a fixed-size, lock-free, open-addressing table
+//! with linear probing, holding each key's first copy and its spare (see `block_pool`).
+//!
+//! # Layout
+//!
+//! One `AtomicU64` per slot, `4 * num_blocks` slots rounded up to a power of two (at most one
+//! entry per block, so the table is at most a quarter full of entries):
+//!
+//! ```text
+//!  63        33   32      31             0
+//! +-------------+-------+----------------+
+//! | tag (31)    | spare | block (32)     |   block 0 (the null block, never cached):
+//! +-------------+-------+----------------+   EMPTY = 0, TOMBSTONE = only the spare bit
+//! ```
+//!
+//! The key itself is not stored: an entry names its block, whose key slots hold the key
+//! (`block_state`), and `tag` (31 bits of the key's hash) skips most other keys without reading
+//! a block. The pool writes a block's key slots before inserting its entry (Release CAS) and
+//! removes the entry before the key slots can change again, so a reader that finds an entry
+//! (Acquire) and then reads the block's key sees that key, unless the entry was removed and the
+//! block re-keyed in between: then it may see another key, or a mix of two keys' words, which
+//! is why every lookup is a hint the pool's `touch_cached`/`take_cached` validate.
+//!
+//! # Operations
+//!
+//! - `get`: probe from the key's home slot to the first EMPTY slot; the first copy wins, else
+//!   the spare.
+//! - `insert`: the same probe, noting whether the key has a first copy and a spare; the block
+//!   becomes whichever is missing, written by CAS into the first non-live slot of the probe
+//!   (a TOMBSTONE, else the EMPTY that ended it); a failed CAS probes again.
+//! - `remove`: the caller passes the slot its entry was inserted at (kept with the block), so
+//!   removal is one CAS of that exact entry to TOMBSTONE, never a search. A TOMBSTONE followed by
+//!   an EMPTY slot turns EMPTY, and so do the TOMBSTONEs right before it: no probe can need to
+//!   pass a slot whose successor is EMPTY (entries sit at the first free slot of their probe
+//!   when inserted), so tombstones never pile up into long probes.
+//!
+//! # Under concurrency
+//!
+//! Single-threaded, the map is exact. With several threads, two departures, both harmless to
+//! the pool's safety (no block lost or handed out twice: that lives in the state words):
+//! - two blocks inserted for the same key at the same moment may both become first copies
+//!   (each removes only its own entry);
+//! - a removal that turns slots EMPTY while an insert is placing an entry past them can leave
+//!   that entry unreachable by probes until its block removes it: lookups of that key miss.
+
+#[cfg(not(loom))]
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::types::{BlockId, CacheKey};
+
+#[cfg(not(loom))]
+const BLOCK_MASK: u64 = 0xffff_ffff;
+#[cfg(not(loom))]
+const SPARE: u64 = 1 << 32;
+#[cfg(not(loom))]
+const TAG_SHIFT: u32 = 33;
+#[cfg(not(loom))]
+const EMPTY: u64 = 0;
+#[cfg(not(loom))]
+const TOMBSTONE: u64 = SPARE;
+#[cfg(not(loom))]
+const MIX: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// Which copy of its key an entry is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Copy {
+    First,
+    Spare,
+}
+
+/// See the module docs.
+#[cfg(not(loom))]
+pub(crate) struct CacheMap {
+    slots: Box<[AtomicU64]>,
+    /// `slots.len() - 1` (a power of two minus one).
+    mask: usize,
+    /// `64 - log2(slots.len())`: the home slot is the top bits of the mixed hash.
+    shift: u32,
+}
+
+#[cfg(not(loom))]
+impl std::fmt::Debug for CacheMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheMap")
+            .field("slots", &self.slots.len())
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(not(loom))]
+impl CacheMap {
+    /// A map for a pool of `num_blocks` blocks (at most one entry each).
+    pub(crate) fn new(num_blocks: usize) -> Self {
+        let len = (num_blocks.saturating_mul(4))
+            .clamp(64, 1 << 32)
+            .next_power_of_two();
+        CacheMap {
+            slots: (0..len).map(|_| AtomicU64::new(EMPTY)).collect(),
+            mask: len - 1,
+            shift: 64 - len.trailing_zeros(),
+        }
+    }
+
+    /// The key's home slot and tag.
+    fn place(&self, key: CacheKey) -> (usize, u64) {
+        let hash = key.hash.0;
+        let folded = (hash as u64) ^ ((hash >> 64) as u64).rotate_left(23) ^ u64::from(key.group);
+        let mixed = (folded ^ (folded >> 29)).wrapping_mul(MIX);
+        let home = (mixed >> self.shift) as usize;
+        let tag = mixed & ((1 << 31) - 1);
+        (home, tag)
+    }
+
+    fn entry(tag: u64, copy: Copy, block: BlockId) -> u64 {
+        let spare = if copy == Copy::Spare { SPARE } else { 0 };
+        (tag << TAG_SHIFT) | spare | u64::from(block)
+    }
+
+    /// The live entry `word` names `key` (tag first, then the block's key slots).
+    fn names(word: u64, tag: u64, key: CacheKey, key_of: &impl Fn(BlockId) -> CacheKey) -> bool {
+        word & BLOCK_MASK != 0 && word >> TAG_SHIFT == tag && key_of(block_of(word)) == key
+    }
+
+    /// The key's first copy, else its spare. `key_of` reads a block's key slots.
+    pub(crate) fn get(
+        &self,
+        key: CacheKey,
+        key_of: impl Fn(BlockId) -> CacheKey,
+    ) -> Option<BlockId> {
+        let (mut index, tag) = self.place(key);
+        let mut spare = None;
+        for _ in 0..self.slots.len() {
+            // Acquire: pairs with the Release CAS of `insert`, so the block's key slots written
+            // before it are visible.
+            let word = self.slots[index].load(Ordering::Acquire);
+            if word == EMPTY {
+                break;
+            }
+            if Self::names(word, tag, key, &key_of) {
+                if word & SPARE == 0 {
+                    return Some(block_of(word));
+                }
+                spare = Some(block_of(word));
+            }
+            index = (index + 1) & self.mask;
+        }
+        spare
+    }
+
+    /// Inserts `block` as `key`'s first copy when it has none, else as its spare when it has
+    /// none; returns which and the slot (for `remove`), or `None` (nothing changed) when both
+    /// exist. The block's key slots must hold `key` already.
+    pub(crate) fn insert(
+        &self,
+        key: CacheKey,
+        block: BlockId,
+        key_of: impl Fn(BlockId) -> CacheKey,
+    ) -> Option<(Copy, usize)> {
+        debug_assert_ne!(block, 0, "the null block is never cached");
+        let (home, tag) = self.place(key);
+        loop {
+            let mut index = home;
+            let (mut first, mut spare) = (false, false);
+            let mut free = None;
+            for _ in 0..self.slots.len() {
+                // Acquire: as in `get`.
+                let word = self.slots[index].load(Ordering::Acquire);
+                if word & BLOCK_MASK == 0 {
+                    free.get_or_insert((index, word));
+                    if word == EMPTY {
+                        break;
+                    }
+                } else if Self::names(word, tag, key, &key_of) {
+                    if word & SPARE == 0 {
+                        first = true;
+                    } else {
+                        spare = true;
+                    }
+                }
+                index = (index + 1) & self.mask;
+            }
+            let copy = match (first, spare) {
+                (false, _) => Copy::First,
+                (true, false) => Copy::Spare,
+                (true, true) => return None,
+            };
+            let (at, seen) =
+                free.expect("the table always has free slots: a quarter at most is live");
+            // Release: publishes the block's key slots with the entry (see `get`).
+            if self.slots[at]
+                .compare_exchange(
+                    seen,
+                    Self::entry(tag, copy, block),
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+            {
+                return Some((copy, at));
+            }
+        }
+    }
+
+    /// Removes `block`'s entry for `key` at `slot` (as `insert` returned it) and says which
+    /// copy it was; `None` when that slot holds no such entry.
+    pub(crate) fn remove(&self, slot: usize, key: CacheKey, block: BlockId) -> Option<Copy> {
+        let cell = self.slots.get(slot)?;
+        let (_, tag) = self.place(key);
+        let removed = [Copy::First, Copy::Spare].into_iter().find(|&copy| {
+            cell.compare_exchange(
+                Self::entry(tag, copy, block),
+                TOMBSTONE,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+        })?;
+        self.collapse(slot);
+        Some(removed)
+    }
+
+    /// Turns the TOMBSTONE at `slot`, and those right before it, EMPTY when the slot after
+    /// it is EMPTY (see the module docs).
+    fn collapse(&self, slot: usize) {
+        let next = (slot + 1) & self.mask;
+        if self.slots[next].load(Ordering::Acquire) != EMPTY {
+            return;
+        }
+        let mut index = slot;
+        for _ in 0..self.slots.len() {
+            if self.slots[index]
+                .compare_exchange(TOMBSTONE, EMPTY, Ordering::AcqRel, Ordering::Relaxed)
+                .is_err()
+            {
+                return;
+            }
+            index = (index + self.mask) & self.mask;
+        }
+    }
+
+    /// Slots that are neither EMPTY nor live (tests: tombstones must not pile up).
+    #[cfg(test)]
+    fn num_tombstones(&self) -> usize {
+        self.slots
+            .iter()
+            .filter(|slot| slot.load(Ordering::Relaxed) == TOMBSTONE)
+            .count()
+    }
+}
+
+#[cfg(not(loom))]
+fn block_of(word: u64) -> BlockId {
+    (word & BLOCK_MASK) as BlockId
+}
+
+/// Under loom the map is a plain locked `HashMap` with the same interface: the models target
+/// the state word and the free queue.
+#[cfg(loom)]
+#[derive(Debug)]
+pub(crate) struct CacheMap(
+    crate::primitive::Mutex<std::collections::HashMap<(CacheKey, bool), BlockId>>,
+);
+
+#[cfg(loom)]
+impl CacheMap {
+    pub(crate) fn new(_num_blocks: usize) -> Self {
+        CacheMap(crate::primitive::Mutex::new(
+            std::collections::HashMap::new(),
+        ))
+    }
+
+    pub(crate) fn get(
+        &self,
+        key: CacheKey,
+        _key_of: impl Fn(BlockId) -> CacheKey,
+    ) -> Option<BlockId> {
+        let map = self.0.lock().unwrap();
+        map.get(&(key, false))
+            .or_else(|| map.get(&(key, true)))
+            .copied()
+    }
+
+    pub(crate) fn insert(
+        &self,
+        key: CacheKey,
+        block: BlockId,
+        _key_of: impl Fn(BlockId) -> CacheKey,
+    ) -> Option<(Copy, usize)> {
+        let mut map = self.0.lock().unwrap();
+        let copy = if !map.contains_key(&(key, false)) {
+            Copy::First
+        } else if !map.contains_key(&(key, true)) {
+            Copy::Spare
+        } else {
+            return None;
+        };
+        map.insert((key, copy == Copy::Spare), block);
+        Some((copy, 0))
+    }
+
+    pub(crate) fn remove(&self, _slot: usize, key: CacheKey, block: BlockId) -> Option<Copy> {
+        let mut map = self.0.lock().unwrap();
+        [Copy::First, Copy::Spare].into_iter().find(|&copy| {
+            let at = (key, copy == Copy::Spare);
+            let found = map.get(&at) == Some(&block);
+            if found {
+                map.remove(&at);
+            }
+            found
+        })
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::types::BlockHash;
+    use std::collections::HashMap;
+
+    fn key(group: u32, hash: u128) -> CacheKey {
+        CacheKey {
+            group,
+            hash: BlockHash(hash),
+        }
+    }
+
+    #[test]
+    fn first_copy_then_spare_then_full() {
+        let map = CacheMap::new(8);
+        let keys: HashMap<BlockId, CacheKey> = [(1, key(0, 5)), (2, key(0, 5)), (3, key(0, 5))]
+            .into_iter()
+            .collect();
+        let key_of = |block: BlockId| keys[&block];
+        let (copy, first_at) = map.insert(key(0, 5), 1, key_of).unwrap();
+        assert_eq!(copy, Copy::First);
+        assert_eq!(map.insert(key(0, 5), 2, key_of).unwrap().0, Copy::Spare);
+        assert_eq!(map.insert(key(0, 5), 3, key_of), None);
+        assert_eq!(map.get(key(0, 5), key_of), Some(1));
+        assert_eq!(
+            map.get(key(1, 5), key_of),
+            None,
+            "the group is part of the key"
+        );
+        assert_eq!(
+            map.remove(first_at, key(0, 5), 2),
+            None,
+            "only the entry at its slot"
+        );
+        assert_eq!(map.remove(first_at, key(0, 5), 1), Some(Copy::First));
+        assert_eq!(
+            map.get(key(0, 5), key_of),
+            Some(2),
+            "the spare is found alone"
+        );
+        assert_eq!(map.insert(key(0, 5), 3, key_of).unwrap().0, Copy::First);
+        assert_eq!(map.get(key(0, 5), key_of), Some(3), "a first copy wins");
+    }
+
+    /// Random churn at the most entries the pool can hold, against a model: every lookup
+    /// agrees, and tombstones stay few, as probes never pass a slot followed by an EMPTY one.
+    #[test]
+    fn churn_agrees_with_a_model_and_keeps_tombstones_few() {
+        const BLOCKS: u32 = 512;
+        let map = CacheMap::new(BLOCKS as usize);
+        let keys: Vec<std::cell::Cell<CacheKey>> = (0..=BLOCKS)
+            .map(|_| std::cell::Cell::new(key(0, 0)))
+            .collect();
+        let key_of = |block: BlockId| keys[block as usize].get();
+        let mut model: HashMap<CacheKey, (BlockId, usize)> = HashMap::new();
+        let mut held: HashMap<BlockId, (CacheKey, usize)> = HashMap::new();
+        let mut state = 12345u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let rounds = if cfg!(miri) { 2_000 } else { 400_000 };
+        for _ in 0..rounds {
+            let block = (next() % u64::from(BLOCKS)) as BlockId + 1;
+            if let Some((old, slot)) = held.remove(&block) {
+                assert_eq!(map.remove(slot, old, block), Some(Copy::First));
+                model.remove(&old);
+            } else {
+                // Few distinct keys per group so lookups of present and absent keys both occur.
+                let new = key((next() % 2) as u32, u128::from(next() % 4096));
+                if model.contains_key(&new) {
+                    continue;
+                }
+                keys[block as usize].set(new);
+                let (copy, slot) = map.insert(new, block, key_of).unwrap();
+                assert_eq!(copy, Copy::First);
+                model.insert(new, (block, slot));
+                held.insert(block, (new, slot));
+            }
+            let probe = key((next() % 2) as u32, u128::from(next() % 4096));
+            assert_eq!(
+                map.get(probe, key_of),
+                model.get(&probe).map(|&(block, _)| block)
+            );
+        }
+        assert!(
+            map.num_tombstones() <= BLOCKS as usize,
+            "{} tombstones",
+            map.num_tombstones()
+        );
+        for (block, (old, slot)) in held {
+            assert_eq!(map.remove(slot, old, block), Some(Copy::First));
+        }
+        assert_eq!(
+            map.num_tombstones(),
+            0,
+            "an empty map collapses every tombstone"
+        );
+    }
+}
