@@ -13,7 +13,8 @@
 //! its hit) per request, prefill allocation per call and per block, decode per request-step
 //! (`allocate_batch` plus the step's `append_token_ids_batch`), free per request and per block.
 //!
-//! Run: `cargo bench -p hybrid-cache-core --bench replay [-- --rounds N --hash sha256|xxh3]`.
+//! Run: `cargo bench -p hybrid-cache-core --bench replay [-- --rounds N --hash sha256|xxh3
+//! --trace T1|T2]`.
 
 use std::time::Instant;
 
@@ -265,7 +266,11 @@ fn main() {
         "free ns/block",
         "whole ms"
     );
-    for trace in &TRACES {
+    let only = option("--trace");
+    for trace in TRACES
+        .iter()
+        .filter(|trace| only.as_deref().is_none_or(|name| name == trace.name))
+    {
         for &hash in &hashes {
             let runs: Vec<Phases> = (0..rounds).map(|_| run(trace, hash)).collect();
             let first = runs[0];

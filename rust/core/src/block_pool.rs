@@ -120,6 +120,13 @@ impl BlockPool {
         let blocks: Box<[BlockSlot]> = (0..num_blocks).map(|_| BlockSlot::new()).collect();
         // Compact once stale entries outnumber the blocks: the FIFO stays O(num_blocks).
         let free_queue = FreeQueue::new(num_blocks);
+        // One write per page (a slot is 32 bytes): see `BlockSlot::prefault`.
+        for slot in blocks
+            .iter()
+            .step_by(4096 / std::mem::size_of::<BlockSlot>().max(1))
+        {
+            slot.prefault();
+        }
         for block in 1..num_blocks as BlockId {
             let entry = Entry {
                 block,

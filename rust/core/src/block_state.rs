@@ -164,6 +164,13 @@ impl BlockSlot {
         }
     }
 
+    /// Writes the block's initial state again (a block just built, not yet shared): the pool
+    /// calls it so memory the allocator mapped lazily is faulted in at construction, not by
+    /// the first steps.
+    pub(crate) fn prefault(&self) {
+        self.state.store(State::INITIAL.0, Ordering::Relaxed);
+    }
+
     /// A snapshot of the state word.
     pub(crate) fn load(&self) -> State {
         // Acquire: pairs with the Release CASes below so what a releasing holder wrote (the key

@@ -91,11 +91,17 @@ impl std::fmt::Debug for CacheMap {
 impl CacheMap {
     /// A map for a pool of `num_blocks` blocks (at most one entry each).
     pub(crate) fn new(num_blocks: usize) -> Self {
-        let len = (num_blocks.saturating_mul(4))
+        let len = (num_blocks.saturating_mul(2))
             .clamp(64, 1 << 32)
             .next_power_of_two();
+        let slots: Box<[AtomicU64]> = (0..len).map(|_| AtomicU64::new(EMPTY)).collect();
+        // The allocator may hand out lazily mapped zero pages: write one word per page now, so
+        // the first steps that cache blocks do not pay the page faults.
+        for slot in slots.iter().step_by(512) {
+            slot.store(EMPTY, Ordering::Relaxed);
+        }
         CacheMap {
-            slots: (0..len).map(|_| AtomicU64::new(EMPTY)).collect(),
+            slots,
             mask: len - 1,
             shift: 64 - len.trailing_zeros(),
         }
