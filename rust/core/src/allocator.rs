@@ -108,6 +108,10 @@ pub trait BlockAllocator: Send + Sync {
     /// Free blocks in eviction order. For tests and debugging; not a hot path.
     fn free_queue_order(&self) -> Vec<BlockId>;
 
+    /// Every cached block with the key it is cached under, by block id. For tests and
+    /// debugging; not a hot path (reads every block).
+    fn cached_blocks(&self) -> Vec<(BlockId, CacheKey)>;
+
     /// Counters; see [`PoolStats`].
     fn stats(&self) -> PoolStats;
 }

@@ -392,6 +392,22 @@ impl BlockAllocator for BlockPool {
             .map_or(0, |slot| slot.load().ref_count() as u32)
     }
 
+    fn cached_blocks(&self) -> Vec<(BlockId, CacheKey)> {
+        // A block's key is read under the cached bit; one that changes meanwhile is skipped
+        // (a debugging view of a quiescent pool).
+        let mut cached = Vec::new();
+        for (block, slot) in self.blocks.iter().enumerate().skip(1) {
+            let before = slot.load();
+            if before.is_cached() {
+                let key = slot.key();
+                if slot.load() == before {
+                    cached.push((block as BlockId, key));
+                }
+            }
+        }
+        cached
+    }
+
     fn free_queue_order(&self) -> Vec<BlockId> {
         self.free_queue
             .valid_entries(|entry| {

@@ -286,6 +286,13 @@ impl BlockAllocator for MutexPool {
         pool.ref_count.get(block as usize).copied().unwrap_or(0)
     }
 
+    fn cached_blocks(&self) -> Vec<(BlockId, CacheKey)> {
+        let pool = self.lock();
+        (0..pool.key_of.len())
+            .filter_map(|block| pool.key_of[block].map(|key| (block as BlockId, key)))
+            .collect()
+    }
+
     fn free_queue_order(&self) -> Vec<BlockId> {
         let pool = self.lock();
         let mut order = Vec::with_capacity(pool.num_free);

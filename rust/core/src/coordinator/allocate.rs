@@ -53,13 +53,42 @@ impl<P: BlockAllocator> Coordinator<P> {
     /// `allocate`, also refused (`Ok(false)`, nothing changed) when fewer than `reserve` free
     /// blocks would be left after it: an admission that leaves the running requests room to
     /// grow, so they do not preempt it (or another) at their next block.
+    ///
+    /// A first `allocate` may also start inside the pending hit (`0 < computed < hit`): it
+    /// takes that shorter hit when every group has one of exactly `computed` tokens (a multiple
+    /// of the hit alignment whose blocks are cached), as `find_cache_hit_within` finds it; any
+    /// other start is an error that changes nothing.
     pub fn allocate_keeping(
         &mut self,
         step: AllocateStep,
         reserve: usize,
     ) -> Result<bool, CoreError> {
+        self.shorten_pending_hit(&step)?;
         self.validate_step(&step)?;
         self.allocate_validated(step, reserve)
+    }
+
+    /// Replaces a request's pending hit by the shorter one its first `allocate` starts at
+    /// (see `allocate_keeping`); the hit and its lookup figures stay as they were on error.
+    fn shorten_pending_hit(&mut self, step: &AllocateStep) -> Result<(), CoreError> {
+        let request_id = step.request_id;
+        let state = self.request_mut(request_id)?;
+        let computed = step.num_computed_tokens;
+        let hit = state.pending_hit.as_ref().map_or(0, |hit| hit.num_tokens);
+        if state.num_allocated > 0 || computed == 0 || computed >= hit {
+            return Ok(());
+        }
+        let (kept_hit, kept_lookup) = (state.pending_hit.clone(), state.pending_lookup.clone());
+        let shorter = self.find_cache_hit_within(request_id, Some(computed))?;
+        if shorter == computed {
+            return Ok(());
+        }
+        let state = self.request_mut(request_id)?;
+        state.pending_hit = kept_hit;
+        state.pending_lookup = kept_lookup;
+        Err(CoreError::InvalidArgument(format!(
+            "request {request_id}: no cache hit of exactly {computed} tokens (the longest within              it is {shorter}); start the first allocate at 0, at a shorter hit, or at the              pending hit ({hit})"
+        )))
     }
 
     /// `allocate` for each step in order; stops at the first request that does not fit and
@@ -599,7 +628,7 @@ fn check_step(
         if computed != 0 && computed != hit {
             return invalid(format!(
                 "request {id}: the first allocate must start at 0 computed tokens or at the \
-                 cache hit ({hit}), not {computed}"
+                 cache hit ({hit}), not {computed} (`allocate` alone takes a shorter hit)"
             ));
         }
     } else if computed > state.num_allocated {

@@ -524,6 +524,18 @@ impl<P: BlockAllocator> Coordinator<P> {
         Ok(self.request(request_id)?.replay_frontier)
     }
 
+    /// Every cached block of the pool with its key (group and hash), by block id: a read-only
+    /// view for tests and debugging (reads every block).
+    pub fn cached_blocks(&self) -> Vec<(BlockId, CacheKey)> {
+        self.pool.cached_blocks()
+    }
+
+    /// The pool's free blocks in eviction order (first evicted first): a read-only view for
+    /// tests and debugging, meant for a pool no other thread changes meanwhile.
+    pub fn free_queue_order(&self) -> Vec<BlockId> {
+        self.pool.free_queue_order()
+    }
+
     pub fn stats(&self) -> CoordinatorStats {
         CoordinatorStats {
             pool: self.pool.stats(),
