@@ -228,3 +228,40 @@ def test_demo_runs(capsys):
     demo.run()
     out = capsys.readouterr().out
     assert "hybrid" in out and "Prefix cache" in out
+
+
+def test_lists_tuples_and_arrays_are_read_alike():
+    coordinator = gemma2_like()
+    coordinator.add_request(1, (1, 2, 3, 4, 5))
+    coordinator.add_request(2, np.array([1, 2, 3, 4, 5], dtype=np.int64))
+    assert coordinator.allocate_batch((1, 2), [0, 0], np.array([5, 5], dtype=np.int64)) == 2
+    coordinator.append_token_ids(1, [6])
+    coordinator.append_token_ids(2, (6,))
+    coordinator.append_token_ids_batch([1, 2], (7, 7))
+    assert coordinator.num_tokens(1) == coordinator.num_tokens(2) == 7
+    with pytest.raises(InvalidArgumentError, match="sequence of ints"):
+        coordinator.append_token_ids(1, [1.5])
+    with pytest.raises(InvalidArgumentError, match="sequence of ints"):
+        coordinator.append_token_ids_batch((1, "x"), [1, 2])
+
+
+def test_a_shorter_hit_and_the_cache_views():
+    coordinator = gemma2_like()
+    history = list(range(100, 124))
+    coordinator.add_request(0, history)
+    assert coordinator.allocate(0, 0, 24)
+    coordinator.free_request(0)
+    cached = coordinator.cached_blocks()
+    assert sum(1 for _, group, _ in cached if group == 0) == 6
+    order = coordinator.free_queue_order()
+    assert len(order) == coordinator.num_free_blocks
+    assert {block for block, _, _ in cached} <= set(order)
+    coordinator.add_request(1, history + [1, 2, 3])
+    assert coordinator.find_cache_hit(1) == 24
+    with pytest.raises(InvalidArgumentError, match="exactly 10"):
+        coordinator.allocate(1, 10, 4)
+    assert coordinator.pending_hit_tokens(1) == 24
+    assert coordinator.allocate(1, 16, 11)
+    full_hit = [b for b in coordinator.request_blocks(1, 0)[:4]]
+    cached_full = {block for block, group, _ in cached if group == 0}
+    assert set(full_hit) <= cached_full

@@ -168,7 +168,10 @@ class Coordinator:
         evicted since `find_cache_hit` (other requests reused its blocks): the pending hit is
         then dropped; call `find_cache_hit` again (or start at 0).
 
-        The first allocate of a request starts at 0 computed tokens or at its pending hit; later
+        The first allocate of a request starts at 0 computed tokens, at its pending hit, or
+        inside it at a shorter hit (one every group has of exactly that many tokens: a multiple
+        of the hit alignment whose blocks are cached; InvalidArgumentError otherwise, the
+        pending hit kept). `allocate_batch` takes only 0 or the pending hit. Later
         ones never go back, never pass the tokens that have slots or are known, and ask for at
         most `max_num_batched_tokens` new tokens."""
     def allocate_batch(
@@ -210,6 +213,12 @@ class Coordinator:
         """(src, dst) page copies the allocations since the last call asked for: the caller
         copies page src into page dst in every layer slot before running the step. A hit that
         ends inside a block another request uses gets a new block holding such a copy."""
+    def cached_blocks(self) -> list[tuple[int, int, int]]:
+        """Every cached block as (block, group, hash), by block id: a read-only view for tests
+        and debugging (reads every block)."""
+    def free_queue_order(self) -> list[int]:
+        """The free blocks in eviction order, first evicted first (keyless blocks, then the
+        Low, Normal and High tiers, oldest first in each)."""
     def num_protected_blocks(self) -> int:
         """Free blocks currently protected (`protected_blocks`), as the coordinator counts
         them."""

@@ -34,14 +34,20 @@ fn a_first_allocate_inside_the_pending_hit_takes_that_shorter_hit() {
     prompt.extend([1, 2, 3]);
     add(&mut c, 1, &prompt);
     assert_eq!(c.find_cache_hit(1).unwrap(), 24);
-    assert!(allocate(&mut c, 1, 16, 11), "a shorter hit at a block boundary");
+    assert!(
+        allocate(&mut c, 1, 16, 11),
+        "a shorter hit at a block boundary"
+    );
     let full = c.request_blocks(1, FULL).unwrap().to_vec();
     assert_eq!(full.len(), 7);
     // The first 4 full-attention blocks are the cached ones of the history (same keys).
     let keys = c.cached_blocks();
     for (index, &block) in full[..4].iter().enumerate() {
         let key = keys.iter().find(|&&(b, _)| b == block).map(|&(_, key)| key);
-        assert!(key.is_some_and(|key| key.group == FULL as u32), "block {index} is a hit");
+        assert!(
+            key.is_some_and(|key| key.group == FULL as u32),
+            "block {index} is a hit"
+        );
         assert!(cached_full.contains(&block));
     }
     // The window keeps only what position 16 sees: blocks 0 and 1 (tokens 0..8) are null.
@@ -64,7 +70,11 @@ fn a_start_with_no_hit_of_exactly_that_length_is_refused_and_keeps_the_pending_h
         })
         .unwrap_err();
     assert!(matches!(error, CoreError::InvalidArgument(ref m) if m.contains("exactly 10")));
-    assert_eq!(c.pending_hit_tokens(1).unwrap(), 20, "the pending hit is kept");
+    assert_eq!(
+        c.pending_hit_tokens(1).unwrap(),
+        20,
+        "the pending hit is kept"
+    );
     assert_eq!(c.pool().num_free_blocks(), free_before);
     assert!(allocate(&mut c, 1, 20, 4), "and can still be taken whole");
 }

@@ -452,6 +452,21 @@ impl PyCoordinator {
             .collect()
     }
 
+    /// Every cached block as `(block, group, hash)`, by block id (a read-only view for tests
+    /// and debugging; reads every block).
+    fn cached_blocks(&self) -> Vec<(u32, u32, u128)> {
+        self.inner
+            .cached_blocks()
+            .into_iter()
+            .map(|(block, key)| (block, key.group, key.hash.0))
+            .collect()
+    }
+
+    /// The free blocks in eviction order (first evicted first).
+    fn free_queue_order(&self) -> Vec<u32> {
+        self.inner.free_queue_order()
+    }
+
     fn num_protected_blocks(&self) -> usize {
         self.inner.num_protected_blocks()
     }
