@@ -3,8 +3,8 @@
 //!
 //! # Layout
 //!
-//! One `AtomicU64` per slot, `4 * num_blocks` slots rounded up to a power of two (at most one
-//! entry per block, so the table is at most a quarter full of entries):
+//! One `AtomicU64` per slot, `2 * num_blocks` slots rounded up to a power of two (at most one
+//! entry per block, so the table is at most half full of entries):
 //!
 //! ```text
 //!  63        33   32      31             0
@@ -190,8 +190,7 @@ impl CacheMap {
                 (true, false) => Copy::Spare,
                 (true, true) => return None,
             };
-            let (at, seen) =
-                free.expect("the table always has free slots: a quarter at most is live");
+            let (at, seen) = free.expect("the table always has free slots: half at most is live");
             // Release: publishes the block's key slots with the entry (see `get`).
             if self.slots[at]
                 .compare_exchange(
