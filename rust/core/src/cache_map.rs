@@ -432,7 +432,7 @@ mod tests {
                 model.insert(new, (block, slot));
                 held.insert(block, (new, slot));
             }
-            if model.len() % 64 == 0 {
+            if model.len().is_multiple_of(64) {
                 for (slot, byte) in map.slots.iter().zip(map.occupied.iter()) {
                     let empty = slot.load(Ordering::Relaxed) == EMPTY;
                     assert_eq!(byte.load(Ordering::Relaxed) == 0, empty);
