@@ -23,6 +23,9 @@ class FakeKVCacheManager:
         self.hits: dict[str, int] = {}
         self.appended: dict[str, list[int]] = {}
         self.events: list[tuple[str, str]] = []
+        # Requests given back with `keep=True`: the real manager keeps their hashes until the
+        # next `add` or a `forget`.
+        self.kept: set[str] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -36,6 +39,7 @@ class FakeKVCacheManager:
         self.held[request.request_id] = 0
         self.rows[request.request_id] = row
         self.events.append(("add", request.request_id))
+        self.kept.discard(request.request_id)
         return row
 
     def find_cache_hit(self, request: Request) -> int:
@@ -77,10 +81,15 @@ class FakeKVCacheManager:
         for request, token_id in zip(requests, token_ids):
             self.appended.setdefault(request.request_id, []).append(token_id)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, keep: bool = False) -> None:
         del self.held[request.request_id]
         del self.rows[request.request_id]
         self.events.append(("free", request.request_id))
+        if keep:
+            self.kept.add(request.request_id)
+
+    def forget(self, request: Request) -> None:
+        self.kept.discard(request.request_id)
 
     def row_of(self, request: Request) -> int:
         return self.rows[request.request_id]
@@ -169,6 +178,7 @@ def test_preemption_takes_newest_first_and_resumes_with_all_tokens():
     assert [s.request.request_id for s in output.scheduled] == ["0"]
     assert [r.request_id for r in scheduler.waiting] == ["1", "2"]  # arrival order kept
     assert kv.events[-2:] == [("free", "2"), ("free", "1")]  # newest first
+    assert kv.kept == {"1", "2"}, "preempted requests keep their hashes until re-added"
     assert requests[1].num_computed_tokens == 0 and requests[1].num_preemptions == 1
 
     resumed_sizes = []
@@ -184,6 +194,7 @@ def test_preemption_takes_newest_first_and_resumes_with_all_tokens():
     assert [r.output_token_ids for r in requests] == [[7] * 6, [7] * 4, [7] * 4]
     assert kv.num_free_blocks == kv.num_blocks - 1
     assert scheduler.num_preemptions >= 2
+    assert kv.kept == set(), "every kept request was re-added"
 
 
 def test_running_request_preempts_itself_when_newest():

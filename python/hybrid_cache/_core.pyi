@@ -185,6 +185,23 @@ class Coordinator:
         copy, no per-item Python calls); other sequences of ints work too. Every entry is
         validated before any is applied (unknown ids, an id twice, bad counts raise and change
         nothing)."""
+    def preempt_request(self, request_id: int) -> None:
+        """Frees the request's blocks and row as free_request does, and keeps its tokens
+        (prompt and appended), extra keys and block hashes, so resume_request re-adds it
+        without copying or hashing them again. At most 4 * max_num_reqs are kept (the oldest
+        forgotten first)."""
+    def resume_request(
+        self,
+        request_id: int,
+        max_total_tokens: Optional[int] = None,
+        num_tokens: Optional[int] = None,
+    ) -> int:
+        """Re-adds a request preempt_request kept, with its kept tokens and hashes; returns its
+        row. add_request's checks apply; `num_tokens`, when given, must equal the kept count.
+        UnknownRequestError when none is kept (never preempted, forgotten, or dropped beyond
+        the limit): add it anew. On error the request stays kept."""
+    def forget_request(self, request_id: int) -> bool:
+        """Drops a request preempt_request kept; False when none is."""
     def free_request(self, request_id: int) -> None:
         """Frees every block of the request (newest first) and releases its row."""
     def num_tokens(self, request_id: int) -> int:
@@ -234,7 +251,8 @@ class Coordinator:
         cut); tail replays: prefix_replays (lookups), prefix_replay_tokens (tokens they
         recompute below F), prefix_replay_gain (tokens they hit beyond the common hit); token
         tails: prefix_tail_hits (lookups whose hit ended on them), prefix_tail_gain (tokens
-        beyond the aligned hit)."""
+        beyond the aligned hit); hashed_blocks (blocks hashed so far: prompts, sampled tokens,
+        probes, tails) and parked_requests (requests preempt_request keeps)."""
 
 def paged_attention_cpu(
     q: npt.NDArray[np.float32],

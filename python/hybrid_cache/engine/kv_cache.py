@@ -97,6 +97,8 @@ class KVCacheManager:
         )
         self.core_ids: dict[str, int] = {}
         self.rows: dict[str, int] = {}
+        # Core ids of requests given back with `free(..., keep=True)`, until added again.
+        self.parked: dict[str, int] = {}
         self.next_core_ids: itertools.count[int] = itertools.count()
         # The last batch whose core ids were looked up, with them and (once asked) its rows:
         # a decode step asks for the same requests' ids two or three times, and the next step
@@ -155,8 +157,17 @@ class KVCacheManager:
         )
 
     def add(self, request: Request) -> int:
-        """Registers a request (prompt + output so far) and returns its block-table row."""
+        """Registers a request (prompt + output so far) and returns its block-table row. A
+        request `free(..., keep=True)` gave back comes back with the tokens and block hashes
+        the core kept (nothing copied or hashed again)."""
         assert request.request_id not in self.core_ids, f"{request} is already added"
+        core_id = self.parked.pop(request.request_id, None)
+        if core_id is not None:
+            row = self._resume(request, core_id)
+            if row is not None:
+                self.core_ids[request.request_id] = core_id
+                self.rows[request.request_id] = row
+                return row
         core_id = next(self.next_core_ids)
         try:
             row = self.coordinator.add_request(
@@ -167,6 +178,30 @@ class KVCacheManager:
         self.core_ids[request.request_id] = core_id
         self.rows[request.request_id] = row
         return row
+
+    def _resume(self, request: Request, core_id: int) -> Optional[int]:
+        """The row of a kept request re-added by the core; None when the core no longer keeps
+        it (beyond its limit) or its token count changed: then it is added anew."""
+        try:
+            return self.coordinator.resume_request(
+                core_id, max_total_tokens=num_kv_tokens(request), num_tokens=request.num_tokens
+            )
+        except (_core.UnknownRequestError, _core.InvalidArgumentError):
+            self.coordinator.forget_request(core_id)
+            return None
+        except _core.RequestTooLargeError as error:
+            self.coordinator.forget_request(core_id)
+            raise self.does_not_fit(request) from error
+        except Exception:
+            self.parked[request.request_id] = core_id  # still kept: the next add resumes it
+            raise
+
+    def forget(self, request: Request) -> None:
+        """Drops what the core keeps of a request given back with `keep=True` (it finished or
+        was aborted while waiting); nothing when none is kept."""
+        core_id = self.parked.pop(request.request_id, None)
+        if core_id is not None:
+            self.coordinator.forget_request(core_id)
 
     def find_cache_hit(self, request: Request) -> int:
         """Tokens of the request the prefix cache can serve (0 when caching is off, or while
@@ -221,12 +256,18 @@ class KVCacheManager:
             np.asarray(token_ids, dtype=np.int64) if not isinstance(token_ids, list) else token_ids,
         )
 
-    def free(self, request: Request) -> None:
-        """Returns every block of the request and its row (finish, abort or preemption)."""
+    def free(self, request: Request, keep: bool = False) -> None:
+        """Returns every block of the request and its row (finish, abort or preemption). With
+        `keep` (a request that will be added again: preempted, or not admitted this step) the
+        core keeps its tokens and block hashes for the next `add`."""
         core_id = self.core_ids.pop(request.request_id)
         del self.rows[request.request_id]
         self._batch_memo = None
-        self.coordinator.free_request(core_id)
+        if keep:
+            self.coordinator.preempt_request(core_id)
+            self.parked[request.request_id] = core_id
+        else:
+            self.coordinator.free_request(core_id)
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """(src, dst) pages the allocations since the last call need copied before the step

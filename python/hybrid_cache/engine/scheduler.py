@@ -220,7 +220,7 @@ class Scheduler:
         if hit > 0 and kv_cache.allocate(request, hit, 0):
             self.held[request.request_id] = hit
         else:
-            kv_cache.free(request)
+            kv_cache.free(request, keep=True)
 
     def _release_held(self, keep: Optional[Request] = None) -> bool:
         """Frees the newest hold (other than `keep`'s); False when there is none. Its blocks
@@ -229,7 +229,7 @@ class Scheduler:
             if keep is None or request_id != keep.request_id:
                 del self.held[request_id]
                 request = next(r for r in self.waiting if r.request_id == request_id)
-                self.kv_cache.free(request)
+                self.kv_cache.free(request, keep=True)
                 return True
         return False
 
@@ -248,6 +248,7 @@ class Scheduler:
             if request.request_id == request_id:
                 if self.held.pop(request_id, None) is not None:
                     self.kv_cache.free(request)
+                self.kv_cache.forget(request)
                 self._unqueue(request)
                 self._finish(request, FinishReason.ABORT)
                 return request
@@ -387,7 +388,7 @@ class Scheduler:
         return victim
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request)
+        self.kv_cache.free(request, keep=True)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -461,7 +462,7 @@ class Scheduler:
             if not self.kv_cache.allocate(request, num_hit_tokens, num_new_tokens, reserve):
                 if self.running:
                     if held is None:
-                        self.kv_cache.free(request)
+                        self.kv_cache.free(request, keep=True)
                     # Blocks come back as running requests finish; meanwhile requests that
                     # hold their hit need blocks for their new tokens only.
                     self.head_blocked = True
@@ -469,7 +470,8 @@ class Scheduler:
                     break
                 if self._release_held(keep=request):
                     if held is None:
-                        self.kv_cache.free(request)  # looked up again, with more blocks free
+                        # Looked up again, with more blocks free.
+                        self.kv_cache.free(request, keep=True)
                     retry = request
                     continue
                 # Nothing else holds blocks: this request can never start.
@@ -549,6 +551,7 @@ class Scheduler:
             self.overtaken[earlier.request_id] = self.overtaken.get(earlier.request_id, 0) + 1
 
     def _fail(self, request: Request, error: Exception, output: SchedulerOutput) -> None:
+        self.kv_cache.forget(request)
         self._finish(request, FinishReason.ERROR)
         request.error = error
         output.failed.append(request)

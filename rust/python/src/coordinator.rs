@@ -393,6 +393,37 @@ impl PyCoordinator {
         self.inner.allocate_batch(&steps).map_err(to_py)
     }
 
+    /// Frees the request's blocks and row, keeping its tokens and hashes for
+    /// `resume_request` (see `Coordinator::preempt_request` in the core).
+    fn preempt_request(&mut self, request_id: i64) -> PyResult<()> {
+        let request_id = crate::convert::request_id(request_id)?;
+        self.inner.preempt_request(request_id).map_err(to_py)
+    }
+
+    #[pyo3(signature = (request_id, max_total_tokens=None, num_tokens=None))]
+    fn resume_request(
+        &mut self,
+        request_id: i64,
+        max_total_tokens: Option<i64>,
+        num_tokens: Option<i64>,
+    ) -> PyResult<usize> {
+        let request_id = crate::convert::request_id(request_id)?;
+        let max_total_tokens = max_total_tokens
+            .map(|tokens| size("max_total_tokens", tokens))
+            .transpose()?;
+        let num_tokens = num_tokens
+            .map(|tokens| size("num_tokens", tokens))
+            .transpose()?;
+        self.inner
+            .resume_request(request_id, max_total_tokens, num_tokens)
+            .map_err(to_py)
+    }
+
+    fn forget_request(&mut self, request_id: i64) -> PyResult<bool> {
+        let request_id = crate::convert::request_id(request_id)?;
+        Ok(self.inner.forget_request(request_id))
+    }
+
     fn free_request(&mut self, request_id: i64) -> PyResult<()> {
         let request_id = crate::convert::request_id(request_id)?;
         self.inner.free_request(request_id).map_err(to_py)
@@ -497,6 +528,8 @@ impl PyCoordinator {
         dict.set_item("prefix_replay_gain", hits.replay_gain)?;
         dict.set_item("prefix_tail_hits", hits.tail_hits)?;
         dict.set_item("prefix_tail_gain", hits.tail_gain)?;
+        dict.set_item("hashed_blocks", stats.hashed_blocks)?;
+        dict.set_item("parked_requests", stats.parked_requests)?;
         Ok(dict)
     }
 }

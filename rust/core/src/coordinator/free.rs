@@ -12,6 +12,14 @@ impl<P: BlockAllocator> Coordinator<P> {
     /// request's chain is evicted from its tail backwards in every group at once and stays
     /// hittable, if shorter, as it goes.
     pub fn free_request(&mut self, request_id: u64) -> Result<(), CoreError> {
+        self.release_request(request_id).map(drop)
+    }
+
+    /// `free_request`, returning the request's state (its blocks gone) to the caller.
+    pub(super) fn release_request(
+        &mut self,
+        request_id: u64,
+    ) -> Result<super::request::RequestState, CoreError> {
         let state = self
             .requests
             .get_mut(&request_id)
@@ -114,6 +122,6 @@ impl<P: BlockAllocator> Coordinator<P> {
             );
         }
         self.free_rows.push(state.row);
-        Ok(())
+        Ok(state)
     }
 }

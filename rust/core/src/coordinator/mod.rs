@@ -77,6 +77,11 @@ pub struct CoordinatorStats {
     pub prefix_hits: u64,
     /// Why the other looked-up tokens were not hits, and what each group alone would hit.
     pub hits: HitStats,
+    /// Blocks hashed so far (prompts, sampled tokens, probes, tails): what preempted requests
+    /// kept with `preempt_request` do not hash again.
+    pub hashed_blocks: u64,
+    /// Preempted requests whose tokens and hashes are kept (`preempt_request`).
+    pub parked_requests: usize,
 }
 
 /// A new request for `add_request`.
@@ -151,6 +156,8 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     tails: Option<tails::TailIndex>,
     /// The protected free blocks (`set_protected_blocks`); `None`: none are.
     protected: Option<protect::Protected>,
+    /// Preempted requests' tokens and hashes, kept for `resume_request` (`preempt_request`).
+    parked: request::ParkedRequests,
 }
 
 /// A cached full block one of whose keys a hit may end at (see `Coordinator::prefix_index`).
@@ -206,6 +213,7 @@ impl<P: BlockAllocator> Coordinator<P> {
         let prefix_index_limit = 2 * config.num_blocks * max_units;
         let num_groups = config.groups.len();
         let seen_keys = SeenKeys::new(config.num_blocks * max_units);
+        let config_max_num_reqs = config.max_num_reqs.max(4);
         let table = BlockTable::new(
             config.groups.len(),
             config.max_num_reqs,
@@ -241,6 +249,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             replay_exact_after: 0,
             tails: None,
             protected: None,
+            parked: request::ParkedRequests::new(4 * config_max_num_reqs),
         })
     }
 
@@ -280,15 +289,87 @@ impl<P: BlockAllocator> Coordinator<P> {
             .sum()
     }
 
-    /// Adds a request and returns its table row. Refuses a request that could never fit.
+    /// Adds a request and returns its table row. Refuses a request that could never fit. A
+    /// request preempted under the same id (`preempt_request`) is forgotten: this one starts
+    /// over from its own tokens.
     pub fn add_request(&mut self, request: NewRequest<'_>) -> Result<usize, CoreError> {
-        let prompt_len = request.prompt_token_ids.len();
+        let max_total = request.max_total_tokens;
+        self.check_new(
+            request.request_id,
+            request.prompt_token_ids,
+            max_total,
+            &request.extra,
+        )?;
+        self.parked.take(request.request_id);
+        let chains = vec![Vec::new(); self.keys.chain_block_sizes.len()];
+        let tokens = request.prompt_token_ids.to_vec();
+        Ok(self.insert_request(request.request_id, tokens, request.extra, chains))
+    }
+
+    /// Frees a request's blocks and row as `free_request` does, and keeps its tokens (prompt
+    /// and those appended), extra keys and block hashes, so `resume_request` re-adds it without
+    /// copying or hashing them again (a preemption, or an admission that found no room). At
+    /// most `4 * max_num_reqs` requests are kept; the oldest is forgotten beyond that (its
+    /// `resume_request` then fails with `UnknownRequest` and the caller adds it anew).
+    pub fn preempt_request(&mut self, request_id: u64) -> Result<(), CoreError> {
+        let state = self.release_request(request_id)?;
+        self.parked.keep(
+            request_id,
+            request::ParkedRequest {
+                tokens: state.tokens,
+                extra: state.extra,
+                hash_chains: state.hash_chains,
+            },
+        );
+        Ok(())
+    }
+
+    /// Re-adds a request `preempt_request` kept, with its kept tokens and hashes, and returns
+    /// its row; the checks of `add_request` apply (`max_total_tokens` as there). `num_tokens`,
+    /// when given, must equal the kept token count (a caller's check that nothing was appended
+    /// meanwhile). On error nothing changes: the request stays kept.
+    pub fn resume_request(
+        &mut self,
+        request_id: u64,
+        max_total_tokens: Option<usize>,
+        num_tokens: Option<usize>,
+    ) -> Result<usize, CoreError> {
+        let parked = self
+            .parked
+            .get(request_id)
+            .ok_or(CoreError::UnknownRequest { request_id })?;
+        if let Some(expected) = num_tokens.filter(|&count| count != parked.tokens.len()) {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {request_id} was kept with {} tokens, not {expected}; add it anew",
+                parked.tokens.len()
+            )));
+        }
+        self.check_new(request_id, &parked.tokens, max_total_tokens, &parked.extra)?;
+        let parked = self.parked.take(request_id).expect("checked above");
+        Ok(self.insert_request(request_id, parked.tokens, parked.extra, parked.hash_chains))
+    }
+
+    /// Forgets a request `preempt_request` kept (it finished or was aborted while waiting);
+    /// false when none is kept under that id.
+    pub fn forget_request(&mut self, request_id: u64) -> bool {
+        self.parked.take(request_id).is_some()
+    }
+
+    /// `add_request`'s checks of a new request, nothing changed.
+    fn check_new(
+        &self,
+        request_id: u64,
+        tokens: &[u32],
+        max_total_tokens: Option<usize>,
+        extra: &ExtraKeys,
+    ) -> Result<(), CoreError> {
+        let prompt_len = tokens.len();
         if prompt_len == 0 {
             return Err(CoreError::InvalidArgument(
                 "the prompt must have at least one token".into(),
             ));
         }
-        let max_total = request.max_total_tokens.unwrap_or(prompt_len);
+        let max_total = max_total_tokens.unwrap_or(prompt_len);
         if max_total < prompt_len {
             return Err(CoreError::InvalidArgument(format!(
                 "max_total_tokens ({max_total}) is below the prompt length ({prompt_len})"
@@ -309,24 +390,34 @@ impl<P: BlockAllocator> Coordinator<P> {
                  has {usable}; shorten it or give the pool more blocks"
             )));
         }
-        request.extra.validate(prompt_len)?;
-        if self.requests.contains_key(&request.request_id) {
-            return Err(CoreError::DuplicateRequest {
-                request_id: request.request_id,
-            });
+        extra.validate(prompt_len)?;
+        if self.requests.contains_key(&request_id) {
+            return Err(CoreError::DuplicateRequest { request_id });
         }
-        let Some(row) = self.free_rows.pop() else {
+        if self.free_rows.is_empty() {
             return Err(CoreError::TooManyRequests {
                 max_num_reqs: self.config.max_num_reqs,
             });
-        };
+        }
+        Ok(())
+    }
+
+    /// Inserts a checked request (`check_new`) and returns its row.
+    fn insert_request(
+        &mut self,
+        request_id: u64,
+        tokens: Vec<u32>,
+        extra: ExtraKeys,
+        hash_chains: Vec<Vec<BlockHash>>,
+    ) -> usize {
+        let row = self.free_rows.pop().expect("checked by check_new");
         let state = RequestState {
             row,
-            tokens: request.prompt_token_ids.to_vec(),
-            extra: request.extra,
+            tokens,
+            extra,
             num_computed: 0,
             num_allocated: 0,
-            hash_chains: vec![Vec::new(); self.keys.chain_block_sizes.len()],
+            hash_chains,
             groups: vec![GroupBlocks::default(); self.num_groups()],
             pending_hit: None,
             hit_tokens: 0,
@@ -335,8 +426,8 @@ impl<P: BlockAllocator> Coordinator<P> {
             replay_frontier: 0,
             pending_lookup: None,
         };
-        self.requests.insert(request.request_id, state);
-        Ok(row)
+        self.requests.insert(request_id, state);
+        row
     }
 
     /// Appends sampled tokens so their blocks can be hashed and cached once full.
@@ -542,6 +633,8 @@ impl<P: BlockAllocator> Coordinator<P> {
             prefix_queries: self.hit_stats.queries,
             prefix_hits: self.hit_stats.hits,
             hits: self.hit_stats.clone(),
+            hashed_blocks: self.hasher.num_hashed(),
+            parked_requests: self.parked.len(),
         }
     }
 

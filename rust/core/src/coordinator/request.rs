@@ -1,5 +1,7 @@
 //! What the coordinator knows about one request.
 
+use std::collections::{HashMap, VecDeque};
+
 use super::HitStats;
 use crate::hashing::ExtraKeys;
 use crate::manager::GroupBlocks;
@@ -91,6 +93,73 @@ impl HitEnd {
     pub fn filled(&self) -> usize {
         match *self {
             HitEnd::Take { filled, .. } | HitEnd::Copy { filled, .. } => filled,
+        }
+    }
+}
+
+/// What `Coordinator::resume_request` needs of a preempted request.
+#[derive(Debug)]
+pub struct ParkedRequest {
+    pub tokens: Vec<u32>,
+    pub extra: ExtraKeys,
+    pub hash_chains: Vec<Vec<BlockHash>>,
+}
+
+/// Preempted requests kept for `resume_request`, at most `limit`, the oldest forgotten first.
+#[derive(Debug)]
+pub struct ParkedRequests {
+    /// Each kept request with the number it was kept under.
+    requests: HashMap<u64, (u64, ParkedRequest)>,
+    /// `(id, number)` in the order they were kept; entries whose request was taken (or kept
+    /// again under a later number) are skipped when met.
+    order: VecDeque<(u64, u64)>,
+    next_number: u64,
+    limit: usize,
+}
+
+impl ParkedRequests {
+    pub fn new(limit: usize) -> Self {
+        ParkedRequests {
+            requests: HashMap::new(),
+            order: VecDeque::new(),
+            next_number: 0,
+            limit: limit.max(1),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub fn get(&self, request_id: u64) -> Option<&ParkedRequest> {
+        self.requests.get(&request_id).map(|(_, parked)| parked)
+    }
+
+    pub fn take(&mut self, request_id: u64) -> Option<ParkedRequest> {
+        self.requests.remove(&request_id).map(|(_, parked)| parked)
+    }
+
+    /// Keeps `parked` under `request_id`, forgetting the oldest kept request beyond the limit.
+    pub fn keep(&mut self, request_id: u64, parked: ParkedRequest) {
+        let number = self.next_number;
+        self.next_number += 1;
+        self.requests.insert(request_id, (number, parked));
+        self.order.push_back((request_id, number));
+        while self.requests.len() > self.limit {
+            let (oldest, number) = self.order.pop_front().expect("every kept id is queued");
+            if self
+                .requests
+                .get(&oldest)
+                .is_some_and(|(kept, _)| *kept == number)
+            {
+                self.requests.remove(&oldest);
+            }
+        }
+        // Entries of requests taken since stay queued until met: bound them too.
+        if self.order.len() > 2 * self.limit {
+            let requests = &self.requests;
+            self.order
+                .retain(|(id, number)| requests.get(id).is_some_and(|(kept, _)| kept == number));
         }
     }
 }
