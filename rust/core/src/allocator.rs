@@ -98,6 +98,10 @@ pub trait BlockAllocator: Send + Sync {
     /// changes) when `block` already carries a key or `key` has both copies.
     fn cache_block(&self, block: BlockId, key: CacheKey) -> Result<bool, CoreError>;
 
+    /// A hint that `key` is about to be looked up or cached: a pool may start loading what
+    /// that touches (the default does nothing).
+    fn prefetch_key(&self, _key: CacheKey) {}
+
     /// Forgets every cache key. Refused (returns false, changes nothing) while any block is in
     /// use, as a reset under running requests would strand their cached blocks.
     fn reset_prefix_cache(&self) -> bool;

@@ -296,6 +296,10 @@ impl BlockAllocator for BlockPool {
         error.map_or(Ok(()), Err)
     }
 
+    fn prefetch_key(&self, key: CacheKey) {
+        self.cache.prefetch(key);
+    }
+
     fn cached_block(&self, key: CacheKey) -> Option<BlockId> {
         // A hint: `touch_cached` checks whatever is found.
         self.cache.get(key, |block| self.key_of(block))

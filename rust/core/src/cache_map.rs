@@ -139,6 +139,14 @@ impl CacheMap {
         word & BLOCK_MASK != 0 && word >> TAG_SHIFT == tag && key_of(block_of(word)) == key
     }
 
+    /// Starts loading the key's home slot (and its occupied byte) into the cache: a caller
+    /// about to look up or insert several keys prefetches the next ones while it works.
+    pub(crate) fn prefetch(&self, key: CacheKey) {
+        let (home, _) = self.place(key);
+        crate::primitive::prefetch(&self.occupied[home]);
+        crate::primitive::prefetch(&self.slots[home]);
+    }
+
     /// The key's first copy, else its spare. `key_of` reads a block's key slots.
     pub(crate) fn get(
         &self,
@@ -336,6 +344,8 @@ impl CacheMap {
         map.insert((key, copy == Copy::Spare), block);
         Some((copy, 0))
     }
+
+    pub(crate) fn prefetch(&self, _key: CacheKey) {}
 
     pub(crate) fn remove(&self, _slot: usize, key: CacheKey, block: BlockId) -> Option<Copy> {
         let mut map = self.0.lock().unwrap();

@@ -27,8 +27,6 @@
 //! resistant against an adversary, though: a deployment where one tenant could craft prompts to
 //! alias another tenant's cache should use a per-tenant cache salt and `HashAlgo::Sha256`.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use sha2::{Digest, Sha256};
 
 use crate::error::CoreError;
@@ -89,23 +87,11 @@ const TAG_SALT: u8 = 2;
 const TAG_MULTIMODAL: u8 = 3;
 
 /// Computes chained block hashes for one algorithm and seed.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct BlockHasher {
     algo: HashAlgo,
     /// Parent hash of block 0.
     root: BlockHash,
-    /// Blocks hashed so far (full and partial), for the statistics.
-    num_hashed: AtomicU64,
-}
-
-impl Clone for BlockHasher {
-    fn clone(&self) -> Self {
-        BlockHasher {
-            algo: self.algo,
-            root: self.root,
-            num_hashed: AtomicU64::new(self.num_hashed()),
-        }
-    }
 }
 
 impl BlockHasher {
@@ -114,17 +100,7 @@ impl BlockHasher {
         let mut bytes = b"hybrid-cache root".to_vec();
         bytes.extend_from_slice(&seed.to_le_bytes());
         let root = digest(algo, &bytes);
-        BlockHasher {
-            algo,
-            root,
-            num_hashed: AtomicU64::new(0),
-        }
-    }
-
-    /// Blocks this hasher has hashed (`extend_chain` and `hash_partial`).
-    pub fn num_hashed(&self) -> u64 {
-        // Relaxed: a statistic.
-        self.num_hashed.load(Ordering::Relaxed)
+        BlockHasher { algo, root }
     }
 
     pub fn algo(&self) -> HashAlgo {
@@ -151,9 +127,6 @@ impl BlockHasher {
             return;
         }
         let mut buffer = Vec::with_capacity(24 + 4 * block_size);
-        // Relaxed: a statistic.
-        self.num_hashed
-            .fetch_add((num_full - hashes.len()) as u64, Ordering::Relaxed);
         for index in hashes.len()..num_full {
             let parent = hashes.last().copied().unwrap_or(self.root);
             let start = index * block_size;
@@ -180,7 +153,6 @@ impl BlockHasher {
         extra: &ExtraKeys,
     ) -> BlockHash {
         let mut buffer = Vec::with_capacity(24 + 4 * tokens.len());
-        self.num_hashed.fetch_add(1, Ordering::Relaxed);
         let block = BlockSpan {
             index,
             start,

@@ -22,3 +22,18 @@ pub(crate) fn spin_wait() {
     #[cfg(not(loom))]
     std::hint::spin_loop();
 }
+
+/// Asks the CPU to start loading the cache line holding `item` (a hint: nothing is read, no
+/// fault is possible). A no-op off x86-64 and under Miri.
+#[inline(always)]
+pub(crate) fn prefetch<T>(item: &T) {
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    // SAFETY: a prefetch reads nothing and cannot fault; `item` is a valid reference anyway.
+    #[allow(unused_unsafe)] // a safe function on newer compilers
+    unsafe {
+        use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>((item as *const T).cast::<i8>());
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(miri))))]
+    let _ = item;
+}

@@ -411,7 +411,8 @@ impl<P: BlockAllocator> Coordinator<P> {
         self.dirty_from = dirty_from;
         if self.config.enable_prefix_caching {
             // Cache the blocks that are full once the scheduled tokens are computed.
-            Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
+            self.num_hashed +=
+                Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
             for (group, manager) in self.managers.iter().enumerate() {
                 let keys = self.keys.keys(&state.hash_chains, group);
                 let context = CacheContext {

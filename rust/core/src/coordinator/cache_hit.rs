@@ -46,6 +46,8 @@ use crate::types::{BlockHash, BlockId, CacheKey, GroupId, NULL_BLOCK};
 const PROBE_FIRST_BLOCKS: usize = 4;
 /// How much longer each later round of a probe hashes.
 const PROBE_GROWTH: usize = 8;
+/// How many blocks ahead of a lookup (or a caching) its key is prefetched.
+pub(super) const PREFETCH_AHEAD: usize = 6;
 
 impl<P: BlockAllocator> Coordinator<P> {
     /// Longest prefix (tokens) every group can hit, stored on the request as its pending hit
@@ -78,7 +80,7 @@ impl<P: BlockAllocator> Coordinator<P> {
         if !self.config.enable_prefix_caching {
             return Ok(0);
         }
-        Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
+        self.num_hashed += Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
         let num_tokens = state.tokens.len();
         // Lent out while the lookup reads the coordinator; given back below.
         let chains = std::mem::take(&mut state.hash_chains);
@@ -439,8 +441,20 @@ fn cached_run<P: BlockAllocator>(
     keys: GroupKeys<'_>,
     max_blocks: usize,
 ) -> usize {
-    let mut is_cached =
-        |index: usize| index < keys.num_full() && pool.cached_block(keys.full(index)).is_some();
+    // Managers scan one way (full attention from the left, windows from the right): the key
+    // `PREFETCH_AHEAD` further that way is prefetched, so lookups that miss the cache overlap.
+    let mut last = None;
+    let mut is_cached = |index: usize| {
+        let ahead = match last {
+            Some(last) if index < last => index.checked_sub(PREFETCH_AHEAD),
+            _ => Some(index + PREFETCH_AHEAD),
+        };
+        last = Some(index);
+        if let Some(ahead) = ahead.filter(|&ahead| ahead < keys.num_full()) {
+            pool.prefetch_key(keys.full(ahead));
+        }
+        index < keys.num_full() && pool.cached_block(keys.full(index)).is_some()
+    };
     manager.longest_hit_blocks(max_blocks, &mut is_cached)
 }
 

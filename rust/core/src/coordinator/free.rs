@@ -29,7 +29,8 @@ impl<P: BlockAllocator> Coordinator<P> {
         let mut keyed = std::mem::take(&mut self.keyed_scratch);
         keyed.clear();
         if self.config.enable_prefix_caching {
-            Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
+            self.num_hashed +=
+                Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
             let computed = state.num_allocated.min(state.tokens.len());
             for (group, manager) in self.managers.iter().enumerate() {
                 let keys = self.keys.keys(&state.hash_chains, group);

@@ -77,8 +77,8 @@ pub struct CoordinatorStats {
     pub prefix_hits: u64,
     /// Why the other looked-up tokens were not hits, and what each group alone would hit.
     pub hits: HitStats,
-    /// Blocks hashed so far (prompts, sampled tokens, probes, tails): what preempted requests
-    /// kept with `preempt_request` do not hash again.
+    /// Blocks of requests' hash chains hashed so far (prompts and sampled tokens; probes and
+    /// token tails are not counted): what requests kept by `preempt_request` do not hash again.
     pub hashed_blocks: u64,
     /// Preempted requests whose tokens and hashes are kept (`preempt_request`).
     pub parked_requests: usize,
@@ -158,6 +158,8 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     protected: Option<protect::Protected>,
     /// Preempted requests' tokens and hashes, kept for `resume_request` (`preempt_request`).
     parked: request::ParkedRequests,
+    /// Blocks of requests' hash chains hashed so far (`CoordinatorStats::hashed_blocks`).
+    num_hashed: u64,
 }
 
 /// A cached full block one of whose keys a hit may end at (see `Coordinator::prefix_index`).
@@ -250,6 +252,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             tails: None,
             protected: None,
             parked: request::ParkedRequests::new(4 * config_max_num_reqs),
+            num_hashed: 0,
         })
     }
 
@@ -633,7 +636,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             prefix_queries: self.hit_stats.queries,
             prefix_hits: self.hit_stats.hits,
             hits: self.hit_stats.clone(),
-            hashed_blocks: self.hasher.num_hashed(),
+            hashed_blocks: self.num_hashed,
             parked_requests: self.parked.len(),
         }
     }
@@ -650,9 +653,15 @@ impl<P: BlockAllocator> Coordinator<P> {
             .ok_or(CoreError::UnknownRequest { request_id })
     }
 
-    /// Extends the request's hash chains to every full block of its known tokens.
-    fn extend_hashes(hasher: &BlockHasher, chain_block_sizes: &[usize], state: &mut RequestState) {
+    /// Extends the request's hash chains to every full block of its known tokens; returns how
+    /// many blocks it hashed.
+    fn extend_hashes(
+        hasher: &BlockHasher,
+        chain_block_sizes: &[usize],
+        state: &mut RequestState,
+    ) -> u64 {
         let chains = &mut state.hash_chains;
+        let before: usize = chains.iter().map(Vec::len).sum();
         extend_chains(
             hasher,
             chain_block_sizes,
@@ -660,6 +669,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             &state.extra,
             chains,
         );
+        (chains.iter().map(Vec::len).sum::<usize>() - before) as u64
     }
 }
 

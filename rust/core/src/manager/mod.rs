@@ -33,6 +33,9 @@ use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::types::{BlockId, CacheKey, NULL_BLOCK};
 
+/// How many blocks ahead of the one being cached its key is prefetched.
+const PREFETCH_AHEAD: usize = 6;
+
 /// A request's blocks in one group.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GroupBlocks {
@@ -197,6 +200,10 @@ pub fn cache_full_blocks(
 ) -> Result<(), CoreError> {
     let end = context.num_full_blocks.min(blocks.blocks.len());
     for index in blocks.num_cached..end {
+        // The keys a few blocks on are prefetched, so the cache map's misses overlap.
+        if let Some(ahead) = Some(index + PREFETCH_AHEAD).filter(|&ahead| ahead < end) {
+            context.pool.prefetch_key((context.key_of)(ahead));
+        }
         let block = blocks.blocks[index];
         if block == NULL_BLOCK || !manager.can_be_hit(index, context.hit_alignment) {
             continue;
