@@ -252,7 +252,8 @@ class Coordinator:
         recompute below F), prefix_replay_gain (tokens they hit beyond the common hit); token
         tails: prefix_tail_hits (lookups whose hit ended on them), prefix_tail_gain (tokens
         beyond the aligned hit); hashed_blocks (blocks of requests' hash chains hashed so far:
-        prompts and sampled tokens, not probes or token tails) and parked_requests (requests preempt_request keeps)."""
+        prompts and sampled tokens, not probes or token tails) and parked_requests (requests
+        preempt_request keeps)."""
 
 def paged_attention_cpu(
     q: npt.NDArray[np.float32],
