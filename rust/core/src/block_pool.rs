@@ -87,6 +87,9 @@ use crate::types::{BlockId, CacheKey, PoolStats, NULL_BLOCK};
 /// `tests/pool_contract.rs` rejects frees of a few ids and of 30 ids, covering both paths.
 const SMALL_FREE: usize = 16;
 
+/// How many blocks ahead of the one being released its state word is prefetched.
+const RELEASE_PREFETCH_AHEAD: usize = 8;
+
 /// The lock-free block pool. See the module docs.
 pub struct BlockPool {
     /// One slot per block, index = block id; slot 0 (the null block) is never used.
@@ -270,7 +273,14 @@ impl BlockAllocator for BlockPool {
     fn release_held_to(&self, blocks: &[BlockId], tier: FreeTier) -> Result<(), CoreError> {
         let mut error = None;
         let mut now_free = 0;
-        for &block in blocks {
+        for (index, &block) in blocks.iter().enumerate() {
+            // The state words of the blocks a few ahead are prefetched: a request's blocks lie
+            // anywhere in the pool, and their cache misses overlap.
+            if let Some(ahead) = blocks.get(index + RELEASE_PREFETCH_AHEAD) {
+                if let Some(slot) = self.blocks.get(*ahead as usize) {
+                    crate::primitive::prefetch(slot);
+                }
+            }
             let slot = match self.check_block(block) {
                 Ok(slot) => slot,
                 Err(invalid) => {
