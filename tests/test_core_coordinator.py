@@ -243,6 +243,13 @@ def test_lists_tuples_and_arrays_are_read_alike():
         coordinator.append_token_ids(1, [1.5])
     with pytest.raises(InvalidArgumentError, match="sequence of ints"):
         coordinator.append_token_ids_batch((1, "x"), [1, 2])
+    with pytest.raises(InvalidArgumentError, match="sequence of ints"):
+        coordinator.append_token_ids(1, [2**70])
+    with pytest.raises(InvalidArgumentError, match="outside 0..2"):
+        coordinator.append_token_ids(1, [2**40])
+    # Items that are not exactly int (numpy scalars, bools) take the item-by-item path.
+    coordinator.append_token_ids_batch([np.int64(1), 2], [np.int64(8), True])
+    assert coordinator.num_tokens(1) == coordinator.num_tokens(2) == 8
 
 
 def test_a_shorter_hit_and_the_cache_views():

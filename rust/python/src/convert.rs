@@ -27,6 +27,9 @@ pub fn int64s(name: &str, values: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     let not_ints = || invalid_argument(format!("{name} must be a 1-d sequence of ints"));
     // Lists and tuples first: asking them for a buffer would build a TypeError each call.
     if let Ok(list) = values.cast::<PyList>() {
+        if let Some(ints) = exact_ints(list) {
+            return Ok(ints);
+        }
         return list
             .iter()
             .map(|item| item.extract::<i64>())
@@ -46,6 +49,33 @@ pub fn int64s(name: &str, values: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         }
     }
     values.extract::<Vec<i64>>().map_err(|_| not_ints())
+}
+
+/// A list whose items are all exactly `int` and fit in an `i64`, read without a reference
+/// count change per item; `None` (the caller converts item by item, with its errors) for any
+/// other list.
+fn exact_ints(list: &Bound<'_, PyList>) -> Option<Vec<i64>> {
+    let len = list.len();
+    let mut ints = Vec::with_capacity(len);
+    for index in 0..len {
+        // SAFETY: `index < len` and the GIL is held with no Python code running in between, so
+        // the list keeps its items (borrowed references, valid while the list holds them).
+        let item = unsafe { pyo3::ffi::PyList_GET_ITEM(list.as_ptr(), index as isize) };
+        // SAFETY: `item` is a valid object pointer (above).
+        if unsafe { pyo3::ffi::PyLong_CheckExact(item) } == 0 {
+            return None;
+        }
+        // SAFETY: `item` is an `int`; an overflow sets an error, cleared below.
+        let value = unsafe { pyo3::ffi::PyLong_AsLongLong(item) };
+        // SAFETY: the GIL is held.
+        if value == -1 && !unsafe { pyo3::ffi::PyErr_Occurred() }.is_null() {
+            // SAFETY: the GIL is held; the error is ours (set just above).
+            unsafe { pyo3::ffi::PyErr_Clear() };
+            return None;
+        }
+        ints.push(value);
+    }
+    Some(ints)
 }
 
 /// Token ids: ints in `0..2^32`.

@@ -65,7 +65,8 @@ impl<P: BlockAllocator> Coordinator<P> {
     ) -> Result<bool, CoreError> {
         self.shorten_pending_hit(&step)?;
         self.validate_step(&step)?;
-        self.allocate_validated(step, reserve)
+        let row = self.request(step.request_id)?.row;
+        self.allocate_validated(row, step, reserve)
     }
 
     /// Replaces a request's pending hit by the shorter one its first `allocate` starts at
@@ -95,15 +96,26 @@ impl<P: BlockAllocator> Coordinator<P> {
     /// returns how many were allocated. Every step is validated before any is applied, so an
     /// error changes nothing.
     pub fn allocate_batch(&mut self, steps: &[AllocateStep]) -> Result<usize, CoreError> {
+        let mut rows = std::mem::take(&mut self.rows_scratch);
+        let ids = steps.iter().map(|step| step.request_id);
+        let result = match self.requests.rows_of(ids, &mut rows) {
+            Ok(()) => self.allocate_rows(steps, &rows),
+            Err(error) => Err(error),
+        };
+        self.rows_scratch = rows;
+        result
+    }
+
+    /// `allocate_batch` over the requests in `rows` (one per step, in order).
+    fn allocate_rows(
+        &mut self,
+        steps: &[AllocateStep],
+        rows: &[usize],
+    ) -> Result<usize, CoreError> {
         self.batch_number += 1;
         let batch_number = self.batch_number;
-        for step in steps {
-            let state =
-                self.requests
-                    .get_mut(&step.request_id)
-                    .ok_or(CoreError::UnknownRequest {
-                        request_id: step.request_id,
-                    })?;
+        for (step, &row) in steps.iter().zip(rows) {
+            let state = self.requests.at_mut(row);
             check_step(&self.config, state, step)?;
             if state.last_batch == batch_number {
                 return Err(CoreError::InvalidArgument(format!(
@@ -113,8 +125,8 @@ impl<P: BlockAllocator> Coordinator<P> {
             }
             state.last_batch = batch_number;
         }
-        for (done, step) in steps.iter().enumerate() {
-            if !self.allocate_validated(*step, 0)? {
+        for (done, (step, &row)) in steps.iter().zip(rows).enumerate() {
+            if !self.allocate_validated(row, *step, 0)? {
                 return Ok(done);
             }
         }
@@ -125,14 +137,16 @@ impl<P: BlockAllocator> Coordinator<P> {
         check_step(&self.config, self.request(step.request_id)?, step)
     }
 
+    /// `allocate` of a validated step for the request in `row`.
     fn allocate_validated(
         &mut self,
+        row: usize,
         step: AllocateStep,
         reserve: usize,
     ) -> Result<bool, CoreError> {
         let computed = step.num_computed_tokens;
         let total = computed + step.num_new_tokens;
-        let state = self.requests.get_mut(&step.request_id).expect("validated");
+        let state = self.requests.at_mut(row);
         // Sources of an earlier allocate's copies (only a first allocate asks for copies, so a
         // request that holds some takes no hit now): released once this allocate succeeds, as
         // the step they were for has run.

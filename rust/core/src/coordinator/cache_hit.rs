@@ -86,7 +86,7 @@ impl<P: BlockAllocator> Coordinator<P> {
         let chains = std::mem::take(&mut state.hash_chains);
         let limit = max_tokens.map_or(num_tokens - 1, |max| max.min(num_tokens - 1));
         let common = self.common_hit(&chains, limit + 1);
-        let state = &self.requests[&request_id];
+        let state = self.requests.get(&request_id).expect("checked above");
         let plain = common.tokens();
         let tail = self.tail_hit(
             &chains,

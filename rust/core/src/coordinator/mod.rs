@@ -46,6 +46,7 @@ mod hit_stats;
 mod keys;
 mod protect;
 mod request;
+mod slab;
 mod table;
 mod tails;
 
@@ -55,7 +56,6 @@ pub use hit_stats::HitStats;
 pub use table::{BlockTable, RowRef};
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
@@ -114,7 +114,9 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     table: BlockTable,
     /// Unused rows; popped from the end, so the lowest rows are handed out first.
     free_rows: Vec<usize>,
-    requests: HashMap<u64, RequestState, BuildHasherDefault<RequestIdHasher>>,
+    requests: slab::RequestSlab,
+    /// Scratch: the rows of a batch call's requests (`RequestSlab::rows_of`).
+    rows_scratch: Vec<usize>,
     /// Non-null table entries per group (a block shared by two requests counts twice).
     num_references: Vec<usize>,
     /// Prefix-cache counters (`hit_stats`).
@@ -225,7 +227,8 @@ impl<P: BlockAllocator> Coordinator<P> {
             hasher: BlockHasher::new(config.hash, config.hash_seed),
             hit_alignment: config.hit_alignment().expect("validated"),
             free_rows: (0..config.max_num_reqs).rev().collect(),
-            requests: HashMap::with_capacity_and_hasher(config.max_num_reqs, Default::default()),
+            requests: slab::RequestSlab::new(config.max_num_reqs),
+            rows_scratch: Vec::new(),
             num_references: vec![0; config.groups.len()],
             managers,
             hit_order,
@@ -466,10 +469,26 @@ impl<P: BlockAllocator> Coordinator<P> {
                 token_ids.len()
             )));
         }
+        let mut rows = std::mem::take(&mut self.rows_scratch);
+        let found = self
+            .requests
+            .rows_of(request_ids.iter().copied(), &mut rows);
+        let checked = found.and_then(|()| self.check_appends(request_ids, &rows));
+        if checked.is_ok() {
+            for (&row, &token) in rows.iter().zip(token_ids) {
+                self.requests.at_mut(row).tokens.push(token);
+            }
+        }
+        self.rows_scratch = rows;
+        checked
+    }
+
+    /// `append_token_ids_batch`'s checks of the requests in `rows` (in the order of `ids`).
+    fn check_appends(&mut self, request_ids: &[u64], rows: &[usize]) -> Result<(), CoreError> {
         self.batch_number += 1;
         let (batch_number, max_model_len) = (self.batch_number, self.config.max_model_len);
-        for &request_id in request_ids {
-            let state = self.request_mut(request_id)?;
+        for (&request_id, &row) in request_ids.iter().zip(rows) {
+            let state = self.requests.at_mut(row);
             if state.last_batch == batch_number {
                 return Err(CoreError::InvalidArgument(format!(
                     "request {request_id} appears twice in one append_token_ids_batch call"
@@ -481,13 +500,6 @@ impl<P: BlockAllocator> Coordinator<P> {
                 )));
             }
             state.last_batch = batch_number;
-        }
-        for (request_id, &token) in request_ids.iter().zip(token_ids) {
-            self.requests
-                .get_mut(request_id)
-                .expect("validated")
-                .tokens
-                .push(token);
         }
         Ok(())
     }
@@ -683,26 +695,5 @@ fn extend_chains(
 ) {
     for (chain, &block_size) in chains.iter_mut().zip(chain_block_sizes) {
         hasher.extend_chain(tokens, block_size, extra, chain);
-    }
-}
-
-/// Hasher for request ids: ids are chosen by the engine (not by users), so a multiplicative
-/// mix is enough and much cheaper than SipHash on the per-step path.
-#[derive(Default)]
-struct RequestIdHasher(u64);
-
-impl Hasher for RequestIdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-
-    fn write_u64(&mut self, value: u64) {
-        self.0 = (value ^ (value >> 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
 }
