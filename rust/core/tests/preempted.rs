@@ -13,7 +13,7 @@ fn a_resumed_request_finds_the_same_hit_without_hashing_again() {
     add(&mut c, 7, &prompt);
     assert!(allocate(&mut c, 7, 0, 22));
     c.append_token_ids(7, &[500, 501]).unwrap();
-    assert!(allocate(&mut c, 7, 22, 1));
+    assert!(allocate(&mut c, 7, 22, 2));
     let usable = c.pool().num_blocks() - 1;
     c.preempt_request(7).unwrap();
     assert_eq!(c.pool().num_free_blocks(), usable, "every block comes back");
@@ -86,4 +86,18 @@ fn adding_the_id_anew_forgets_the_kept_request_and_the_oldest_go_beyond_the_limi
         c.resume_request(12, None, None).is_err(),
         "12 was the oldest then"
     );
+}
+
+#[test]
+fn a_request_freed_before_computing_anything_hashes_nothing() {
+    let mut c = full_and_window(8, 64);
+    let prompt: Vec<u32> = (1..=40).collect();
+    add(&mut c, 1, &prompt);
+    c.free_request(1).unwrap();
+    assert_eq!(c.stats().hashed_blocks, 0);
+    add(&mut c, 2, &prompt);
+    assert!(allocate(&mut c, 2, 0, 20));
+    c.free_request(2).unwrap();
+    // Its computed 20 tokens: 5 blocks in each of the two groups' chain (one chain: same size).
+    assert_eq!(c.stats().hashed_blocks, 5);
 }

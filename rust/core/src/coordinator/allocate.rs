@@ -425,8 +425,9 @@ impl<P: BlockAllocator> Coordinator<P> {
         self.dirty_from = dirty_from;
         if self.config.enable_prefix_caching {
             // Cache the blocks that are full once the scheduled tokens are computed.
-            self.num_hashed +=
-                Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
+            // Blocks past the scheduled tokens are hashed when they are scheduled (or looked up).
+            let sizes = &self.keys.chain_block_sizes;
+            self.num_hashed += Self::extend_hashes_within(&self.hasher, sizes, state, num_known);
             for (group, manager) in self.managers.iter().enumerate() {
                 let keys = self.keys.keys(&state.hash_chains, group);
                 let context = CacheContext {

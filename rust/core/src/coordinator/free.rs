@@ -29,9 +29,11 @@ impl<P: BlockAllocator> Coordinator<P> {
         let mut keyed = std::mem::take(&mut self.keyed_scratch);
         keyed.clear();
         if self.config.enable_prefix_caching {
-            self.num_hashed +=
-                Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
+            // Only what the request computed is cached (its tail, its hit points' windows): a
+            // request freed before computing anything (an admission given back) hashes nothing.
             let computed = state.num_allocated.min(state.tokens.len());
+            let sizes = &self.keys.chain_block_sizes;
+            self.num_hashed += Self::extend_hashes_within(&self.hasher, sizes, state, computed);
             for (group, manager) in self.managers.iter().enumerate() {
                 let keys = self.keys.keys(&state.hash_chains, group);
                 let blocks = &state.groups[group];

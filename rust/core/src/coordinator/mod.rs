@@ -672,15 +672,20 @@ impl<P: BlockAllocator> Coordinator<P> {
         chain_block_sizes: &[usize],
         state: &mut RequestState,
     ) -> u64 {
+        Self::extend_hashes_within(hasher, chain_block_sizes, state, usize::MAX)
+    }
+
+    /// `extend_hashes` over the first `limit` tokens only.
+    fn extend_hashes_within(
+        hasher: &BlockHasher,
+        chain_block_sizes: &[usize],
+        state: &mut RequestState,
+        limit: usize,
+    ) -> u64 {
         let chains = &mut state.hash_chains;
         let before: usize = chains.iter().map(Vec::len).sum();
-        extend_chains(
-            hasher,
-            chain_block_sizes,
-            &state.tokens,
-            &state.extra,
-            chains,
-        );
+        let tokens = &state.tokens[..limit.min(state.tokens.len())];
+        extend_chains(hasher, chain_block_sizes, tokens, &state.extra, chains);
         (chains.iter().map(Vec::len).sum::<usize>() - before) as u64
     }
 }
