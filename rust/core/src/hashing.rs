@@ -127,6 +127,7 @@ impl BlockHasher {
             return;
         }
         let mut buffer = Vec::with_capacity(24 + 4 * block_size);
+        hashes.reserve(num_full - hashes.len());
         for index in hashes.len()..num_full {
             let parent = hashes.last().copied().unwrap_or(self.root);
             let start = index * block_size;
