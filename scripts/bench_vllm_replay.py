@@ -17,8 +17,9 @@ vLLM's side calls `KVCacheManager` as its scheduler does (`get_computed_blocks`,
 one `allocate_batch` per step for the running requests, one `append_token_ids_batch` per step).
 Phases, timed alike on both sides:
 
-- lookup: building the request with its prompt hashed (vLLM hashes in `Request()`, ours in
-  `find_cache_hit`) and finding its hit, per request;
+- lookup: hashing the prompt and finding its hit, per request (vLLM: the hasher `Request()`
+  runs, then `get_computed_blocks`, the request object built untimed; ours: `add_request`,
+  which also converts and copies the prompt, then `find_cache_hit`);
 - prefill: the allocations of the prompt's slots, per block allocated;
 - decode: one step's allocations plus recording its sampled tokens, per request and step;
 - free: per block freed; whole: the four together.
@@ -148,14 +149,18 @@ def run_vllm(trace: dict) -> Phases:
     chunk = trace["chunk"] or trace["prompt_len"]
     manager.new_step_starts()
     for index, prompt in enumerate(prompts):
-        start = clock()
+        # The request object is built untimed; its prompt is hashed in the lookup's time, as
+        # `Request(..., block_hasher=...)` would hash it.
         request = Request(
             request_id=f"r{index}",
             prompt_token_ids=prompt,
             sampling_params=params[index],
             pooling_params=None,
-            block_hasher=hasher,
+            block_hasher=None,
         )
+        request._block_hasher = hasher
+        start = clock()
+        request.block_hashes.extend(hasher(request))
         blocks, hit, _ = manager.get_computed_blocks(request)
         looked_up = clock()
         before = used()

@@ -38,7 +38,9 @@ whole hit. Measured in BENCHMARKS.md ("Admission headroom").
 When the pool has no blocks for a running request, the newest running request is preempted by
 recompute: its blocks are freed and it goes back to the front of the waiting queue; when
 re-admitted it is re-added with prompt + output tokens so far (often hitting its own blocks in
-the prefix cache) and continues exactly where it stopped.
+the prefix cache) and continues exactly where it stopped. A preempted request, like one whose
+admission is given back this step, is freed with `keep=True`: the core keeps its tokens and
+block hashes, so re-adding it copies and hashes nothing again (an abort or failure forgets them).
 """
 
 from __future__ import annotations
