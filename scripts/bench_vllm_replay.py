@@ -43,6 +43,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 BLOCK = 16
 WINDOW = 4096
@@ -94,6 +95,18 @@ class Phases:
             "free ns/block": seconds["free"] / self.free_blocks * 1e9,
             "whole ms": sum(seconds.values()) * 1e3,
         }
+
+
+def time_free(phases: Phases, free: Callable, requests: list, used: Callable[[], int]) -> Phases:
+    """Frees every request (timed), checks that no block is left in use, ends the round."""
+    phases.free_blocks = used()
+    start = clock()
+    for request in requests:
+        free(request)
+    phases.seconds["free"] = clock() - start
+    assert used() == 0, "blocks leaked"
+    gc.unfreeze()
+    return phases
 
 
 def run_vllm(trace: dict) -> Phases:
@@ -207,14 +220,7 @@ def run_vllm(trace: dict) -> Phases:
         sum(1 for block in group.req_to_blocks.get(last, []) if not block.is_null)
         for group in manager.coordinator.single_type_managers
     ]
-    phases.free_blocks = used()
-    start = clock()
-    for request in requests:
-        manager.free(request)
-    phases.seconds["free"] = clock() - start
-    assert used() == 0, "vLLM leaked blocks"
-    gc.unfreeze()
-    return phases
+    return time_free(phases, manager.free, requests, used)
 
 
 def run_ours(trace: dict) -> Phases:
@@ -286,14 +292,7 @@ def run_ours(trace: dict) -> Phases:
         sum(1 for block in coordinator.request_blocks(ids[-1], group) if block != 0)
         for group in range(coordinator.num_groups)
     ]
-    phases.free_blocks = used()
-    start = clock()
-    for index in ids:
-        coordinator.free_request(index)
-    phases.seconds["free"] = clock() - start
-    assert used() == 0, "blocks leaked"
-    gc.unfreeze()
-    return phases
+    return time_free(phases, coordinator.free_request, ids, used)
 
 
 def main() -> None:

@@ -67,14 +67,19 @@ def test_a_re_added_request_reuses_its_hashes_and_every_kept_one_is_let_go():
     assert kv.stats()["parked_requests"] == 0
 
 
-def test_preemptions_under_a_small_pool_finish_every_request_and_keep_nothing():
-    # Full + window groups over 24 usable blocks: four 12-token prompts growing to 24 tokens
-    # cannot all run at once, so the scheduler preempts and re-admits.
+def crowded() -> tuple[KVCacheManager, Scheduler, list[Request]]:
+    """Full + window groups over 24 usable blocks: four 12-token prompts growing to 24 tokens
+    cannot all run at once, so the scheduler preempts and re-admits."""
     kv = make_kv(num_blocks=25)
     scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
     requests = [make_request(str(i), list(range(10 * i, 10 * i + 12)), 12) for i in range(4)]
     for request in requests:
         scheduler.add_request(request)
+    return kv, scheduler, requests
+
+
+def test_preemptions_under_a_small_pool_finish_every_request_and_keep_nothing():
+    kv, scheduler, requests = crowded()
     for _ in range(200):
         if not scheduler.has_unfinished_requests():
             break
@@ -87,11 +92,7 @@ def test_preemptions_under_a_small_pool_finish_every_request_and_keep_nothing():
 
 
 def test_an_aborted_waiting_request_is_forgotten():
-    kv = make_kv(num_blocks=25)
-    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
-    requests = [make_request(str(i), list(range(10 * i, 10 * i + 12)), 12) for i in range(4)]
-    for request in requests:
-        scheduler.add_request(request)
+    kv, scheduler, _ = crowded()
     for _ in range(200):
         step(scheduler)
         if kv.parked:
