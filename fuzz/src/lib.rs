@@ -1357,6 +1357,9 @@ mod tests {
         fn ref_count(&self, block: BlockId) -> u32 {
             self.inner.ref_count(block)
         }
+        fn cached_blocks(&self) -> Vec<(BlockId, CacheKey)> {
+            self.inner.cached_blocks()
+        }
         fn free_queue_order(&self) -> Vec<BlockId> {
             self.inner.free_queue_order()
         }
