@@ -456,10 +456,13 @@ impl<P: BlockAllocator> Harness<P> {
             Op::Preempt { pick } => {
                 if let Some(id) = self.pick(*pick) {
                     let request = self.requests[&id].clone();
-                    self.free(id);
+                    // Odd picks keep the request's tokens and hashes in the core and resume it
+                    // from them; even ones free it and add it anew. Both must end alike.
+                    let keep = pick % 2 == 1;
+                    self.release(id, keep);
                     let max_total = request.max_total.max(request.tokens.len());
                     // `add` checks the result (refused only when it no longer fits).
-                    self.add(id, request.tokens, request.extra, max_total);
+                    self.add_or_resume(id, request.tokens, request.extra, max_total, keep);
                 }
             }
             Op::Reset => self.reset(),
@@ -474,13 +477,31 @@ impl<P: BlockAllocator> Harness<P> {
         extra: ExtraKeys,
         max_total: usize,
     ) -> Option<Tracked> {
+        self.add_or_resume(id, tokens, extra, max_total, false)
+    }
+
+    /// `add_request`, or with `resume` `resume_request` of a request `preempt_request` kept
+    /// with these tokens and keys: the same checks and outcomes either way.
+    fn add_or_resume(
+        &mut self,
+        id: u64,
+        tokens: Vec<u32>,
+        extra: ExtraKeys,
+        max_total: usize,
+        resume: bool,
+    ) -> Option<Tracked> {
         let before = self.snapshot();
-        let result = self.coordinator.add_request(NewRequest {
-            request_id: id,
-            prompt_token_ids: &tokens,
-            max_total_tokens: Some(max_total),
-            extra: extra.clone(),
-        });
+        let result = if resume {
+            self.coordinator
+                .resume_request(id, Some(max_total), Some(tokens.len()))
+        } else {
+            self.coordinator.add_request(NewRequest {
+                request_id: id,
+                prompt_token_ids: &tokens,
+                max_total_tokens: Some(max_total),
+                extra: extra.clone(),
+            })
+        };
         let config = self.config();
         let empty = tokens.is_empty();
         let too_long = max_total > config.max_model_len;
@@ -515,6 +536,12 @@ impl<P: BlockAllocator> Harness<P> {
                 };
                 assert!(explained, "add_request({id}) refused with {error:?}");
                 assert_eq!(before, self.snapshot(), "a refused add changes nothing");
+                if resume {
+                    assert!(
+                        self.coordinator.forget_request(id),
+                        "a refused resume keeps it"
+                    );
+                }
                 None
             }
         }
@@ -944,8 +971,18 @@ impl<P: BlockAllocator> Harness<P> {
 
     /// `free_request`; for a live request also checks where its blocks went in the queue.
     fn free(&mut self, id: u64) {
+        self.release(id, false);
+    }
+
+    /// `free_request`, or with `keep` `preempt_request` (the same release, the request's tokens
+    /// and hashes kept for `resume_request`).
+    fn release(&mut self, id: u64, keep: bool) {
         let before = self.snapshot();
-        let result = self.coordinator.free_request(id);
+        let result = if keep {
+            self.coordinator.preempt_request(id)
+        } else {
+            self.coordinator.free_request(id)
+        };
         let sources = self.copy_sources.remove(&id).unwrap_or_default();
         if self.requests.remove(&id).is_none() {
             assert!(matches!(result, Err(CoreError::UnknownRequest { .. })));
