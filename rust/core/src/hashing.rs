@@ -15,8 +15,13 @@
 //! - the cache salt, on block 0 only: the chain carries it to every later block;
 //! - each multimodal item hash, on every block its token range overlaps.
 //!
-//! The bytes hashed are `parent (16 LE) | token count (4 LE) | tokens (4 LE each) | tagged extras`,
-//! each extra preceded by a one-byte tag so two different key sets never serialise alike.
+//! The bytes hashed are `0 | parent (16 LE) | token count (4 LE) | tokens (4 LE each) | tagged
+//! extras`, each extra preceded by a one-byte tag so two different key sets never serialise
+//! alike. Under sha256 a block with no extra key and every token id below 2^18 (every vocabulary
+//! of the models we serve) is hashed *packed* instead: `1 | parent (16 LE) | token count (2 LE) |
+//! tokens (18 bits each, little-endian bit order, the last byte zero-padded)`, 55 bytes for 16
+//! tokens: one sha256 compression instead of two. The first byte says which layout follows, and
+//! each layout decodes back to its inputs, so no two blocks serialise alike.
 //!
 //! Algorithms: xxh3-128 (default, fast, not cryptographic) or sha256 truncated to 128 bits.
 //!
@@ -170,30 +175,78 @@ impl BlockHasher {
         extra: &ExtraKeys,
         buffer: &mut Vec<u8>,
     ) -> BlockHash {
-        buffer.clear();
-        buffer.extend_from_slice(&parent.0.to_le_bytes());
-        buffer.extend_from_slice(&(block.tokens.len() as u32).to_le_bytes());
-        for token in block.tokens {
-            buffer.extend_from_slice(&token.to_le_bytes());
-        }
-        if let Some(lora_id) = extra.lora_id {
-            buffer.push(TAG_LORA);
-            buffer.extend_from_slice(&lora_id.to_le_bytes());
-        }
-        if let (0, Some(salt)) = (block.index, &extra.cache_salt) {
-            buffer.push(TAG_SALT);
-            buffer.extend_from_slice(&(salt.len() as u64).to_le_bytes());
-            buffer.extend_from_slice(salt.as_bytes());
-        }
-        let block_end = block.start + block.tokens.len();
-        for item in &extra.mm_items {
-            let item_end = item.start_token + item.num_tokens;
-            if item.start_token < block_end && block.start < item_end {
-                buffer.push(TAG_MULTIMODAL);
-                buffer.extend_from_slice(&item.item_hash.to_le_bytes());
-            }
-        }
+        encode_block(parent, block, extra, self.algo == HashAlgo::Sha256, buffer);
         digest(self.algo, buffer)
+    }
+}
+
+/// First byte of a block's hashed bytes: the layout that follows (see the module docs).
+const LAYOUT_WIDE: u8 = 0;
+const LAYOUT_PACKED: u8 = 1;
+/// Bits per token id in the packed layout.
+const PACKED_BITS: u32 = 18;
+
+/// Writes into `buffer` the bytes a block is hashed from: packed when `packed` allows it and
+/// the block qualifies (no extra key applies to it, every token id below 2^18), else wide.
+fn encode_block(
+    parent: BlockHash,
+    block: &BlockSpan<'_>,
+    extra: &ExtraKeys,
+    packed: bool,
+    buffer: &mut Vec<u8>,
+) {
+    buffer.clear();
+    let block_end = block.start + block.tokens.len();
+    let overlaps = |item: &MultimodalItem| {
+        item.start_token < block_end && block.start < item.start_token + item.num_tokens
+    };
+    let plain = extra.lora_id.is_none()
+        && (block.index != 0 || extra.cache_salt.is_none())
+        && !extra.mm_items.iter().any(overlaps);
+    let count = u16::try_from(block.tokens.len()).ok();
+    if let (true, true, Some(count)) = (packed, plain, count) {
+        if block.tokens.iter().all(|&token| token >> PACKED_BITS == 0) {
+            // Written in place (4 bytes at a time, 3 bytes of slack cut off at the end).
+            let len = 19 + (block.tokens.len() * PACKED_BITS as usize).div_ceil(8);
+            buffer.resize(len + 3, 0);
+            buffer[0] = LAYOUT_PACKED;
+            buffer[1..17].copy_from_slice(&parent.0.to_le_bytes());
+            buffer[17..19].copy_from_slice(&count.to_le_bytes());
+            let (mut bits, mut held, mut at) = (0u64, 0u32, 19);
+            for &token in block.tokens {
+                bits |= u64::from(token) << held;
+                held += PACKED_BITS;
+                if held >= 32 {
+                    buffer[at..at + 4].copy_from_slice(&(bits as u32).to_le_bytes());
+                    (bits, held, at) = (bits >> 32, held - 32, at + 4);
+                }
+            }
+            if held > 0 {
+                buffer[at..at + 4].copy_from_slice(&(bits as u32).to_le_bytes());
+            }
+            buffer.truncate(len);
+            return;
+        }
+    }
+    buffer.resize(21 + 4 * block.tokens.len(), 0);
+    buffer[0] = LAYOUT_WIDE;
+    buffer[1..17].copy_from_slice(&parent.0.to_le_bytes());
+    buffer[17..21].copy_from_slice(&(block.tokens.len() as u32).to_le_bytes());
+    for (bytes, token) in buffer[21..].chunks_exact_mut(4).zip(block.tokens) {
+        bytes.copy_from_slice(&token.to_le_bytes());
+    }
+    if let Some(lora_id) = extra.lora_id {
+        buffer.push(TAG_LORA);
+        buffer.extend_from_slice(&lora_id.to_le_bytes());
+    }
+    if let (0, Some(salt)) = (block.index, &extra.cache_salt) {
+        buffer.push(TAG_SALT);
+        buffer.extend_from_slice(&(salt.len() as u64).to_le_bytes());
+        buffer.extend_from_slice(salt.as_bytes());
+    }
+    for item in extra.mm_items.iter().filter(|item| overlaps(item)) {
+        buffer.push(TAG_MULTIMODAL);
+        buffer.extend_from_slice(&item.item_hash.to_le_bytes());
     }
 }
 
@@ -349,6 +402,116 @@ mod tests {
         );
         assert_eq!(sha.len(), 3);
         assert!(xxh3.iter().zip(&sha).all(|(a, b)| a != b));
+    }
+
+    fn encoded(tokens: &[u32], index: usize, extra: &ExtraKeys, packed: bool) -> Vec<u8> {
+        let mut buffer = Vec::new();
+        let block = BlockSpan {
+            index,
+            start: index * tokens.len(),
+            tokens,
+        };
+        encode_block(
+            BlockHash(0xabcd << 64 | 7),
+            &block,
+            extra,
+            packed,
+            &mut buffer,
+        );
+        buffer
+    }
+
+    /// The packed layout's tokens back from its bytes (the test's own decoder).
+    fn unpack(bytes: &[u8]) -> (u128, Vec<u32>) {
+        assert_eq!(bytes[0], LAYOUT_PACKED);
+        let parent = u128::from_le_bytes(bytes[1..17].try_into().unwrap());
+        let count = u16::from_le_bytes([bytes[17], bytes[18]]) as usize;
+        let body = &bytes[19..];
+        assert_eq!(
+            body.len(),
+            (count * 18).div_ceil(8),
+            "no byte more than needed"
+        );
+        let bit = |at: usize| (body[at / 8] >> (at % 8)) & 1;
+        let tokens = (0..count)
+            .map(|i| (0..18).map(|b| u32::from(bit(i * 18 + b)) << b).sum())
+            .collect();
+        let padding = (count * 18..body.len() * 8).all(|at| bit(at) == 0);
+        assert!(padding, "the last byte is zero-padded");
+        (parent, tokens)
+    }
+
+    #[test]
+    fn sha256_packs_plain_blocks_into_one_compression_and_they_decode_back() {
+        let tokens: Vec<u32> = (0..16).map(|i| (1 << 18) - 1 - i * 4099).collect();
+        let bytes = encoded(&tokens, 3, &ExtraKeys::default(), true);
+        assert_eq!(
+            bytes.len(),
+            55,
+            "one sha256 block holds 55 bytes of message"
+        );
+        assert_eq!(unpack(&bytes), (0xabcd << 64 | 7, tokens.clone()));
+        // Not packed: xxh3, a token id of 2^18, an adapter, the salt on block 0, an image.
+        assert_eq!(
+            encoded(&tokens, 3, &ExtraKeys::default(), false)[0],
+            LAYOUT_WIDE
+        );
+        let mut large = tokens.clone();
+        large[5] = 1 << 18;
+        assert_eq!(
+            encoded(&large, 3, &ExtraKeys::default(), true)[0],
+            LAYOUT_WIDE
+        );
+        let lora = ExtraKeys {
+            lora_id: Some(1),
+            ..ExtraKeys::default()
+        };
+        assert_eq!(encoded(&tokens, 3, &lora, true)[0], LAYOUT_WIDE);
+        let salt = ExtraKeys {
+            cache_salt: Some("t".into()),
+            ..ExtraKeys::default()
+        };
+        assert_eq!(encoded(&tokens, 0, &salt, true)[0], LAYOUT_WIDE);
+        assert_eq!(encoded(&tokens, 1, &salt, true)[0], LAYOUT_PACKED);
+        let image = |start_token| ExtraKeys {
+            mm_items: vec![MultimodalItem {
+                start_token,
+                num_tokens: 4,
+                item_hash: 9,
+            }],
+            ..ExtraKeys::default()
+        };
+        assert_eq!(encoded(&tokens, 3, &image(50), true)[0], LAYOUT_WIDE);
+        assert_eq!(encoded(&tokens, 3, &image(100), true)[0], LAYOUT_PACKED);
+    }
+
+    #[test]
+    fn no_two_blocks_serialise_alike_across_layouts() {
+        let mut state = 99u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut seen = std::collections::HashMap::new();
+        for _ in 0..20_000 {
+            let count = 1 + (next() % 6) as usize;
+            // Mostly small ids (packed), sometimes one too large (wide), from few values so that
+            // equal inputs recur.
+            let tokens: Vec<u32> = (0..count)
+                .map(|_| match next() % 8 {
+                    0 => 1 << 18,
+                    other => (other * 37_000) as u32,
+                })
+                .collect();
+            let bytes = encoded(&tokens, 2, &ExtraKeys::default(), true);
+            if let Some(earlier) = seen.insert(bytes, tokens.clone()) {
+                assert_eq!(earlier, tokens, "two blocks serialise alike");
+            }
+        }
+        assert!(seen.keys().any(|bytes| bytes[0] == LAYOUT_WIDE));
+        assert!(seen.keys().any(|bytes| bytes[0] == LAYOUT_PACKED));
     }
 
     #[test]
