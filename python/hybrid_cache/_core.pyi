@@ -188,8 +188,8 @@ class Coordinator:
     def preempt_request(self, request_id: int) -> None:
         """Frees the request's blocks and row as free_request does, and keeps its tokens
         (prompt and appended), extra keys and block hashes, so resume_request re-adds it
-        without copying or hashing them again. At most 4 * max_num_reqs are kept (the oldest
-        forgotten first)."""
+        without copying or hashing them again. At most 4 * max(max_num_reqs, 4) are kept (the
+        oldest forgotten first)."""
     def resume_request(
         self,
         request_id: int,

@@ -24,31 +24,38 @@ pub fn request_id(value: i64) -> PyResult<u64> {
 /// Integers from anything exposing an int64 buffer (numpy int64 arrays: one copy, no per-item
 /// Python calls) or from any sequence of ints.
 pub fn int64s(name: &str, values: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
-    let not_ints = || invalid_argument(format!("{name} must be a 1-d sequence of ints"));
     // Lists and tuples first: asking them for a buffer would build a TypeError each call.
     if let Ok(list) = values.cast::<PyList>() {
-        if let Some(ints) = exact_ints(list) {
-            return Ok(ints);
-        }
-        return list
-            .iter()
-            .map(|item| item.extract::<i64>())
-            .collect::<PyResult<_>>()
-            .map_err(|_| not_ints());
+        return match exact_ints(list) {
+            Some(ints) => Ok(ints),
+            None => ints_by_item(name, list.iter()),
+        };
     }
     if let Ok(tuple) = values.cast::<PyTuple>() {
-        return tuple
-            .iter()
-            .map(|item| item.extract::<i64>())
-            .collect::<PyResult<_>>()
-            .map_err(|_| not_ints());
+        return ints_by_item(name, tuple.iter());
     }
     if let Ok(buffer) = PyBuffer::<i64>::get(values) {
         if buffer.dimensions() <= 1 {
             return buffer.to_vec(values.py());
         }
     }
-    values.extract::<Vec<i64>>().map_err(|_| not_ints())
+    values.extract::<Vec<i64>>().map_err(|_| not_ints(name))
+}
+
+/// The typed error for `name` when it is not a sequence of ints.
+fn not_ints(name: &str) -> PyErr {
+    invalid_argument(format!("{name} must be a 1-d sequence of ints"))
+}
+
+/// A sequence's items as ints, one `extract` each.
+fn ints_by_item<'py>(
+    name: &str,
+    items: impl Iterator<Item = Bound<'py, PyAny>>,
+) -> PyResult<Vec<i64>> {
+    items
+        .map(|item| item.extract::<i64>())
+        .collect::<PyResult<_>>()
+        .map_err(|_| not_ints(name))
 }
 
 /// A list whose items are all exactly `int` and fit in an `i64`, read without a reference

@@ -64,9 +64,9 @@ impl<P: BlockAllocator> Coordinator<P> {
         reserve: usize,
     ) -> Result<bool, CoreError> {
         self.shorten_pending_hit(&step)?;
-        self.validate_step(&step)?;
-        let row = self.request(step.request_id)?.row;
-        self.allocate_validated(row, step, reserve)
+        let state = self.request(step.request_id)?;
+        check_step(&self.config, state, &step)?;
+        self.allocate_validated(state.row, step, reserve)
     }
 
     /// Replaces a request's pending hit by the shorter one its first `allocate` starts at
@@ -88,7 +88,9 @@ impl<P: BlockAllocator> Coordinator<P> {
         state.pending_hit = kept_hit;
         state.pending_lookup = kept_lookup;
         Err(CoreError::InvalidArgument(format!(
-            "request {request_id}: no cache hit of exactly {computed} tokens (the longest within              it is {shorter}); start the first allocate at 0, at a shorter hit, or at the              pending hit ({hit})"
+            "request {request_id}: no cache hit of exactly {computed} tokens (the longest within \
+             it is {shorter}); start the first allocate at 0, at a shorter hit, or at the \
+             pending hit ({hit})"
         )))
     }
 
@@ -131,10 +133,6 @@ impl<P: BlockAllocator> Coordinator<P> {
             }
         }
         Ok(steps.len())
-    }
-
-    fn validate_step(&self, step: &AllocateStep) -> Result<(), CoreError> {
-        check_step(&self.config, self.request(step.request_id)?, step)
     }
 
     /// `allocate` of a validated step for the request in `row`.

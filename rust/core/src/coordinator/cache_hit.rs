@@ -38,7 +38,7 @@ use super::{extend_chains, AttentionKind, Coordinator, PrefixEntry};
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::hashing::ExtraKeys;
-use crate::manager::{hit_row, AttentionManager};
+use crate::manager::{hit_row, AttentionManager, PREFETCH_AHEAD};
 use crate::prompt::PromptPrefix;
 use crate::types::{BlockHash, BlockId, CacheKey, GroupId, NULL_BLOCK};
 
@@ -46,8 +46,6 @@ use crate::types::{BlockHash, BlockId, CacheKey, GroupId, NULL_BLOCK};
 const PROBE_FIRST_BLOCKS: usize = 4;
 /// How much longer each later round of a probe hashes.
 const PROBE_GROWTH: usize = 8;
-/// How many blocks ahead of a lookup (or a caching) its key is prefetched.
-pub(super) const PREFETCH_AHEAD: usize = 6;
 
 impl<P: BlockAllocator> Coordinator<P> {
     /// Longest prefix (tokens) every group can hit, stored on the request as its pending hit

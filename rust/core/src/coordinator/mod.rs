@@ -217,7 +217,9 @@ impl<P: BlockAllocator> Coordinator<P> {
         let prefix_index_limit = 2 * config.num_blocks * max_units;
         let num_groups = config.groups.len();
         let seen_keys = SeenKeys::new(config.num_blocks * max_units);
-        let config_max_num_reqs = config.max_num_reqs.max(4);
+        // Preempted requests kept at most: at least 16, so a configuration with few rows still
+        // keeps some.
+        let parked_limit = 4 * config.max_num_reqs.max(4);
         let table = BlockTable::new(
             config.groups.len(),
             config.max_num_reqs,
@@ -254,7 +256,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             replay_exact_after: 0,
             tails: None,
             protected: None,
-            parked: request::ParkedRequests::new(4 * config_max_num_reqs),
+            parked: request::ParkedRequests::new(parked_limit),
             num_hashed: 0,
         })
     }
@@ -315,7 +317,7 @@ impl<P: BlockAllocator> Coordinator<P> {
     /// Frees a request's blocks and row as `free_request` does, and keeps its tokens (prompt
     /// and those appended), extra keys and block hashes, so `resume_request` re-adds it without
     /// copying or hashing them again (a preemption, or an admission that found no room). At
-    /// most `4 * max_num_reqs` requests are kept; the oldest is forgotten beyond that (its
+    /// most `4 * max(max_num_reqs, 4)` requests are kept; the oldest is forgotten beyond that (its
     /// `resume_request` then fails with `UnknownRequest` and the caller adds it anew).
     pub fn preempt_request(&mut self, request_id: u64) -> Result<(), CoreError> {
         let state = self.release_request(request_id)?;

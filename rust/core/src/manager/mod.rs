@@ -33,8 +33,8 @@ use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::types::{BlockId, CacheKey, NULL_BLOCK};
 
-/// How many blocks ahead of the one being cached its key is prefetched.
-const PREFETCH_AHEAD: usize = 6;
+/// How many blocks ahead of the one being cached (or looked up) its key is prefetched.
+pub const PREFETCH_AHEAD: usize = 6;
 
 /// A request's blocks in one group.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
