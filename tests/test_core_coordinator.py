@@ -146,6 +146,7 @@ def test_cache_hit_across_two_requests():
     assert free_before - coordinator.num_free_blocks == 7 + 2 + 2
     stats = coordinator.stats()
     assert stats["prefix_queries"] == 60 and stats["prefix_hits"] == 28
+    assert coordinator.num_prefix_queries == 60  # the same counter without the dict
     assert stats["num_cached_blocks"] > 0
 
 

@@ -12,10 +12,10 @@ from hybrid_cache.engine import logprobs as logprobs_module
 from hybrid_cache.engine.detokenizer import IncrementalDetokenizer
 from hybrid_cache.engine.errors import InvalidSamplingParamsError
 from hybrid_cache.engine.llm import LLM
-from hybrid_cache.engine.logprobs import chosen_rank, token_logprobs
+from hybrid_cache.engine.logprobs import chosen_rank, greedy_token_logprobs, token_logprobs
 from hybrid_cache.engine.penalties import apply_min_p, apply_penalties
 from hybrid_cache.engine.request import FinishReason, Request
-from hybrid_cache.engine.sampler import Sampler, apply_top_k_top_p
+from hybrid_cache.engine.sampler import Sampler, apply_top_k_top_p, greedy_tokens
 from hybrid_cache.engine.sampling_params import SamplingParams
 from tiny_tokenizers import byte_level_bpe, metaspace_bpe
 
@@ -298,6 +298,37 @@ def test_token_logprobs_of_a_batch_are_each_rows_own(counts):
         assert [(ids, rank) for ids, _, rank in got] == [(ids, rank) for ids, _, rank in want]
         for (_, values, _), (_, expected, _) in zip(got, want):
             assert values == pytest.approx(expected, rel=1e-6, abs=1e-6, nan_ok=True)
+
+
+@pytest.mark.parametrize("counts", [[5] * 7, [0] * 7, [5, 0, 2, 5, 1, 3, 4], [40] * 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_greedy_pick_with_its_logprobs_equals_argmax_then_token_logprobs(counts, dtype):
+    """`greedy_token_logprobs` (the pick taken from the top k's scan) gives numpy's argmax
+    (first maximum, first NaN) and the rows `token_logprobs` gives for it: a tie for first
+    place, a tie inside the top k, NaN, -inf, a row of one finite value, distinct rows."""
+    torch.manual_seed(5)
+    logits = torch.randn(7, 40)
+    logits[1, [6, 17]] = logits[1].max() + 1  # two tokens tie for first place
+    logits[2, [3, 9]] = logits[2].max() + 0.5  # a tie second: inside the top k
+    logits[2, 30] = logits[2].max() + 1
+    logits[3, 12] = float("nan")
+    logits[4, 5:] = float("-inf")
+    logits[5, :] = float("-inf")
+    logits[5, 33] = 0.0
+    logits = logits.to(dtype)
+    chosen, rows = greedy_token_logprobs(logits, counts)
+    want_chosen = greedy_tokens(logits.float())
+    assert chosen.dtype == np.int64 and chosen.tolist() == want_chosen.tolist()
+    want = token_logprobs(logits, want_chosen, counts)
+    for row in range(7):
+        (ids, values, rank), (want_ids, want_values, want_rank) = rows[row], want[row]
+        assert ids == want_ids and chosen_rank(rows[row]) == chosen_rank(want[row]), row
+        assert repr(values) == repr(want_values), row  # the same bits (NaN included)
+    # Column-major logits, and the largest count given by the caller: the same rows.
+    strided = logits.float().t().contiguous().t()
+    again, again_rows = greedy_token_logprobs(strided, counts, max(counts))
+    assert again.tolist() == chosen.tolist()
+    assert repr(list(again_rows)) == repr(list(rows))
 
 
 def test_top_k_takes_the_native_pass_only_where_it_is_exact(monkeypatch):

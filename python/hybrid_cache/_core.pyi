@@ -215,6 +215,10 @@ class Coordinator:
         entries and blocks released by a window are 0 (the null block)."""
     def num_blocks_per_row(self) -> npt.NDArray[np.int32]:
         """(num_groups, max_num_reqs) int32 view: table entries in use per row."""
+    @property
+    def num_prefix_queries(self) -> int:
+        """`stats()["prefix_queries"]` without the dict: the prefix-cache counters move only
+        when it does."""
     def num_used_blocks_per_group(self) -> list[int]:
         """Non-null table entries per group (a block shared by two requests counts twice)."""
     def probe_cache_hit(
@@ -383,3 +387,15 @@ def logprob_top_k_rows_cpu(
     Returns the unsettled rows
     and the rows the log-softmax makes NaN (NaN values, rank 0): recompute those from
     `log_softmax_rows_cpu`. Errors as `top_k_rows_cpu`'s."""
+
+def greedy_logprob_top_k_rows_cpu(
+    logits: npt.NDArray[np.float32],
+    k: int,
+    ids_out: npt.NDArray[np.int64],
+    values_out: npt.NDArray[np.float32],
+    ranks_out: npt.NDArray[np.int64],
+) -> list[int]:
+    """`logprob_top_k_rows_cpu` with each row's chosen token its largest logit (a greedy
+    pick), written to `ids_out[:, 0]`. Returns the unsettled rows (as `logprob_top_k_rows_cpu`,
+    and the rows whose largest logit is not the only maximum): their pick and top k are
+    guesses, to recompute."""

@@ -6,7 +6,8 @@ A decode step's metadata is a few small arrays: positions, sequence lengths, the
 cost a dozen array calls a step, each several microseconds right after the forward has evicted
 numpy from the CPU caches. Here one native call (`_core.decode_inputs_cpu`) writes all of them
 into buffers that live as long as their owner, and the step's tensors are views of their
-prefixes (fresh tensor objects each step, so per-step caches keyed on them stay per step).
+prefixes (fresh tensor objects each step, `torch.from_numpy` of numpy slices, so per-step
+caches keyed on them stay per step).
 
 Contract: a step's metadata is valid until the same buffers build the next one. The engine runs
 its steps one after another and no backend keeps a step's tensors past its forward (a copy to
@@ -33,7 +34,6 @@ class DecodeInputBuffers:
     def __init__(self, block_sizes: Sequence[int]) -> None:
         self.block_sizes = [int(size) for size in block_sizes]
         self.num_groups = len(self.block_sizes)
-        self.one_block_size = len(set(self.block_sizes)) == 1
         self._seq_capacity = -1
         self._table_capacity = -1
         self._reserve(0, 0)
@@ -47,7 +47,7 @@ class DecodeInputBuffers:
         without conversion; a new token on the null block is an `InvalidBlockError`."""
         num_seqs = len(rows)
         max_seq_len = max(num_computed_tokens) + 1 if num_seqs else 0
-        groups, sizes = self.num_groups, self.block_sizes
+        sizes = self.block_sizes
         columns = [-(-max_seq_len // size) for size in sizes]
         self._reserve(num_seqs, num_seqs * sum(columns))
         _core.decode_inputs_cpu(
@@ -60,27 +60,28 @@ class DecodeInputBuffers:
             self._tables,
             self._slots,
         )
-        slots = self._slot_tensor[: groups * num_seqs].view(groups, num_seqs).unbind(0)
-        if self.one_block_size:
-            items = groups * num_seqs * columns[0]
-            tables = self._table_tensor[:items].view(groups, num_seqs, columns[0]).unbind(0)
-        else:
-            tables, start = [], 0
-            for width in columns:
-                end = start + num_seqs * width
-                tables.append(self._table_tensor[start:end].view(num_seqs, width))
-                start = end
+        # Tensors over numpy views: `torch.from_numpy` of a slice costs about half a torch
+        # slice, and a third of a torch `unbind`.
+        from_numpy, slots, tables = torch.from_numpy, self._slots, self._tables
+        groups_metadata, start = [], 0
+        for group, (width, size) in enumerate(zip(columns, sizes)):
+            end = start + num_seqs * width
+            groups_metadata.append(
+                GroupMetadata(
+                    block_table=from_numpy(tables[start:end].reshape(num_seqs, width)),
+                    slot_mapping=from_numpy(slots[group * num_seqs : (group + 1) * num_seqs]),
+                    block_size=size,
+                )
+            )
+            start = end
         metadata = AttentionMetadata(
-            query_start_loc=self._query_start_tensor[: num_seqs + 1],
-            seq_lens=self._seq_len_tensor[:num_seqs],
-            groups=[
-                GroupMetadata(block_table=table, slot_mapping=slot, block_size=size)
-                for table, slot, size in zip(tables, slots, sizes)
-            ],
+            query_start_loc=from_numpy(self._query_starts[: num_seqs + 1]),
+            seq_lens=from_numpy(self._seq_lens[:num_seqs]),
+            groups=groups_metadata,
             max_query_len=1 if num_seqs else 0,
             max_seq_len=max_seq_len,
         )
-        return metadata, self._position_tensor[:num_seqs]
+        return metadata, from_numpy(self._positions[:num_seqs])
 
     def _reserve(self, num_seqs: int, table_items: int) -> None:
         if num_seqs > self._seq_capacity:
@@ -89,15 +90,11 @@ class DecodeInputBuffers:
             self._positions = np.empty(capacity, dtype=np.int64)
             self._seq_lens = np.empty(capacity, dtype=np.int32)
             self._slots = np.empty(self.num_groups * capacity, dtype=np.int64)
-            self._position_tensor = torch.from_numpy(self._positions)
-            self._seq_len_tensor = torch.from_numpy(self._seq_lens)
-            self._slot_tensor = torch.from_numpy(self._slots)
-            self._query_start_tensor = torch.arange(capacity + 1, dtype=torch.int32)
+            self._query_starts = np.arange(capacity + 1, dtype=np.int32)
         if table_items > self._table_capacity:
             capacity = max(table_items, 2 * self._table_capacity, 64)
             self._table_capacity = capacity
             self._tables = np.empty(capacity, dtype=np.int32)
-            self._table_tensor = torch.from_numpy(self._tables)
 
 
 def build_decode_metadata(

@@ -304,6 +304,12 @@ class KVCacheManager:
     def stats(self) -> dict[str, int]:
         return dict(self.coordinator.stats())
 
+    @property
+    def num_prefix_queries(self) -> int:
+        """`stats()["prefix_queries"]` without building the dict: the prefix-cache counters
+        move only when it does."""
+        return self.coordinator.num_prefix_queries
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; refused (False) while any request holds blocks."""
         return self.coordinator.reset_prefix_cache()

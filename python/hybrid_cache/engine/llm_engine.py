@@ -319,14 +319,14 @@ class LLMEngine:
         self, num_preemptions: int, num_scheduled_requests: int, num_scheduled_tokens: int
     ) -> None:
         used = self.kv_cache.num_used_blocks_per_group()
-        core = self.kv_cache.stats()
         stats = self.stats
         stats.num_steps += 1
         stats.num_preemptions += num_preemptions
-        queries = core.get("prefix_queries", 0)
-        # Every prefix-cache counter moves only with a lookup, which queries tokens.
-        if queries != stats.num_prefix_query_tokens:
-            stats.num_prefix_query_tokens = queries
+        # Every prefix-cache counter moves only with a lookup, which queries tokens: the
+        # counters' dict is read only then.
+        if self.kv_cache.num_prefix_queries != stats.num_prefix_query_tokens:
+            core = self.kv_cache.stats()
+            stats.num_prefix_query_tokens = core["prefix_queries"]
             stats.num_prefix_hit_tokens = core.get("prefix_hits", 0)
             stats.prefix_misses = PrefixMisses.from_core(core)
             stats.prefix_alone_hit_tokens_per_group = list(

@@ -22,7 +22,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from hybrid_cache._core import log_softmax_rows_cpu, logprob_top_k_rows_cpu, top_k_rows_cpu
+from hybrid_cache._core import (
+    greedy_logprob_top_k_rows_cpu,
+    log_softmax_rows_cpu,
+    logprob_top_k_rows_cpu,
+    top_k_rows_cpu,
+)
 from hybrid_cache.engine.outputs import Logprob
 
 # One position: the ids and logprobs of the chosen token and then the top k (most likely
@@ -56,6 +61,41 @@ def token_logprobs(
     if not (k and bool((chosen > values[:, k:]).all())):
         ranks = (logprobs >= chosen).sum(-1)
     return LogprobRows(ids, values, ranks, num_logprobs, k)
+
+
+def greedy_token_logprobs(
+    logits: torch.Tensor, num_logprobs: Sequence[int], k: Optional[int] = None
+) -> tuple[np.ndarray, LogprobRows]:
+    """The greedy token of each row of CPU `logits` [rows, vocab] (numpy's argmax pick, as
+    `greedy_tokens`: the first maximum, or the first NaN) as int64, and `token_logprobs` of
+    the rows for it, from one native pass over each row: the pick comes from the top k's scan
+    (`_core.greedy_logprob_top_k_rows_cpu`), with no argmax pass of its own. The rows that
+    pass does not settle (a tie for the maximum or among the top k + 1, NaN, infinities) take
+    numpy's argmax and `logprob_top_k`. `k`: `max(num_logprobs)` when the caller knows it.
+
+    Called once per decode step with the CPU caches cold (the forward evicted them), so it
+    makes few calls: no conversion of float32 logits, no copy of contiguous ones."""
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    if not logits.is_contiguous():
+        logits = logits.contiguous()
+    array = logits.numpy()
+    num_rows, vocab_size = array.shape
+    k = min(max(num_logprobs, default=0) if k is None else k, vocab_size)
+    if k >= vocab_size:
+        chosen = array.argmax(axis=-1).astype(np.int64, copy=False)
+        return chosen, token_logprobs(logits, chosen, num_logprobs)
+    ids = np.empty((num_rows, k + 1), dtype=np.int64)
+    values = np.empty((num_rows, k + 1), dtype=np.float32)
+    ranks = np.empty(num_rows, dtype=np.int64)
+    others = greedy_logprob_top_k_rows_cpu(array, k, ids, values, ranks)
+    if others:
+        rows = array[others]
+        chosen = rows.argmax(axis=-1).astype(np.int64, copy=False)
+        ids[others], values[others], ranks[others] = logprob_top_k(
+            torch.from_numpy(rows), k, chosen
+        )
+    return ids[:, 0].copy(), LogprobRows(ids, values, ranks, num_logprobs, k)
 
 
 class LogprobLog:

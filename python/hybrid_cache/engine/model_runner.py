@@ -45,7 +45,7 @@ from hybrid_cache.attention.selector import (
 )
 from hybrid_cache.engine import host_memory
 from hybrid_cache.engine.kv_cache import KVCacheManager
-from hybrid_cache.engine.logprobs import LogprobLog, token_logprobs
+from hybrid_cache.engine.logprobs import LogprobLog, greedy_token_logprobs, token_logprobs
 from hybrid_cache.engine.parallel.step_inputs import (
     PROMPT_LOGPROBS_CHUNK,
     StepInputs,
@@ -54,7 +54,7 @@ from hybrid_cache.engine.parallel.step_inputs import (
     step_batch,
 )
 from hybrid_cache.engine.request import Request, same_requests
-from hybrid_cache.engine.sampler import Sampler
+from hybrid_cache.engine.sampler import Sampler, plain_greedy
 from hybrid_cache.engine.scheduler import SchedulerOutput
 from hybrid_cache.models.parallel_layers import is_vocab_parallel
 from hybrid_cache.planner import KVCacheLayout
@@ -331,15 +331,21 @@ class ModelRunner:
         if not columns.needs_extras and not on_cpu:
             return self.sampler.sample(logits, request_ids, params).tolist()
         sampled: torch.Tensor | np.ndarray
+        counts = columns.logprob_counts
+        every_row = len(sample_indices) == len(requests)
+        if on_cpu and columns.plain_greedy and counts and None not in counts:
+            # Every row greedy and asking for logprobs: the pick and its logprobs in one pass.
+            sampled, entries = greedy_token_logprobs(logits, counts, columns.max_logprobs)
+            self.logprob_log.record(entries, request_ids)
+            self._last_sampled = (columns, sampled) if every_row else None
+            return sampled.tolist()
         if on_cpu:
             sampled = self.sampler.sample_cpu(logits, request_ids, params, sampling)
-            every_row = len(sample_indices) == len(requests)
             self._last_sampled = (columns, sampled) if every_row else None
         else:
             sampled = self.sampler.sample(logits, request_ids, params, sampling)
         if not columns.needs_extras:
             return sampled.tolist()
-        counts = columns.logprob_counts
         if None not in counts:  # every row: no gathers, no request touched
             self.logprob_log.record(token_logprobs(logits, sampled, counts), request_ids)
         else:
@@ -445,7 +451,8 @@ class ModelRunner:
 class SamplingColumns(NamedTuple):
     """Of the requests that sample: their batch indices, requests, ids and sampling params;
     whether one needs the sampler's slow path (`needs_sampling_extras`) and then each one's
-    number of logprobs (`num_sample_logprobs`; else empty)."""
+    number of logprobs (`num_sample_logprobs`; else empty) and the most any asks for;
+    whether every one is greedy without penalties or min_tokens (`plain_greedy`)."""
 
     sample_indices: list[int]
     sampling: list[Request]
@@ -453,6 +460,8 @@ class SamplingColumns(NamedTuple):
     params: list[Any]
     needs_extras: bool
     logprob_counts: list[Optional[int]]
+    plain_greedy: bool
+    max_logprobs: int
 
 
 @dataclass
@@ -495,13 +504,17 @@ def _sampling_columns(samples: list[bool], requests: list[Request]) -> SamplingC
     before the forward (while the requests are in the CPU caches)."""
     sampling = list(itertools.compress(requests, samples))
     needs_extras = any(map(_NEEDS_SAMPLING_EXTRAS, sampling))
+    params = list(map(_SAMPLING_PARAMS, sampling))
+    counts = list(map(_NUM_SAMPLE_LOGPROBS, sampling)) if needs_extras else []
     return SamplingColumns(
         list(itertools.compress(range(len(samples)), samples)),
         sampling,
         list(map(_REQUEST_ID, sampling)),
-        list(map(_SAMPLING_PARAMS, sampling)),
+        params,
         needs_extras,
-        list(map(_NUM_SAMPLE_LOGPROBS, sampling)) if needs_extras else [],
+        counts,
+        plain_greedy(params),
+        max(filter(None, counts), default=0),
     )
 
 

@@ -74,6 +74,14 @@ def _greedy_cpu(
 
 _TEMPERATURE = operator.attrgetter("temperature")
 _NEEDS_HISTORY = operator.attrgetter("needs_history")
+
+
+def plain_greedy(params: Sequence[SamplingParams]) -> bool:
+    """Whether every one of `params` is greedy without penalties or min_tokens: its token is
+    the argmax of the logits as they are."""
+    return not any(map(_TEMPERATURE, params)) and not any(map(_NEEDS_HISTORY, params))
+
+
 _NO_TOKENS = torch.empty(0, dtype=torch.long)
 
 
@@ -139,7 +147,7 @@ class Sampler:
     ) -> np.ndarray:
         """`sample(...)` of CPU logits as an int64 array; an all-greedy batch without penalties
         or min_tokens straight from numpy's argmax (no tensor)."""
-        if not any(map(_TEMPERATURE, params)) and not any(map(_NEEDS_HISTORY, params)):
+        if plain_greedy(params):
             return _greedy_cpu(logits, request_ids, params).astype(np.int64, copy=False)
         return self.sample(logits, request_ids, params, requests).numpy()
 

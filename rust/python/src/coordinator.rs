@@ -469,6 +469,13 @@ impl PyCoordinator {
         numpy_view(slf, data, &shape)
     }
 
+    /// `stats()["prefix_queries"]` alone (no dict): what a caller checks each step before
+    /// reading the prefix-cache counters, which move only with it.
+    #[getter]
+    fn num_prefix_queries(&self) -> u64 {
+        self.inner.num_prefix_queries()
+    }
+
     fn num_used_blocks_per_group(&self) -> Vec<usize> {
         self.inner.num_used_blocks_per_group().to_vec()
     }

@@ -34,5 +34,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sampling::log_softmax_rows_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(sampling::top_k_rows_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(sampling::logprob_top_k_rows_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        sampling::greedy_logprob_top_k_rows_cpu,
+        m
+    )?)?;
     Ok(())
 }

@@ -1,9 +1,11 @@
-//! `log_softmax_rows_cpu`, `top_k_rows_cpu` and `logprob_top_k_rows_cpu`: hybrid-cache-sampling's
+//! `log_softmax_rows_cpu`, `top_k_rows_cpu`, `logprob_top_k_rows_cpu` and
+//! `greedy_logprob_top_k_rows_cpu`: hybrid-cache-sampling's
 //! row operations on buffers (numpy arrays, e.g. `torch.Tensor.numpy()` views of a step's
 //! logits). Converts buffers to slices and errors to exceptions; nothing else.
 
 use hybrid_cache_sampling::{
-    log_softmax_rows, logprob_top_k_rows, top_k_rows, SamplingError, TopK,
+    greedy_logprob_top_k_rows, log_softmax_rows, logprob_top_k_rows, top_k_rows, SamplingError,
+    TopK,
 };
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
@@ -59,6 +61,45 @@ pub fn logprob_top_k_rows_cpu(
 ) -> PyResult<Vec<usize>> {
     let buffers = (logits, chosen, ids_out, values_out, ranks_out);
     with_top_k_buffers(buffers, "logits", k, logprob_top_k_rows)
+}
+
+/// `logprob_top_k_rows_cpu` with each row's chosen token its largest logit (a greedy pick),
+/// written to `ids_out[:, 0]`. Returns the rows not settled (also those whose largest logit is
+/// not the only maximum): their pick and top k are guesses, to recompute.
+#[pyfunction]
+#[pyo3(signature = (logits, k, ids_out, values_out, ranks_out))]
+pub fn greedy_logprob_top_k_rows_cpu(
+    logits: PyBuffer<f32>,
+    k: usize,
+    mut ids_out: PyBuffer<i64>,
+    mut values_out: PyBuffer<f32>,
+    mut ranks_out: PyBuffer<i64>,
+) -> PyResult<Vec<usize>> {
+    let values = contiguous_items(&logits, "logits", 2)?;
+    let (rows, cols) = (values.shape[0], values.shape[1]);
+    let shape = [rows, k + 1];
+    let ids_bytes = buffer_bytes(&ids_out);
+    let values_bytes = buffer_bytes(&values_out);
+    let ids = output(&mut ids_out, "ids_out", &shape, &[values.bytes()])?;
+    let out_values = output(
+        &mut values_out,
+        "values_out",
+        &shape,
+        &[values.bytes(), ids_bytes.clone()],
+    )?;
+    let ranks = output(
+        &mut ranks_out,
+        "ranks_out",
+        &[rows],
+        &[values.bytes(), ids_bytes, values_bytes],
+    )?;
+    let out = TopK {
+        ids,
+        values: out_values,
+        ranks,
+    };
+    greedy_logprob_top_k_rows(values.slice, cols, k, out)
+        .map_err(|error| invalid_argument(error.to_string()))
 }
 
 /// The inputs and outputs of a top k: `values` [rows, cols], `chosen` [rows], `ids_out` and

@@ -12,7 +12,8 @@
 //!
 //! `log_softmax_rows`: the log-softmax of each row, torch's formula with a vectorised
 //! exponential, within a few ulp of torch's values. `logprob_top_k_rows`: `top_k_rows` of that
-//! log-softmax from the logits, writing only the k + 1 values it reports.
+//! log-softmax from the logits, writing only the k + 1 values it reports;
+//! `greedy_logprob_top_k_rows` the same with each row's greedy pick as its chosen token.
 //!
 //! Layering: `error`, then `log_softmax`, then `top_k` (its scan shifts values by a row's
 //! log-softmax), then `logprobs`, then this file's re-exports.
@@ -24,5 +25,5 @@ mod top_k;
 
 pub use error::SamplingError;
 pub use log_softmax::log_softmax_rows;
-pub use logprobs::logprob_top_k_rows;
+pub use logprobs::{greedy_logprob_top_k_rows, logprob_top_k_rows};
 pub use top_k::{top_k_rows, TopK};

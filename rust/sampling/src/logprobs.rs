@@ -6,7 +6,7 @@
 
 use crate::error::SamplingError;
 use crate::log_softmax::Shift;
-use crate::top_k::{shifted_top_k_rows, Scan, TopK};
+use crate::top_k::{shifted_top_k_rows, Chosen, Scan, TopK};
 
 /// `top_k_rows` of the log-softmax of `logits` (`[rows, cols]`, row-major) without writing
 /// it: the values are `log_softmax_rows`' to the bit and the ranks count its values (as
@@ -20,6 +20,31 @@ pub fn logprob_top_k_rows(
     cols: usize,
     k: usize,
     chosen: &[i64],
+    out: TopK<'_>,
+) -> Result<Vec<usize>, SamplingError> {
+    logprobs_of(logits, cols, k, Chosen::Given(chosen), out)
+}
+
+/// `logprob_top_k_rows` with each row's chosen token its largest logit (a greedy pick, found
+/// by the same scan: no argmax pass of its own), written to `out.ids[r][0]`. A row is settled
+/// only where that logit is the row's only maximum (its two largest differ) besides
+/// `logprob_top_k_rows`' conditions; on an unsettled row the pick is this pass's guess (on a
+/// NaN row, id 0): recompute those rows (a greedy pick there is the first maximum, or the
+/// first NaN, as numpy's argmax).
+pub fn greedy_logprob_top_k_rows(
+    logits: &[f32],
+    cols: usize,
+    k: usize,
+    out: TopK<'_>,
+) -> Result<Vec<usize>, SamplingError> {
+    logprobs_of(logits, cols, k, Chosen::Largest, out)
+}
+
+fn logprobs_of(
+    logits: &[f32],
+    cols: usize,
+    k: usize,
+    chosen: Chosen<'_>,
     out: TopK<'_>,
 ) -> Result<Vec<usize>, SamplingError> {
     let mut scratch = vec![0f32; cols];

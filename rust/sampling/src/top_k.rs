@@ -48,9 +48,22 @@ pub fn top_k_rows(
     chosen: &[i64],
     out: TopK<'_>,
 ) -> Result<Vec<usize>, SamplingError> {
-    shifted_top_k_rows(values, cols, k, chosen, out, |_, scan, _, _| {
-        Some((Shift::NONE, scan.at_least))
-    })
+    shifted_top_k_rows(
+        values,
+        cols,
+        k,
+        Chosen::Given(chosen),
+        out,
+        |_, scan, _, _| Some((Shift::NONE, scan.at_least)),
+    )
+}
+
+/// Each row's chosen token: given, or the row's largest value (`Largest`: a greedy pick, taken
+/// from the scan; settled only where that value is the row's only maximum).
+#[derive(Clone, Copy)]
+pub(crate) enum Chosen<'a> {
+    Given(&'a [i64]),
+    Largest,
 }
 
 /// `top_k_rows` of each row shifted by `shift(row, scan, chosen value, largest)` (called
@@ -62,7 +75,7 @@ pub(crate) fn shifted_top_k_rows(
     values: &[f32],
     cols: usize,
     k: usize,
-    chosen: &[i64],
+    chosen: Chosen<'_>,
     out: TopK<'_>,
     mut shift: impl FnMut(&[f32], &Scan, f32, &[f32]) -> Option<(Shift, usize)>,
 ) -> Result<Vec<usize>, SamplingError> {
@@ -73,9 +86,11 @@ pub(crate) fn shifted_top_k_rows(
     ensure(k < cols, || {
         format!("k = {k} needs more than k columns, got {cols}")
     })?;
-    ensure(chosen.len() == rows, || {
-        format!("{} chosen ids for {rows} rows", chosen.len())
-    })?;
+    if let Chosen::Given(chosen) = chosen {
+        ensure(chosen.len() == rows, || {
+            format!("{} chosen ids for {rows} rows", chosen.len())
+        })?;
+    }
     let width = k + 1;
     ensure(
         out.ids.len() == rows * width && out.values.len() == rows * width,
@@ -94,7 +109,11 @@ pub(crate) fn shifted_top_k_rows(
         )
     })?;
     let mut unsettled = Vec::new();
-    let mut best = Best::new(width);
+    // A greedy pick is settled only where the row's two largest differ: keep two at least.
+    let mut best = Best::new(match chosen {
+        Chosen::Given(_) => width,
+        Chosen::Largest => width.max(2).min(cols),
+    });
     for (row, (((line, ids), out_values), rank)) in values
         .chunks_exact(cols)
         .zip(out.ids.chunks_exact_mut(width))
@@ -102,15 +121,25 @@ pub(crate) fn shifted_top_k_rows(
         .zip(out.ranks.iter_mut())
         .enumerate()
     {
-        let token = chosen[row];
-        let column = usize::try_from(token).ok().filter(|&c| c < cols);
-        let Some(column) = column else {
-            return Err(SamplingError(format!(
-                "chosen id {token} of row {row} is outside 0..{cols}"
-            )));
+        let (scan, column) = match chosen {
+            Chosen::Given(chosen) => {
+                let token = chosen[row];
+                let column = usize::try_from(token).ok().filter(|&c| c < cols);
+                let Some(column) = column else {
+                    return Err(SamplingError(format!(
+                        "chosen id {token} of row {row} is outside 0..{cols}"
+                    )));
+                };
+                (best.scan(line, line[column]), column)
+            }
+            // The count of values at least the chosen one is not used for a greedy pick (its
+            // rank comes from the shift); a row with two largest values equal is unsettled.
+            Chosen::Largest => {
+                let scan = best.scan(line, f32::INFINITY);
+                (scan, if scan.nan { 0 } else { best.ids[0] })
+            }
         };
-        ids[0] = token;
-        let scan = best.scan(line, line[column]);
+        ids[0] = column as i64;
         for (slot, &id) in best.ids[..k].iter().enumerate() {
             ids[slot + 1] = id as i64;
         }
@@ -133,6 +162,7 @@ pub(crate) fn shifted_top_k_rows(
 }
 
 /// What a row's scan found.
+#[derive(Clone, Copy)]
 pub(crate) struct Scan {
     /// The top k is the only one (the k + 1 largest strictly decreasing, no NaN).
     pub settled: bool,

@@ -1,10 +1,12 @@
 //! `log_softmax_rows` against the same formula in float64: within a few float32 ulp of the
 //! row's `ln(sum)` on random rows (ties, `-inf`, huge and tiny values, every length), the
 //! order of a row's values kept, and torch's all-NaN rows (a NaN, `+inf`, only `-inf`); and
-//! `logprob_top_k_rows` against `log_softmax_rows` followed by `top_k_rows`.
+//! `logprob_top_k_rows` against `log_softmax_rows` followed by `top_k_rows`; and
+//! `greedy_logprob_top_k_rows` against `logprob_top_k_rows` of each row's first maximum.
 
 use hybrid_cache_sampling::{
-    log_softmax_rows, logprob_top_k_rows, top_k_rows, SamplingError, TopK,
+    greedy_logprob_top_k_rows, log_softmax_rows, logprob_top_k_rows, top_k_rows, SamplingError,
+    TopK,
 };
 use proptest::prelude::*;
 
@@ -217,6 +219,139 @@ proptest! {
         let k = k_seed % cols;
         let chosen: Vec<i64> = (0..rows).map(|r| ((chosen_seed * (r + 3)) % cols) as i64).collect();
         check_logprob_top_k(&values, cols, k, &chosen);
+    }
+}
+
+/// `greedy_logprob_top_k_rows` against `logprob_top_k_rows` with each row's first maximum
+/// (numpy's argmax) as the chosen token: a row is settled exactly when the latter settles it,
+/// holds no NaN and its largest value is the only one; a settled row's ids, value bits and rank
+/// are the latter's.
+fn check_greedy(logits: &[f32], cols: usize, k: usize) {
+    let rows = logits.len() / cols;
+    let width = k + 1;
+    let first_maximum = |line: &[f32]| {
+        let mut best = 0;
+        for (column, &value) in line.iter().enumerate() {
+            if value.is_nan() {
+                return column;
+            }
+            if value > line[best] {
+                best = column;
+            }
+        }
+        best
+    };
+    let chosen: Vec<i64> = logits
+        .chunks(cols)
+        .map(|line| first_maximum(line) as i64)
+        .collect();
+    let (mut ids, mut values, mut ranks) = (
+        vec![-7; rows * width],
+        vec![0.5; rows * width],
+        vec![-7; rows],
+    );
+    let unsettled = greedy_logprob_top_k_rows(
+        logits,
+        cols,
+        k,
+        TopK {
+            ids: &mut ids,
+            values: &mut values,
+            ranks: &mut ranks,
+        },
+    )
+    .unwrap();
+    let (mut want_ids, mut want_values, mut want_ranks) = (
+        vec![-7; rows * width],
+        vec![0.5; rows * width],
+        vec![-7; rows],
+    );
+    let want_unsettled = logprob_top_k_rows(
+        logits,
+        cols,
+        k,
+        &chosen,
+        TopK {
+            ids: &mut want_ids,
+            values: &mut want_values,
+            ranks: &mut want_ranks,
+        },
+    )
+    .unwrap();
+    for (row, line) in logits.chunks(cols).enumerate() {
+        let mut sorted = line.to_vec();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let only_maximum = cols == 1 || sorted[0] > sorted[1];
+        let nan = line.iter().any(|v| v.is_nan());
+        let settled = !want_unsettled.contains(&row) && only_maximum && !nan;
+        assert_eq!(!unsettled.contains(&row), settled, "row {row}: {line:?}");
+        if !settled {
+            continue;
+        }
+        let span = row * width..(row + 1) * width;
+        assert_eq!(ids[span.clone()], want_ids[span.clone()], "row {row}");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&values[span.clone()]),
+            bits(&want_values[span]),
+            "row {row}"
+        );
+        assert_eq!(ranks[row], want_ranks[row], "row {row}");
+    }
+}
+
+proptest! {
+    #[test]
+    fn a_greedy_pick_is_the_first_maximum_with_its_logprobs(
+        cols in 1usize..90,
+        rows in 1usize..5,
+        seed in proptest::collection::vec(value(), 1..400),
+        k_seed in 0usize..1000,
+        nan_at in proptest::option::of(0usize..400),
+    ) {
+        let mut values: Vec<f32> = (0..rows * cols).map(|i| seed[i % seed.len()]).collect();
+        if let Some(at) = nan_at {
+            values[at % (rows * cols)] = f32::NAN;
+        }
+        check_greedy(&values, cols, k_seed % cols);
+    }
+}
+
+#[test]
+fn a_greedy_pick_between_equal_maxima_is_left_to_the_caller() {
+    // Row 0: two equal maxima (k = 0 still sees the tie); row 1: one maximum; row 2: NaN.
+    let logits = [
+        3.0,
+        1.0,
+        3.0,
+        0.5,
+        0.0,
+        2.0,
+        1.0,
+        0.5,
+        1.0,
+        f32::NAN,
+        0.0,
+        0.5,
+    ];
+    for k in 0..3 {
+        let width = k + 1;
+        let (mut ids, mut values, mut ranks) =
+            (vec![0; 3 * width], vec![0.0; 3 * width], vec![0; 3]);
+        let unsettled = greedy_logprob_top_k_rows(
+            &logits,
+            4,
+            k,
+            TopK {
+                ids: &mut ids,
+                values: &mut values,
+                ranks: &mut ranks,
+            },
+        )
+        .unwrap();
+        assert_eq!(unsettled, vec![0, 2], "k = {k}");
+        assert_eq!((ids[width], ranks[1]), (1, 1), "k = {k}");
+        check_greedy(&logits, 4, k);
     }
 }
 

@@ -644,6 +644,12 @@ impl<P: BlockAllocator> Coordinator<P> {
         self.pool.free_queue_order()
     }
 
+    /// Prompt tokens looked up in the prefix cache so far (`stats().prefix_queries`, without
+    /// the rest of the figures): every prefix-cache counter moves only when this one does.
+    pub fn num_prefix_queries(&self) -> u64 {
+        self.hit_stats.queries
+    }
+
     pub fn stats(&self) -> CoordinatorStats {
         CoordinatorStats {
             pool: self.pool.stats(),
