@@ -299,7 +299,7 @@ class KVCacheManager:
         return memo
 
     def num_used_blocks_per_group(self) -> list[int]:
-        return list(self.coordinator.num_used_blocks_per_group())
+        return self.coordinator.num_used_blocks_per_group()  # a new list each call
 
     def stats(self) -> dict[str, int]:
         return dict(self.coordinator.stats())

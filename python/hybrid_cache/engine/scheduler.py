@@ -312,8 +312,6 @@ class Scheduler:
         """Advances computed counts, records sampled tokens (one per scheduled request that
         samples, in order); returns requests finished now."""
         finished: list[Request] = []
-        continuing: list[Request] = []
-        continuing_token_ids: list[int] = []
         now = time.time()
         tokens = iter(sampled_token_ids)
         for request, samples, computed, new in zip(
@@ -338,19 +336,25 @@ class Scheduler:
                 request.error = error
                 finish_reason = FinishReason.ERROR
             if finish_reason is None:
-                continuing.append(request)
-                continuing_token_ids.append(token_id)
                 continue
             self.kv_cache.free(request)
             self._finish(request, finish_reason)
             finished.append(request)
+        # The core hashes blocks as they fill, so it needs every sampled token (one call). In
+        # most decode steps every request sampled and none finished: the step's own lists.
+        if not finished and len(sampled_token_ids) == len(output.requests):
+            continuing, continuing_token_ids = output.requests, sampled_token_ids
+        else:
+            sampling = list(itertools.compress(output.requests, output.samples))
+            kept = [request.status is not RequestStatus.FINISHED for request in sampling]
+            continuing = list(itertools.compress(sampling, kept))
+            continuing_token_ids = list(itertools.compress(sampled_token_ids, kept))
         if finished:
             # One pass (order kept) instead of a `list.remove` per finished request.
             self.running[:] = [
                 request for request in self.running if request.status is not RequestStatus.FINISHED
             ]
         if continuing:
-            # The core hashes blocks as they fill, so it needs every sampled token (one call).
             self.kv_cache.append_token_ids(continuing, continuing_token_ids)
         return finished
 
