@@ -1,14 +1,15 @@
-//! `top_k_rows` on a decode step's logprobs, and `log_softmax_rows` and `logprob_top_k_rows`
-//! on its logits: 64 rows, k = 5, vocabularies of 512 (the tiny presets) and 32768. Each iteration takes the next of 16 different matrices: on one matrix
+//! `top_k_rows` on a decode step's logprobs, and `log_softmax_rows`, `logprob_top_k_rows` and
+//! `greedy_logprob_top_k_rows` on its logits: 64 rows, k = 5, vocabularies of 512 (the tiny presets) and 32768. Each iteration takes the next of 16 different matrices: on one matrix
 //! over and over the branch predictor learns the row and the figure is several times too
 //! good.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use hybrid_cache_sampling::{
-    log_softmax_rows, logprob_top_k_rows, top_k_rows, SamplingError, TopK,
+    greedy_logprob_top_k_rows, log_softmax_rows, logprob_top_k_rows, top_k_rows, SamplingError,
+    TopK,
 };
 
-/// `top_k_rows` and `logprob_top_k_rows`.
+/// `top_k_rows`, `logprob_top_k_rows` and `greedy_logprob_top_k_rows` (its chosen ids unused).
 type TopKRows = fn(&[f32], usize, usize, &[i64], TopK<'_>) -> Result<Vec<usize>, SamplingError>;
 
 fn rows(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
@@ -31,8 +32,13 @@ fn bench(c: &mut Criterion) {
         let mut ids = vec![0i64; 64 * 6];
         let mut values = vec![0f32; 64 * 6];
         let mut ranks = vec![0i64; 64];
-        let cases: [(&str, TopKRows); 2] =
-            [("top_5", top_k_rows), ("logprob_top_5", logprob_top_k_rows)];
+        let cases: [(&str, TopKRows); 3] = [
+            ("top_5", top_k_rows),
+            ("logprob_top_5", logprob_top_k_rows),
+            ("greedy_logprob_top_5", |values, cols, k, _, out| {
+                greedy_logprob_top_k_rows(values, cols, k, out)
+            }),
+        ];
         for (name, top_k) in cases {
             c.bench_function(&format!("{name}_of_64_rows_x_{cols}"), |b| {
                 b.iter(|| {
