@@ -8,10 +8,9 @@ keeps two runners in two threads from seeing each other's step.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -32,17 +31,32 @@ _CURRENT: ContextVar[ForwardContext | None] = ContextVar(
 )
 
 
-@contextmanager
+class _ForwardScope:
+    """The `with` block of one forward (a plain class: entered once per step, it costs a
+    fraction of a generator-based context manager)."""
+
+    __slots__ = ("context", "token")
+
+    def __init__(self, context: ForwardContext) -> None:
+        self.context = context
+        self.token: Optional[Token[ForwardContext | None]] = None
+
+    def __enter__(self) -> ForwardContext:
+        self.token = _CURRENT.set(self.context)
+        return self.context
+
+    def __exit__(self, *exc_info: object) -> None:
+        assert self.token is not None, "the forward scope was left without being entered"
+        _CURRENT.reset(self.token)
+        self.token = None
+
+
 def set_forward_context(
     metadata: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-) -> Iterator[ForwardContext]:
-    """Makes `metadata` and `kv_caches` visible to attention layers for the enclosed forward."""
-    context = ForwardContext(metadata=metadata, kv_caches=kv_caches)
-    token = _CURRENT.set(context)
-    try:
-        yield context
-    finally:
-        _CURRENT.reset(token)
+) -> _ForwardScope:
+    """Makes `metadata` and `kv_caches` visible to attention layers for the enclosed forward
+    (`with set_forward_context(...) as context:`)."""
+    return _ForwardScope(ForwardContext(metadata=metadata, kv_caches=kv_caches))
 
 
 def get_forward_context() -> ForwardContext:

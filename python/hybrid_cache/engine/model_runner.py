@@ -242,8 +242,10 @@ class ModelRunner:
             prompt_plan = _prompt_logprob_plan(requests, num_computed, query_lens)
             if prompt_plan is None:
                 self._no_prompt_logprobs = columns
+        if self.device.type != "cpu":
+            input_ids, positions = input_ids.to(self.device), positions.to(self.device)
         with set_forward_context(metadata, self.kv_caches):
-            hidden = self.model(input_ids.to(self.device), positions.to(self.device))
+            hidden = self.model(input_ids, positions)
         return self._sample(hidden, requests, query_lens, columns, prompt_plan)
 
     def _execute_parallel(self, output: SchedulerOutput) -> list[int]:
