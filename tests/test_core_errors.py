@@ -1,6 +1,8 @@
 """Every core error kind reaches Python as its own HybridCacheError subclass, and a rejected
 call leaves the coordinator unchanged."""
 
+import re
+
 import hybrid_cache
 import numpy as np
 import pytest
@@ -96,6 +98,29 @@ def test_rejected_calls_change_nothing(busy, call, error):
     with pytest.raises(error):
         call(busy)
     assert_unchanged(before, busy)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "message"),
+    [
+        ([3, -1], "token id -1 is outside 0..2^32"),
+        ([3, 2**32], "token id 4294967296 is outside 0..2^32"),
+        ([3, 2**63], "token ids must be a 1-d sequence of ints"),
+        ([3, "4"], "token ids must be a 1-d sequence of ints"),
+        ([3, 4.0], "token ids must be a 1-d sequence of ints"),
+    ],
+)
+def test_bad_token_ids_say_what_is_wrong_as_a_list_or_a_tuple(busy, tokens, message):
+    """A list is read in one pass straight into token ids; whatever that pass refuses takes
+    the item-by-item path, so a list, a tuple and an array name the same fault."""
+    for given in (tokens, tuple(tokens)):
+        before = snapshot(busy)
+        with pytest.raises(errors.InvalidArgumentError, match=re.escape(message)):
+            busy.add_request(2, given)
+        assert_unchanged(before, busy)
+        with pytest.raises(errors.InvalidArgumentError, match=re.escape(message)):
+            busy.append_token_ids(1, given)
+        assert_unchanged(before, busy)
 
 
 def test_too_many_requests(busy):

@@ -321,7 +321,7 @@ def test_a_greedy_pick_with_its_logprobs_equals_argmax_then_token_logprobs(count
     assert chosen.dtype == np.int64 and chosen.tolist() == want_chosen.tolist()
     want = token_logprobs(logits, want_chosen, counts)
     for row in range(7):
-        (ids, values, rank), (want_ids, want_values, want_rank) = rows[row], want[row]
+        (ids, values, _), (want_ids, want_values, _) = rows[row], want[row]
         assert ids == want_ids and chosen_rank(rows[row]) == chosen_rank(want[row]), row
         assert repr(values) == repr(want_values), row  # the same bits (NaN included)
     # Column-major logits, and the largest count given by the caller: the same rows.

@@ -26,7 +26,7 @@ pub fn request_id(value: i64) -> PyResult<u64> {
 pub fn int64s(name: &str, values: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     // Lists and tuples first: asking them for a buffer would build a TypeError each call.
     if let Ok(list) = values.cast::<PyList>() {
-        return match exact_ints(list) {
+        return match exact_ints::<i64>(list) {
             Some(ints) => Ok(ints),
             None => ints_by_item(name, list.iter()),
         };
@@ -58,10 +58,10 @@ fn ints_by_item<'py>(
         .map_err(|_| not_ints(name))
 }
 
-/// A list whose items are all exactly `int` and fit in an `i64`, read without a reference
-/// count change per item; `None` (the caller converts item by item, with its errors) for any
-/// other list.
-fn exact_ints(list: &Bound<'_, PyList>) -> Option<Vec<i64>> {
+/// A list whose items are all exactly `int` and fit in a `T` (read as `i64`), read without a
+/// reference count change per item, in one pass; `None` (the caller converts item by item,
+/// with its errors) for any other list.
+fn exact_ints<T: TryFrom<i64>>(list: &Bound<'_, PyList>) -> Option<Vec<T>> {
     let len = list.len();
     let mut ints = Vec::with_capacity(len);
     for index in 0..len {
@@ -80,13 +80,19 @@ fn exact_ints(list: &Bound<'_, PyList>) -> Option<Vec<i64>> {
             unsafe { pyo3::ffi::PyErr_Clear() };
             return None;
         }
-        ints.push(value);
+        ints.push(T::try_from(value).ok()?);
     }
     Some(ints)
 }
 
-/// Token ids: ints in `0..2^32`.
+/// Token ids: ints in `0..2^32`. A list of ints in range is read in one pass into the result
+/// (no `i64` copy first).
 pub fn token_ids(values: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    if let Ok(list) = values.cast::<PyList>() {
+        if let Some(tokens) = exact_ints::<u32>(list) {
+            return Ok(tokens);
+        }
+    }
     int64s("token ids", values)?
         .into_iter()
         .map(token_id)
