@@ -152,34 +152,43 @@ fn mismatched_shapes_say_what_to_change() {
     assert!(log_softmax_rows(&[0.0; 4], 0, &mut out[..4]).is_err());
 }
 
+/// What a top k writes for `rows` rows of `width` columns (outputs filled with markers first),
+/// and the rows it leaves unsettled.
+fn outputs(
+    rows: usize,
+    width: usize,
+    top_k: impl FnOnce(TopK<'_>) -> Vec<usize>,
+) -> (Vec<i64>, Vec<f32>, Vec<i64>, Vec<usize>) {
+    let (mut ids, mut values, mut ranks) = (
+        vec![-7; rows * width],
+        vec![0.5; rows * width],
+        vec![-7; rows],
+    );
+    let unsettled = top_k(TopK {
+        ids: &mut ids,
+        values: &mut values,
+        ranks: &mut ranks,
+    });
+    (ids, values, ranks, unsettled)
+}
+
 /// `logprob_top_k_rows` and `log_softmax_rows` then `top_k_rows`: the same value bits in every
 /// column and the same ranks; the ids of the logits, which are the log-softmax's wherever its
 /// top k + 1 stay distinct; all-NaN rows as NaN, rank 0, unsettled.
 fn check_logprob_top_k(logits: &[f32], cols: usize, k: usize, chosen: &[i64]) {
     let rows = logits.len() / cols;
-    let run = |f: &dyn Fn(&[f32], TopK<'_>) -> Vec<usize>| {
-        let (mut ids, mut values, mut ranks) = (
-            vec![-7; rows * (k + 1)],
-            vec![0.5; rows * (k + 1)],
-            vec![-7; rows],
-        );
-        let unsettled = f(
-            logits,
-            TopK {
-                ids: &mut ids,
-                values: &mut values,
-                ranks: &mut ranks,
-            },
-        );
-        (ids, values, ranks, unsettled)
-    };
-    let (ids, values, ranks, unsettled) =
-        run(&|l, out| logprob_top_k_rows(l, cols, k, chosen, out).unwrap());
+    let width = k + 1;
+    let (ids, values, ranks, unsettled) = outputs(rows, width, |out| {
+        logprob_top_k_rows(logits, cols, k, chosen, out).unwrap()
+    });
     let mut logprobs = vec![0.0; logits.len()];
     log_softmax_rows(logits, cols, &mut logprobs).unwrap();
-    let on_logits = run(&|l, out| top_k_rows(l, cols, k, chosen, out).unwrap());
-    let on_logprobs = run(&|_, out| top_k_rows(&logprobs, cols, k, chosen, out).unwrap());
-    let width = k + 1;
+    let on_logits = outputs(rows, width, |out| {
+        top_k_rows(logits, cols, k, chosen, out).unwrap()
+    });
+    let on_logprobs = outputs(rows, width, |out| {
+        top_k_rows(&logprobs, cols, k, chosen, out).unwrap()
+    });
     for row in 0..rows {
         let line = &logprobs[row * cols..(row + 1) * cols];
         let span = row * width..(row + 1) * width;
@@ -245,39 +254,12 @@ fn check_greedy(logits: &[f32], cols: usize, k: usize) {
         .chunks(cols)
         .map(|line| first_maximum(line) as i64)
         .collect();
-    let (mut ids, mut values, mut ranks) = (
-        vec![-7; rows * width],
-        vec![0.5; rows * width],
-        vec![-7; rows],
-    );
-    let unsettled = greedy_logprob_top_k_rows(
-        logits,
-        cols,
-        k,
-        TopK {
-            ids: &mut ids,
-            values: &mut values,
-            ranks: &mut ranks,
-        },
-    )
-    .unwrap();
-    let (mut want_ids, mut want_values, mut want_ranks) = (
-        vec![-7; rows * width],
-        vec![0.5; rows * width],
-        vec![-7; rows],
-    );
-    let want_unsettled = logprob_top_k_rows(
-        logits,
-        cols,
-        k,
-        &chosen,
-        TopK {
-            ids: &mut want_ids,
-            values: &mut want_values,
-            ranks: &mut want_ranks,
-        },
-    )
-    .unwrap();
+    let (ids, values, ranks, unsettled) = outputs(rows, width, |out| {
+        greedy_logprob_top_k_rows(logits, cols, k, out).unwrap()
+    });
+    let (want_ids, want_values, want_ranks, want_unsettled) = outputs(rows, width, |out| {
+        logprob_top_k_rows(logits, cols, k, &chosen, out).unwrap()
+    });
     for (row, line) in logits.chunks(cols).enumerate() {
         let mut sorted = line.to_vec();
         sorted.sort_by(|a, b| b.total_cmp(a));
@@ -321,34 +303,16 @@ proptest! {
 fn a_greedy_pick_between_equal_maxima_is_left_to_the_caller() {
     // Row 0: two equal maxima (k = 0 still sees the tie); row 1: one maximum; row 2: NaN.
     let logits = [
-        3.0,
-        1.0,
-        3.0,
-        0.5,
-        0.0,
-        2.0,
-        1.0,
-        0.5,
-        1.0,
-        f32::NAN,
-        0.0,
-        0.5,
-    ];
+        [3.0, 1.0, 3.0, 0.5],
+        [0.0, 2.0, 1.0, 0.5],
+        [1.0, f32::NAN, 0.0, 0.5],
+    ]
+    .concat();
     for k in 0..3 {
         let width = k + 1;
-        let (mut ids, mut values, mut ranks) =
-            (vec![0; 3 * width], vec![0.0; 3 * width], vec![0; 3]);
-        let unsettled = greedy_logprob_top_k_rows(
-            &logits,
-            4,
-            k,
-            TopK {
-                ids: &mut ids,
-                values: &mut values,
-                ranks: &mut ranks,
-            },
-        )
-        .unwrap();
+        let (ids, _, ranks, unsettled) = outputs(3, width, |out| {
+            greedy_logprob_top_k_rows(&logits, 4, k, out).unwrap()
+        });
         assert_eq!(unsettled, vec![0, 2], "k = {k}");
         assert_eq!((ids[width], ranks[1]), (1, 1), "k = {k}");
         check_greedy(&logits, 4, k);
