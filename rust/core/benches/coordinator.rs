@@ -18,39 +18,11 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use hybrid_cache_core::{
-    AllocateStep, AttentionKind, Coordinator, CoordinatorConfig, ExtraKeys, GroupSpec, HashAlgo,
-    NewRequest,
-};
+use hybrid_cache_core::{AllocateStep, Coordinator, CoordinatorConfig, ExtraKeys, NewRequest};
 
-const BLOCK_SIZE: usize = 16;
-const WINDOW: usize = 4096;
+mod common;
 
-fn gemma2_config(
-    num_blocks: usize,
-    max_num_reqs: usize,
-    max_model_len: usize,
-) -> CoordinatorConfig {
-    CoordinatorConfig {
-        num_blocks,
-        groups: vec![
-            GroupSpec {
-                kind: AttentionKind::Full,
-                block_size: BLOCK_SIZE,
-            },
-            GroupSpec {
-                kind: AttentionKind::SlidingWindow { window: WINDOW },
-                block_size: BLOCK_SIZE,
-            },
-        ],
-        max_num_reqs,
-        max_model_len,
-        max_num_batched_tokens: 2048,
-        enable_prefix_caching: true,
-        hash: HashAlgo::Xxh3,
-        hash_seed: 0,
-    }
-}
+use common::{gemma2_config, BLOCK_SIZE, WINDOW};
 
 /// Gemma-3's per-type layout: window 4096 in blocks of 16, full attention in blocks of 80.
 fn per_type_config(

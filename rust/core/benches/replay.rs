@@ -18,13 +18,16 @@
 
 use std::time::Instant;
 
+// The criterion bench uses the module's window too.
+#[allow(dead_code)]
+mod common;
+
+use common::{gemma2_config, BLOCK_SIZE};
+
 use hybrid_cache_core::{
-    AllocateStep, AttentionKind, BlockAllocator, Coordinator, CoordinatorConfig, ExtraKeys,
-    GroupSpec, HashAlgo, NewRequest,
+    AllocateStep, BlockAllocator, Coordinator, CoordinatorConfig, ExtraKeys, HashAlgo, NewRequest,
 };
 
-const BLOCK_SIZE: usize = 16;
-const WINDOW: usize = 4096;
 const NUM_BLOCKS: usize = 131_072;
 const VOCAB: u64 = 32_000;
 
@@ -106,23 +109,13 @@ fn run(trace: &Trace, hash: HashAlgo) -> Phases {
     let prompts = prompts(trace);
     let max_tokens = trace.decode_steps + 1;
     let config = CoordinatorConfig {
-        num_blocks: NUM_BLOCKS,
-        groups: vec![
-            GroupSpec {
-                kind: AttentionKind::Full,
-                block_size: BLOCK_SIZE,
-            },
-            GroupSpec {
-                kind: AttentionKind::SlidingWindow { window: WINDOW },
-                block_size: BLOCK_SIZE,
-            },
-        ],
-        max_num_reqs: trace.num_reqs,
-        max_model_len: trace.prompt_len + max_tokens + BLOCK_SIZE,
         max_num_batched_tokens: trace.chunk.unwrap_or(trace.prompt_len),
-        enable_prefix_caching: true,
         hash,
-        hash_seed: 0,
+        ..gemma2_config(
+            NUM_BLOCKS,
+            trace.num_reqs,
+            trace.prompt_len + max_tokens + BLOCK_SIZE,
+        )
     };
     let mut coordinator = Coordinator::new(config).unwrap();
     let usable = NUM_BLOCKS - 1;
