@@ -417,13 +417,8 @@ mod tests {
         let key_of = |block: BlockId| keys[block as usize].get();
         let mut model: HashMap<CacheKey, (BlockId, usize)> = HashMap::new();
         let mut held: HashMap<BlockId, (CacheKey, usize)> = HashMap::new();
-        let mut state = 12345u64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut rng = crate::test_rng::XorShift(12345u64);
+        let mut next = || rng.next();
         let rounds = if cfg!(miri) { 2_000 } else { 400_000 };
         for _ in 0..rounds {
             let block = (next() % u64::from(BLOCKS)) as BlockId + 1;

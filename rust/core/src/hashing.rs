@@ -487,13 +487,8 @@ mod tests {
 
     #[test]
     fn no_two_blocks_serialise_alike_across_layouts() {
-        let mut state = 99u64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut rng = crate::test_rng::XorShift(99u64);
+        let mut next = || rng.next();
         let mut seen = std::collections::HashMap::new();
         for _ in 0..20_000 {
             let count = 1 + (next() % 6) as usize;

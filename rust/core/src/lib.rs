@@ -14,6 +14,8 @@ pub mod manager;
 pub mod mutex_pool;
 mod primitive;
 pub mod prompt;
+#[cfg(test)]
+mod test_rng;
 pub mod types;
 
 pub use allocator::{BlockAllocator, FreeTier};
