@@ -3,6 +3,8 @@
 //! row operations on buffers (numpy arrays, e.g. `torch.Tensor.numpy()` views of a step's
 //! logits). Converts buffers to slices and errors to exceptions; nothing else.
 
+use std::ops::Range;
+
 use hybrid_cache_sampling::{
     greedy_logprob_top_k_rows, log_softmax_rows, logprob_top_k_rows, top_k_rows, SamplingError,
     TopK,
@@ -77,27 +79,15 @@ pub fn greedy_logprob_top_k_rows_cpu(
 ) -> PyResult<Vec<usize>> {
     let values = contiguous_items(&logits, "logits", 2)?;
     let (rows, cols) = (values.shape[0], values.shape[1]);
-    let shape = [rows, k + 1];
-    let ids_bytes = buffer_bytes(&ids_out);
-    let values_bytes = buffer_bytes(&values_out);
-    let ids = output(&mut ids_out, "ids_out", &shape, &[values.bytes()])?;
-    let out_values = output(
+    let inputs = [values.bytes()];
+    let out = top_k_outputs(
+        &mut ids_out,
         &mut values_out,
-        "values_out",
-        &shape,
-        &[values.bytes(), ids_bytes.clone()],
-    )?;
-    let ranks = output(
         &mut ranks_out,
-        "ranks_out",
-        &[rows],
-        &[values.bytes(), ids_bytes, values_bytes],
+        rows,
+        k,
+        &inputs,
     )?;
-    let out = TopK {
-        ids,
-        values: out_values,
-        ranks,
-    };
     greedy_logprob_top_k_rows(values.slice, cols, k, out)
         .map_err(|error| invalid_argument(error.to_string()))
 }
@@ -124,33 +114,42 @@ fn with_top_k_buffers(
     let values = contiguous_items(&values, name, 2)?;
     let chosen_items = contiguous_items(&chosen, "chosen", 1)?;
     let (rows, cols) = (values.shape[0], values.shape[1]);
-    let shape = [rows, k + 1];
-    let ids_bytes = buffer_bytes(&ids_out);
-    let values_bytes = buffer_bytes(&values_out);
     let inputs = [values.bytes(), chosen_items.bytes()];
-    let ids = output(&mut ids_out, "ids_out", &shape, &inputs)?;
-    let out_values = output(
+    let out = top_k_outputs(
+        &mut ids_out,
         &mut values_out,
-        "values_out",
-        &shape,
-        &[inputs[0].clone(), inputs[1].clone(), ids_bytes.clone()],
-    )?;
-    let ranks = output(
         &mut ranks_out,
-        "ranks_out",
-        &[rows],
-        &[
-            inputs[0].clone(),
-            inputs[1].clone(),
-            ids_bytes,
-            values_bytes,
-        ],
+        rows,
+        k,
+        &inputs,
     )?;
-    let out = TopK {
-        ids,
-        values: out_values,
-        ranks,
-    };
     top_k(values.slice, cols, k, chosen_items.slice, out)
         .map_err(|error| invalid_argument(error.to_string()))
+}
+
+/// The outputs of a top k over `rows` rows (`ids_out` / `values_out` [rows, k + 1],
+/// `ranks_out` [rows]), each checked to overlap neither an input (`inputs`: their byte ranges)
+/// nor an output before it.
+fn top_k_outputs<'b>(
+    ids_out: &'b mut PyBuffer<i64>,
+    values_out: &'b mut PyBuffer<f32>,
+    ranks_out: &'b mut PyBuffer<i64>,
+    rows: usize,
+    k: usize,
+    inputs: &[Range<usize>],
+) -> PyResult<TopK<'b>> {
+    let shape = [rows, k + 1];
+    let ids_bytes = buffer_bytes(ids_out);
+    let values_bytes = buffer_bytes(values_out);
+    let ids = output(ids_out, "ids_out", &shape, inputs)?;
+    let before_values: Vec<Range<usize>> =
+        inputs.iter().cloned().chain([ids_bytes.clone()]).collect();
+    let values = output(values_out, "values_out", &shape, &before_values)?;
+    let before_ranks: Vec<Range<usize>> = inputs
+        .iter()
+        .cloned()
+        .chain([ids_bytes, values_bytes])
+        .collect();
+    let ranks = output(ranks_out, "ranks_out", &[rows], &before_ranks)?;
+    Ok(TopK { ids, values, ranks })
 }
