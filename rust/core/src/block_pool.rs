@@ -90,6 +90,24 @@ const SMALL_FREE: usize = 16;
 /// How many blocks ahead of the one being released its state word is prefetched.
 const RELEASE_PREFETCH_AHEAD: usize = 8;
 
+/// Entries moved through the free queue per batch (one CAS on a ring's counter each).
+const QUEUE_BATCH: usize = 32;
+
+/// Released entries waiting to be pushed together (`release_held_to`).
+struct QueueBatch {
+    entries: [Entry; QUEUE_BATCH],
+    len: usize,
+}
+
+impl Default for QueueBatch {
+    fn default() -> Self {
+        QueueBatch {
+            entries: [Entry::default(); QUEUE_BATCH],
+            len: 0,
+        }
+    }
+}
+
 /// The lock-free block pool. See the module docs.
 pub struct BlockPool {
     /// One slot per block, index = block id; slot 0 (the null block) is never used.
@@ -130,13 +148,14 @@ impl BlockPool {
         {
             slot.prefault();
         }
-        for block in 1..num_blocks as BlockId {
-            let entry = Entry {
+        let entries: Vec<Entry> = (1..num_blocks as BlockId)
+            .map(|block| Entry {
                 block,
                 generation: blocks[block as usize].load().generation(),
-            };
-            free_queue.push(entry, FreeTier::Normal.queue(false));
-        }
+            })
+            .collect();
+        free_queue.push_uncounted(&entries, FreeTier::Normal.queue(false));
+        free_queue.count_pushed(entries.len());
         Ok(BlockPool {
             blocks,
             free_queue,
@@ -249,17 +268,22 @@ impl BlockAllocator for BlockPool {
         }
         out.reserve(count);
         let mut taken = 0;
+        let mut popped = [Entry::default(); QUEUE_BATCH];
         while taken < count {
-            let entry = self.free_queue.pop();
-            match self.blocks[entry.block as usize].claim(entry.generation) {
-                Claim::Claimed { was_cached } => {
-                    if was_cached {
-                        self.evict(entry.block);
+            // At most the units still reserved: every valid entry popped is claimed below.
+            let batch = (count - taken).min(QUEUE_BATCH);
+            let num_popped = self.free_queue.pop_into(&mut popped[..batch]);
+            for entry in &popped[..num_popped] {
+                match self.blocks[entry.block as usize].claim(entry.generation) {
+                    Claim::Claimed { was_cached } => {
+                        if was_cached {
+                            self.evict(entry.block);
+                        }
+                        out.push(entry.block);
+                        taken += 1;
                     }
-                    out.push(entry.block);
-                    taken += 1;
+                    Claim::Stale => self.free_queue.dropped_stale(),
                 }
-                Claim::Stale => self.free_queue.dropped_stale(),
             }
         }
         Ok(())
@@ -273,6 +297,9 @@ impl BlockAllocator for BlockPool {
     fn release_held_to(&self, blocks: &[BlockId], tier: FreeTier) -> Result<(), CoreError> {
         let mut error = None;
         let mut now_free = 0;
+        // Released entries wait here, per queue (keyless, then keyed), and go in batches.
+        let mut batches = [QueueBatch::default(), QueueBatch::default()];
+        let queues = [tier.queue(false), tier.queue(true)];
         for (index, &block) in blocks.iter().enumerate() {
             // The state words of the blocks a few ahead are prefetched: a request's blocks lie
             // anywhere in the pool, and their cache misses overlap.
@@ -290,8 +317,15 @@ impl BlockAllocator for BlockPool {
             };
             match slot.release() {
                 Release::NowFree { generation, cached } => {
-                    let entry = Entry { block, generation };
-                    self.free_queue.push_uncounted(entry, tier.queue(cached));
+                    let which = usize::from(cached);
+                    let batch = &mut batches[which];
+                    batch.entries[batch.len] = Entry { block, generation };
+                    batch.len += 1;
+                    if batch.len == QUEUE_BATCH {
+                        self.free_queue
+                            .push_uncounted(&batch.entries, queues[which]);
+                        batch.len = 0;
+                    }
                     now_free += 1;
                 }
                 Release::StillHeld => {}
@@ -299,6 +333,10 @@ impl BlockAllocator for BlockPool {
                     error.get_or_insert(CoreError::DoubleFree { block });
                 }
             }
+        }
+        for (batch, queue) in batches.iter().zip(queues) {
+            self.free_queue
+                .push_uncounted(&batch.entries[..batch.len], queue);
         }
         // One unit per block queued above, added once all their entries are in: the counter
         // never runs ahead of the valid entries (`free_queue`).

@@ -48,46 +48,96 @@
 //!
 //! # Backends
 //!
-//! The std build uses `crossbeam_queue::SegQueue` (lock-free, unbounded, linearizable). Under
-//! loom a `loom::sync::Mutex<VecDeque>` stands in: the models check the state-word and counter
-//! protocol around a linearizable FIFO, which is exactly what `SegQueue` provides.
+//! Each FIFO is a ring (`ring`: bounded, lock-free, one CAS per batch of pushes or pops) sized to
+//! hold every free block, plus `stale_limit` stale entries in the tiers of keyed blocks, so that
+//! one thread's FIFO always fits in it. What a full ring cannot take (concurrent touches piling up
+//! stale entries faster than compaction drops them) waits behind it in an unbounded lock-free
+//! `crossbeam_queue::SegQueue`: while that overflow holds entries, pushes go there too, and pops
+//! take the ring first, so the order is kept. Under loom the rings are the real ones (loom checks
+//! their atomics and cells) and a `loom::sync::Mutex<VecDeque>` stands in for the overflow.
+//!
+//! Memory: 16 bytes a slot, rings rounded up to powers of two: 16 to 32 bytes per block for the
+//! keyless tier and 32 to 64 for each of the three keyed tiers.
 
-use crate::allocator::NUM_FREE_QUEUES;
+use crate::allocator::{FreeTier, NUM_FREE_QUEUES};
 use crate::primitive::{spin_wait, AtomicBool, AtomicUsize, Ordering};
+use crate::ring::Ring;
 use crate::types::BlockId;
 
 /// A free-queue entry: valid iff `block`'s state word has ref count 0 and this generation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Entry {
     pub(crate) block: BlockId,
     pub(crate) generation: u64,
 }
 
-#[cfg(not(loom))]
-#[derive(Debug, Default)]
-struct Fifo(crossbeam_queue::SegQueue<Entry>);
+/// One tier's FIFO: a ring (`ring`) taking batches, and behind it, in order, the entries that
+/// did not fit (module docs, "Backends").
+#[derive(Debug)]
+struct Fifo {
+    ring: Ring,
+    overflow: Overflow,
+}
 
-#[cfg(not(loom))]
 impl Fifo {
-    fn push(&self, entry: Entry) {
-        self.0.push(entry);
+    fn new(capacity: usize) -> Self {
+        Fifo {
+            ring: Ring::new(capacity),
+            overflow: Overflow::default(),
+        }
     }
 
-    fn pop(&self) -> Option<Entry> {
-        self.0.pop()
+    /// Queues `entries` at the tail, in order.
+    fn push(&self, entries: &[Entry]) {
+        // While the overflow holds entries, new ones queue behind them: the ring's entries are
+        // always the older ones, so popping the ring first keeps the order.
+        let pushed = if self.overflow.is_empty() {
+            self.ring.push(entries)
+        } else {
+            0
+        };
+        for &entry in &entries[pushed..] {
+            self.overflow.push(entry);
+        }
+    }
+
+    /// Pops up to `out.len()` entries from the head into `out`; returns how many.
+    fn pop(&self, out: &mut [Entry]) -> usize {
+        let popped = self.ring.pop(out);
+        if popped > 0 {
+            return popped;
+        }
+        let mut popped = 0;
+        while popped < out.len() {
+            match self.overflow.pop() {
+                Some(entry) => out[popped] = entry,
+                None => break,
+            }
+            popped += 1;
+        }
+        popped
+    }
+
+    fn pop_one(&self) -> Option<Entry> {
+        let mut out = [Entry::default()];
+        (self.pop(&mut out) == 1).then_some(out[0])
     }
 
     fn len(&self) -> usize {
-        self.0.len()
+        self.ring.len() + self.overflow.len()
     }
 }
 
+#[cfg(not(loom))]
+type Overflow = crossbeam_queue::SegQueue<Entry>;
+
+/// Under loom a locked deque stands in for `SegQueue` (module docs, "Backends").
 #[cfg(loom)]
 #[derive(Debug, Default)]
-struct Fifo(crate::primitive::Mutex<std::collections::VecDeque<Entry>>);
+struct Overflow(crate::primitive::Mutex<std::collections::VecDeque<Entry>>);
 
 #[cfg(loom)]
-impl Fifo {
+impl Overflow {
     fn push(&self, entry: Entry) {
         self.0.lock().unwrap().push_back(entry);
     }
@@ -98,6 +148,10 @@ impl Fifo {
 
     fn len(&self) -> usize {
         self.0.lock().unwrap().len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.lock().unwrap().is_empty()
     }
 }
 
@@ -119,29 +173,40 @@ pub(crate) struct FreeQueue {
 }
 
 impl FreeQueue {
-    /// An empty queue that compacts once more than `stale_limit` stale entries pile up.
-    pub(crate) fn new(stale_limit: usize) -> Self {
+    /// An empty queue for a pool of `num_blocks` blocks: it compacts once more stale entries
+    /// than that pile up, and its rings hold every free block, plus that many stale entries in
+    /// the tiers of keyed blocks (the only ones a touch can leave stale).
+    pub(crate) fn new(num_blocks: usize) -> Self {
+        let stale_limit = num_blocks.max(1);
         FreeQueue {
-            fifos: Default::default(),
+            fifos: std::array::from_fn(|queue| {
+                Fifo::new(if queue == FreeTier::Normal.queue(false) {
+                    num_blocks
+                } else {
+                    num_blocks + stale_limit
+                })
+            }),
             num_countable: AtomicUsize::new(0),
             num_stale: AtomicUsize::new(0),
             compacting: AtomicBool::new(false),
-            stale_limit: stale_limit.max(1),
+            stale_limit,
         }
     }
 
     /// Queues a block whose last reference was just released at the tail of FIFO `queue`
     /// (`FreeTier::queue`), and makes it countable.
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn push(&self, entry: Entry, queue: usize) {
-        self.fifos[queue].push(entry);
+        self.fifos[queue].push(std::slice::from_ref(&entry));
         // Release: a reserver that sees this unit (Acquire) also sees the entry pushed above.
         self.num_countable.fetch_add(1, Ordering::Release);
     }
 
-    /// Queues an entry without making it countable yet: the caller adds its unit with
-    /// [`FreeQueue::count_pushed`] once it has pushed the batch (one counter update per batch).
-    pub(crate) fn push_uncounted(&self, entry: Entry, queue: usize) {
-        self.fifos[queue].push(entry);
+    /// Queues entries, in order, without making them countable yet: the caller adds their
+    /// units with [`FreeQueue::count_pushed`] once it has pushed them all (one counter update
+    /// per release).
+    pub(crate) fn push_uncounted(&self, entries: &[Entry], queue: usize) {
+        self.fifos[queue].push(entries);
     }
 
     /// Makes `count` entries pushed by [`FreeQueue::push_uncounted`] countable.
@@ -180,18 +245,29 @@ impl FreeQueue {
         self.num_countable.fetch_add(count, Ordering::Release);
     }
 
-    /// Pops the head entry of the first non-empty FIFO in tier order. Only called by a thread
-    /// holding a reservation, for which the module invariant guarantees an entry is (about to
-    /// be) in one of them.
-    pub(crate) fn pop(&self) -> Entry {
+    /// Pops from the head of the first non-empty FIFO in tier order up to `out.len()` entries
+    /// (at least one) into `out`; returns how many. Only called by a thread holding at least
+    /// `out.len()` reserved units, for which the module invariant guarantees an entry is (about
+    /// to be) in one of them; every valid entry popped is then one the caller claims.
+    pub(crate) fn pop_into(&self, out: &mut [Entry]) -> usize {
+        debug_assert!(!out.is_empty());
         loop {
             for fifo in &self.fifos {
-                if let Some(entry) = fifo.pop() {
-                    return entry;
+                let popped = fifo.pop(out);
+                if popped > 0 {
+                    return popped;
                 }
             }
             spin_wait();
         }
+    }
+
+    /// [`FreeQueue::pop_into`] of one entry.
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn pop(&self) -> Entry {
+        let mut out = [Entry::default()];
+        self.pop_into(&mut out);
+        out[0]
     }
 
     /// Records that an allocator popped and dropped a stale entry.
@@ -230,11 +306,11 @@ impl FreeQueue {
         if self.try_reserve(1).is_ok() {
             for fifo in &self.fifos {
                 for _ in 0..fifo.len() {
-                    let Some(entry) = fifo.pop() else {
+                    let Some(entry) = fifo.pop_one() else {
                         break;
                     };
                     if is_valid(entry) {
-                        fifo.push(entry);
+                        fifo.push(std::slice::from_ref(&entry));
                     } else {
                         self.dropped_stale();
                     }
@@ -266,12 +342,10 @@ impl FreeQueue {
         let mut valid = Vec::new();
         for fifo in &self.fifos {
             let mut drained = Vec::new();
-            while let Some(entry) = fifo.pop() {
+            while let Some(entry) = fifo.pop_one() {
                 drained.push(entry);
             }
-            for &entry in &drained {
-                fifo.push(entry);
-            }
+            fifo.push(&drained);
             valid.extend(drained.into_iter().filter(|&entry| is_valid(entry)));
         }
         valid
@@ -336,6 +410,37 @@ mod tests {
             .map(|e| e.block)
             .collect();
         assert_eq!(order, vec![1, 3, 6]);
+    }
+
+    #[test]
+    fn entries_past_a_full_ring_wait_behind_it_in_order() {
+        let queue = FreeQueue::new(2); // the keyless ring holds 2
+        let entry = |block| Entry {
+            block,
+            generation: 0,
+        };
+        let fifo = &queue.fifos[0];
+        let batch: Vec<Entry> = (1..=5).map(entry).collect();
+        queue.push_uncounted(&batch, 0);
+        queue.count_pushed(5);
+        assert_eq!((fifo.ring.len(), fifo.overflow.len()), (2, 3));
+        assert_eq!(queue.try_reserve(3), Ok(()));
+        let mut out = [Entry::default(); 3];
+        assert_eq!(queue.pop_into(&mut out), 2, "the ring first, as one batch");
+        assert_eq!(&out[..2], &[entry(1), entry(2)]);
+        queue.push(entry(6), 0);
+        assert_eq!(fifo.ring.len(), 0, "behind the overflow, not in the ring");
+        assert_eq!(queue.pop_into(&mut out[..1]), 1);
+        assert_eq!(out[0], entry(3));
+        assert_eq!(queue.try_reserve(3), Ok(()));
+        let rest: Vec<BlockId> = (0..3).map(|_| queue.pop().block).collect();
+        assert_eq!(rest, vec![4, 5, 6]);
+        queue.push(entry(7), 0);
+        assert_eq!(
+            (fifo.ring.len(), fifo.overflow.len()),
+            (1, 0),
+            "the ring again once the overflow is empty"
+        );
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod manager;
 pub mod mutex_pool;
 mod primitive;
 pub mod prompt;
+mod ring;
 #[cfg(test)]
 mod test_rng;
 pub mod types;

@@ -6,12 +6,39 @@
 //! `MutexPool`) keeps using `std` directly, which loom does not need to see.
 
 #[cfg(loom)]
+pub(crate) use loom::cell::UnsafeCell;
+#[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 #[cfg(loom)]
 pub(crate) use loom::sync::Mutex;
 
 #[cfg(not(loom))]
 pub(crate) use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+/// `std`'s `UnsafeCell` with loom's access API (`with`, `with_mut`), so that code written for
+/// loom's cell, which checks every access for a race, compiles to plain pointer use here.
+#[cfg(not(loom))]
+#[derive(Debug, Default)]
+pub(crate) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+#[cfg(not(loom))]
+impl<T> UnsafeCell<T> {
+    pub(crate) const fn new(value: T) -> Self {
+        UnsafeCell(std::cell::UnsafeCell::new(value))
+    }
+
+    /// Runs `f` on a pointer to the value (reading it is the caller's `unsafe` promise).
+    #[inline(always)]
+    pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+        f(self.0.get())
+    }
+
+    /// Runs `f` on a mutable pointer to the value (writing it is the caller's promise).
+    #[inline(always)]
+    pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+        f(self.0.get())
+    }
+}
 
 /// Backs off inside a retry loop that waits for another thread's progress. Under loom this must
 /// yield, or the model checker would explore an unbounded spin.
