@@ -3,9 +3,9 @@
 //!
 //! # Algorithm
 //!
-//! A power-of-two array of slots; `head` and `tail` count positions without wrapping (position
-//! `p` lives in slot `p & mask`), and each slot has a sequence word saying where it stands for
-//! the position `p` it serves now:
+//! An array of `capacity` slots; `head` and `tail` count positions without wrapping (position
+//! `p` lives in slot `p % capacity`, one division per batch), and each slot has a sequence word
+//! saying where it stands for the position `p` it serves now:
 //!
 //! - `p`: empty, ready for the push at `p`;
 //! - `p + 1`: holds the entry pushed at `p`, ready for the pop at `p`;
@@ -34,6 +34,8 @@
 //! Sequence words are 32 bits: they are compared with positions modulo 2^32, exact for a
 //! capacity below 2^31 (`MAX_CAPACITY`). A thread whose view of a counter is older than 2^32
 //! positions may read a word that looks ready, but its CAS on the full-width counter then fails.
+//! The counters themselves never wrap (2^64 pushes), so any capacity works, not only powers of
+//! two.
 
 use crate::free_queue::Entry;
 use crate::primitive::{AtomicU32, AtomicUsize, Ordering, UnsafeCell};
@@ -59,7 +61,6 @@ struct Counter(AtomicUsize);
 #[derive(Debug)]
 pub(crate) struct Ring {
     slots: Box<[Slot]>,
-    mask: usize,
     head: Counter,
     tail: Counter,
 }
@@ -70,9 +71,9 @@ pub(crate) struct Ring {
 unsafe impl Sync for Ring {}
 
 impl Ring {
-    /// An empty ring holding at least `capacity` entries (a power of two, 2..=`MAX_CAPACITY`).
+    /// An empty ring of `capacity` entries (clamped to 2..=`MAX_CAPACITY`).
     pub(crate) fn new(capacity: usize) -> Self {
-        let capacity = capacity.clamp(2, MAX_CAPACITY).next_power_of_two();
+        let capacity = capacity.clamp(2, MAX_CAPACITY);
         let slots = (0..capacity)
             .map(|position| Slot {
                 seq: AtomicU32::new(position as u32),
@@ -82,7 +83,6 @@ impl Ring {
             .collect();
         Ring {
             slots,
-            mask: capacity - 1,
             head: Counter(AtomicUsize::new(0)),
             tail: Counter(AtomicUsize::new(0)),
         }
@@ -90,26 +90,38 @@ impl Ring {
 
     /// Slots in the ring.
     pub(crate) fn capacity(&self) -> usize {
-        self.mask + 1
+        self.slots.len()
     }
 
-    fn slot(&self, position: usize) -> &Slot {
-        &self.slots[position & self.mask]
+    /// The slot index of `position`.
+    fn index(&self, position: usize) -> usize {
+        position % self.slots.len()
+    }
+
+    /// The slot index after `index`, wrapping around.
+    fn next(&self, index: usize) -> usize {
+        if index + 1 == self.slots.len() {
+            0
+        } else {
+            index + 1
+        }
     }
 
     /// How many slots from `start` (at most `max`) have the sequence word `position + offset`:
     /// ready for their push (offset 0) or their pop (offset 1).
     fn ready_run(&self, start: usize, max: usize, offset: usize) -> usize {
         let mut ready = 0;
+        let mut index = self.index(start);
         while ready < max {
             let position = start.wrapping_add(ready);
             // Acquire: for a pop, the entry written before the push's Release store; for a push,
             // the last pop's read of the slot happened before our write.
-            let seq = self.slot(position).seq.load(Ordering::Acquire);
+            let seq = self.slots[index].seq.load(Ordering::Acquire);
             if seq != position.wrapping_add(offset) as u32 {
                 break;
             }
             ready += 1;
+            index = self.next(index);
         }
         ready
     }
@@ -117,7 +129,7 @@ impl Ring {
     /// Whether the slot of `position` is behind it: its sequence word, compared with
     /// `position + offset` modulo 2^32, is smaller (the previous lap is not done with it).
     fn behind(&self, position: usize, offset: usize) -> bool {
-        let seq = self.slot(position).seq.load(Ordering::Acquire);
+        let seq = self.slots[self.index(position)].seq.load(Ordering::Acquire);
         (seq.wrapping_sub(position.wrapping_add(offset) as u32) as i32) < 0
     }
 
@@ -145,9 +157,11 @@ impl Ring {
                 Ordering::Relaxed,
             ) {
                 Ok(_) => {
+                    let mut index = self.index(tail);
                     for (offset, entry) in entries[..ready].iter().enumerate() {
                         let position = tail.wrapping_add(offset);
-                        let slot = self.slot(position);
+                        let slot = &self.slots[index];
+                        index = self.next(index);
                         // SAFETY: our CAS claimed `position` for this push and its slot was
                         // ready (its last pop done with it): nobody else touches the entry.
                         unsafe {
@@ -191,9 +205,11 @@ impl Ring {
             ) {
                 Ok(_) => {
                     let capacity = self.capacity();
+                    let mut index = self.index(head);
                     for (offset, out) in out[..ready].iter_mut().enumerate() {
                         let position = head.wrapping_add(offset);
-                        let slot = self.slot(position);
+                        let slot = &self.slots[index];
+                        index = self.next(index);
                         // SAFETY: our CAS claimed `position` for this pop and its entry was
                         // published (Acquire in `ready_run`): nobody else touches it.
                         *out = unsafe {
@@ -250,7 +266,7 @@ mod tests {
     #[test]
     fn batches_come_out_in_order_across_laps() {
         let ring = Ring::new(5);
-        assert_eq!(ring.capacity(), 8);
+        assert_eq!(ring.capacity(), 5);
         let mut expected = Vec::new();
         let mut next = 1;
         for lap in 0..10 {
