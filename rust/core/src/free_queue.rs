@@ -446,6 +446,62 @@ mod tests {
     }
 
     #[test]
+    fn concurrent_batches_through_a_small_ring_and_its_overflow_lose_nothing() {
+        // A ring of 8 for 4 threads pushing batches of up to 5 and popping under reservations:
+        // pushes spill into the overflow and come back; every entry is popped exactly once.
+        const PER_THREAD: u32 = 5_000;
+        let queue = FreeQueue::new(8);
+        // The threads start with the overflow holding entries: 8 in the ring, 12 behind it.
+        let head: Vec<Entry> = (4 * PER_THREAD..4 * PER_THREAD + 20)
+            .map(|block| Entry {
+                block,
+                generation: 0,
+            })
+            .collect();
+        queue.push_uncounted(&head, 0);
+        queue.count_pushed(head.len());
+        assert_eq!(queue.fifos[0].overflow.len(), 12);
+        let popped = std::sync::Mutex::new(Vec::new());
+        std::thread::scope(|scope| {
+            for thread in 0..4u32 {
+                let (queue, popped) = (&queue, &popped);
+                scope.spawn(move || {
+                    let mut mine = Vec::new();
+                    let mut out = [Entry::default(); 4];
+                    let blocks: Vec<Entry> = (0..PER_THREAD)
+                        .map(|i| Entry {
+                            block: thread * PER_THREAD + i,
+                            generation: u64::from(i),
+                        })
+                        .collect();
+                    for batch in blocks.chunks(1 + thread as usize) {
+                        queue.push_uncounted(batch, 0);
+                        queue.count_pushed(batch.len());
+                        let want = 1 + (batch[0].block % 4) as usize;
+                        if queue.try_reserve(want).is_ok() {
+                            let mut taken = 0;
+                            while taken < want {
+                                let count = queue.pop_into(&mut out[..want - taken]);
+                                mine.extend_from_slice(&out[..count]);
+                                taken += count;
+                            }
+                        }
+                    }
+                    popped.lock().unwrap().extend(mine);
+                });
+            }
+        });
+        let mut all = popped.into_inner().unwrap();
+        let left = queue.num_countable();
+        assert_eq!(queue.try_reserve(left), Ok(()));
+        all.extend((0..left).map(|_| queue.pop()));
+        all.sort_by_key(|e| e.block);
+        let expected: Vec<BlockId> = (0..4 * PER_THREAD + 20).collect();
+        assert_eq!(all.iter().map(|e| e.block).collect::<Vec<_>>(), expected);
+        assert_eq!(queue.len(), 0);
+    }
+
+    #[test]
     fn pops_take_the_first_tier_first() {
         let queue = FreeQueue::new(8);
         let entry = |block| Entry {
