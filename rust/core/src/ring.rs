@@ -133,51 +133,58 @@ impl Ring {
         (seq.wrapping_sub(position.wrapping_add(offset) as u32) as i32) < 0
     }
 
+    /// Claims with one CAS on `counter` up to `max` positions from it whose slots are ready
+    /// (`offset` 0: for a push, 1: for a pop); returns the first one and how many, 0 when the
+    /// slot at the counter is behind it (full for a push; empty, or its push still writing,
+    /// for a pop).
+    fn claim(&self, counter: &AtomicUsize, max: usize, offset: usize) -> (usize, usize) {
+        // Relaxed: the CAS validates the position; the slots' words carry the ordering.
+        let mut start = counter.load(Ordering::Relaxed);
+        loop {
+            let ready = self.ready_run(start, max, offset);
+            if ready == 0 {
+                if self.behind(start, offset) {
+                    return (start, 0);
+                }
+                start = counter.load(Ordering::Relaxed); // another thread took `start`
+                continue;
+            }
+            match counter.compare_exchange_weak(
+                start,
+                start.wrapping_add(ready),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return (start, ready),
+                Err(actual) => start = actual,
+            }
+        }
+    }
+
     /// Pushes the longest prefix of `entries` that fits, in order; returns its length (0 when
     /// the ring is full at its tail).
     pub(crate) fn push(&self, entries: &[Entry]) -> usize {
         if entries.is_empty() {
             return 0;
         }
-        // Relaxed: the CAS below validates the position; the slots' words carry the ordering.
-        let mut tail = self.tail.0.load(Ordering::Relaxed);
-        loop {
-            let ready = self.ready_run(tail, entries.len(), 0);
-            if ready == 0 {
-                if self.behind(tail, 0) {
-                    return 0; // full: the slot still holds (or is being emptied of) an entry
-                }
-                tail = self.tail.0.load(Ordering::Relaxed); // another push took `tail`
-                continue;
+        let (tail, ready) = self.claim(&self.tail.0, entries.len(), 0);
+        let mut index = self.index(tail);
+        for (offset, entry) in entries[..ready].iter().enumerate() {
+            let slot = &self.slots[index];
+            index = self.next(index);
+            // SAFETY: `claim` gave this push the position and its slot was ready (its last pop
+            // done with it): nobody else touches the entry until the store below.
+            unsafe {
+                slot.block.with_mut(|block| *block = entry.block);
+                slot.generation
+                    .with_mut(|generation| *generation = entry.generation);
             }
-            match self.tail.0.compare_exchange_weak(
-                tail,
-                tail.wrapping_add(ready),
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => {
-                    let mut index = self.index(tail);
-                    for (offset, entry) in entries[..ready].iter().enumerate() {
-                        let position = tail.wrapping_add(offset);
-                        let slot = &self.slots[index];
-                        index = self.next(index);
-                        // SAFETY: our CAS claimed `position` for this push and its slot was
-                        // ready (its last pop done with it): nobody else touches the entry.
-                        unsafe {
-                            slot.block.with_mut(|block| *block = entry.block);
-                            slot.generation
-                                .with_mut(|generation| *generation = entry.generation);
-                        }
-                        // Release: the pop that sees this word (Acquire) sees the entry.
-                        slot.seq
-                            .store(position.wrapping_add(1) as u32, Ordering::Release);
-                    }
-                    return ready;
-                }
-                Err(actual) => tail = actual,
-            }
+            // Release: the pop that sees this word (Acquire) sees the entry.
+            let position = tail.wrapping_add(offset);
+            slot.seq
+                .store(position.wrapping_add(1) as u32, Ordering::Release);
         }
+        ready
     }
 
     /// Pops up to `out.len()` entries in order into the front of `out`; returns how many (0 when
@@ -186,47 +193,26 @@ impl Ring {
         if out.is_empty() {
             return 0;
         }
-        // Relaxed: as in `push`.
-        let mut head = self.head.0.load(Ordering::Relaxed);
-        loop {
-            let ready = self.ready_run(head, out.len(), 1);
-            if ready == 0 {
-                if self.behind(head, 1) {
-                    return 0; // empty, or its push is still writing
+        let (head, ready) = self.claim(&self.head.0, out.len(), 1);
+        let capacity = self.capacity();
+        let mut index = self.index(head);
+        for (offset, out) in out[..ready].iter_mut().enumerate() {
+            let slot = &self.slots[index];
+            index = self.next(index);
+            // SAFETY: `claim` gave this pop the position and its entry was published (Acquire
+            // in `ready_run`): nobody else touches it until the store below.
+            *out = unsafe {
+                Entry {
+                    block: slot.block.with(|block| *block),
+                    generation: slot.generation.with(|generation| *generation),
                 }
-                head = self.head.0.load(Ordering::Relaxed); // another pop took `head`
-                continue;
-            }
-            match self.head.0.compare_exchange_weak(
-                head,
-                head.wrapping_add(ready),
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => {
-                    let capacity = self.capacity();
-                    let mut index = self.index(head);
-                    for (offset, out) in out[..ready].iter_mut().enumerate() {
-                        let position = head.wrapping_add(offset);
-                        let slot = &self.slots[index];
-                        index = self.next(index);
-                        // SAFETY: our CAS claimed `position` for this pop and its entry was
-                        // published (Acquire in `ready_run`): nobody else touches it.
-                        *out = unsafe {
-                            Entry {
-                                block: slot.block.with(|block| *block),
-                                generation: slot.generation.with(|generation| *generation),
-                            }
-                        };
-                        // Release: the push of the next lap writes only after this read.
-                        slot.seq
-                            .store(position.wrapping_add(capacity) as u32, Ordering::Release);
-                    }
-                    return ready;
-                }
-                Err(actual) => head = actual,
-            }
+            };
+            // Release: the push of the next lap writes only after this read.
+            let position = head.wrapping_add(offset);
+            slot.seq
+                .store(position.wrapping_add(capacity) as u32, Ordering::Release);
         }
+        ready
     }
 
     /// Entries pushed and not popped (exact when no push or pop is in flight).
