@@ -58,6 +58,23 @@ fn ints_by_item<'py>(
         .map_err(|_| not_ints(name))
 }
 
+/// How many items ahead of the one being read a list's item object is prefetched: a long prompt's
+/// int objects (32 bytes each) are rarely in the caches when it is added.
+const PREFETCH_AHEAD: usize = 16;
+
+/// Asks the CPU to start loading the object at `item` (a hint: reads nothing, cannot fault).
+#[inline(always)]
+fn prefetch(item: *const pyo3::ffi::PyObject) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing and cannot fault, whatever the address.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>(item.cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = item;
+}
+
 /// A list whose items are all exactly `int` and fit in a `T` (read as `i64`), read without a
 /// reference count change per item, in one pass; `None` (the caller converts item by item,
 /// with its errors) for any other list.
@@ -65,6 +82,12 @@ fn exact_ints<T: TryFrom<i64>>(list: &Bound<'_, PyList>) -> Option<Vec<T>> {
     let len = list.len();
     let mut ints = Vec::with_capacity(len);
     for index in 0..len {
+        if index + PREFETCH_AHEAD < len {
+            // SAFETY: as below; the item is only prefetched.
+            prefetch(unsafe {
+                pyo3::ffi::PyList_GET_ITEM(list.as_ptr(), (index + PREFETCH_AHEAD) as isize)
+            });
+        }
         // SAFETY: `index < len` and the GIL is held with no Python code running in between, so
         // the list keeps its items (borrowed references, valid while the list holds them).
         let item = unsafe { pyo3::ffi::PyList_GET_ITEM(list.as_ptr(), index as isize) };
