@@ -130,23 +130,176 @@ pub(super) fn retouch_hit_points<P: BlockAllocator>(
     out.len()
 }
 
-/// Appends to `pairs` every block the request holds with the position it ends at, then writes
-/// all of `pairs` to `freed` in free order: last position first, groups in order on ties (the
-/// sort is stable), a group's blocks newest first.
+/// Writes to `freed`, in free order, every block the request holds and every block already in
+/// `pairs` (with the position each ends at; emptied): see `merge_free_order`.
 pub(super) fn order_for_free(
     managers: &[Box<dyn AttentionManager>],
     state: &RequestState,
     pairs: &mut Vec<(usize, BlockId)>,
     freed: &mut Vec<BlockId>,
 ) {
-    for (manager, blocks) in managers.iter().zip(&state.groups) {
-        let block_size = manager.block_size();
-        for (index, &block) in blocks.blocks.iter().enumerate().rev() {
-            if block != NULL_BLOCK {
-                pairs.push(((index + 1) * block_size, block));
+    let rows = managers
+        .iter()
+        .zip(&state.groups)
+        .map(|(manager, blocks)| (blocks.blocks.as_slice(), manager.block_size()));
+    if managers.len() <= MERGED_GROUPS {
+        let mut on_stack: [(&[BlockId], usize); MERGED_GROUPS] = [(&[], 0); MERGED_GROUPS];
+        for (slot, row) in on_stack.iter_mut().zip(rows) {
+            *slot = row;
+        }
+        merge_free_order(&mut on_stack[..managers.len()], pairs, freed);
+    } else {
+        merge_free_order(&mut rows.collect::<Vec<_>>(), pairs, freed);
+    }
+}
+
+/// Most groups `order_for_free` keeps on the stack.
+const MERGED_GROUPS: usize = 8;
+
+/// Appends to `freed` the blocks of `rows` (each a group's row, null entries skipped, and its
+/// block size) and of `pairs` (emptied) in free order: by the position each block ends at, last
+/// first; on ties the blocks of `pairs` first, then the rows in order; a row's blocks newest
+/// first. A row read backwards is already in that order, so the rows are merged (each is
+/// consumed from its end), not sorted: the same order as a stable sort of all of them.
+fn merge_free_order(
+    rows: &mut [(&[BlockId], usize)],
+    pairs: &mut Vec<(usize, BlockId)>,
+    freed: &mut Vec<BlockId>,
+) {
+    match (&*rows, pairs.is_empty()) {
+        ([(row, _)], true) => return push_newest_first(row, freed),
+        ([(first, first_size), (second, second_size)], true) => {
+            return merge_two(first, *first_size, second, *second_size, freed)
+        }
+        _ => {}
+    }
+    // Stable: equal positions keep their order. Usually empty (a request's retouched windows).
+    pairs.sort_by_key(|&(end, _)| std::cmp::Reverse(end));
+    let mut extra = 0;
+    loop {
+        // The candidate ending last; on ties the first found (`pairs`, then the rows in order).
+        let mut best = pairs.get(extra).map(|&(end, _)| (end, None));
+        for (index, (row, block_size)) in rows.iter_mut().enumerate() {
+            while let Some((&NULL_BLOCK, rest)) = row.split_last() {
+                *row = rest;
+            }
+            let end = row.len() * *block_size;
+            if !row.is_empty() && best.is_none_or(|(best_end, _)| end > best_end) {
+                best = Some((end, Some(index)));
+            }
+        }
+        match best {
+            None => break,
+            Some((_, None)) => {
+                freed.push(pairs[extra].1);
+                extra += 1;
+            }
+            Some((_, Some(index))) => {
+                let row = &mut rows[index].0;
+                let (&block, rest) = row.split_last().expect("a candidate row has a block");
+                freed.push(block);
+                *row = rest;
             }
         }
     }
-    pairs.sort_by_key(|&(end, _)| std::cmp::Reverse(end));
-    freed.extend(pairs.iter().map(|&(_, block)| block));
+    pairs.clear();
+}
+
+/// Appends a row's blocks to `freed`, newest first, null entries skipped.
+fn push_newest_first(row: &[BlockId], freed: &mut Vec<BlockId>) {
+    freed.extend(row.iter().rev().filter(|&&block| block != NULL_BLOCK));
+}
+
+/// `merge_free_order` of two rows and no pairs (a full-attention group and a windowed one): a
+/// null entry is passed over where its position comes up, which orders nothing.
+fn merge_two(
+    first: &[BlockId],
+    first_size: usize,
+    second: &[BlockId],
+    second_size: usize,
+    freed: &mut Vec<BlockId>,
+) {
+    freed.reserve(first.len() + second.len());
+    let (mut left, mut right) = (first.len(), second.len());
+    while left > 0 && right > 0 {
+        let block = if left * first_size >= right * second_size {
+            left -= 1;
+            first[left]
+        } else {
+            right -= 1;
+            second[right]
+        };
+        if block != NULL_BLOCK {
+            freed.push(block);
+        }
+    }
+    push_newest_first(&first[..left], freed);
+    push_newest_first(&second[..right], freed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_rng::XorShift;
+
+    fn below(rng: &mut XorShift, bound: u64) -> u64 {
+        rng.next() % bound
+    }
+
+    /// The order a stable sort of every (end, block) pair gives, rows newest first after `pairs`.
+    fn sorted_order(rows: &[(Vec<BlockId>, usize)], pairs: &[(usize, BlockId)]) -> Vec<BlockId> {
+        let mut all = pairs.to_vec();
+        for (row, block_size) in rows {
+            for (index, &block) in row.iter().enumerate().rev() {
+                if block != NULL_BLOCK {
+                    all.push(((index + 1) * block_size, block));
+                }
+            }
+        }
+        all.sort_by_key(|&(end, _)| std::cmp::Reverse(end));
+        all.into_iter().map(|(_, block)| block).collect()
+    }
+
+    #[test]
+    fn merging_the_rows_gives_the_order_of_a_stable_sort() {
+        let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+        let mut next_block = 1;
+        for _ in 0..2000 {
+            let num_rows = 1 + below(&mut rng, 4) as usize;
+            let rows: Vec<(Vec<BlockId>, usize)> = (0..num_rows)
+                .map(|_| {
+                    let block_size = [1, 2, 4, 16][below(&mut rng, 4) as usize];
+                    let len = below(&mut rng, 12) as usize;
+                    let nulls = below(&mut rng, len as u64 + 1) as usize;
+                    let row = (0..len)
+                        .map(|index| {
+                            if index < nulls || below(&mut rng, 8) == 0 {
+                                NULL_BLOCK
+                            } else {
+                                next_block += 1;
+                                next_block
+                            }
+                        })
+                        .collect();
+                    (row, block_size)
+                })
+                .collect();
+            let pairs: Vec<(usize, BlockId)> = (0..below(&mut rng, 4).saturating_sub(1))
+                .map(|_| {
+                    next_block += 1;
+                    (below(&mut rng, 40) as usize, next_block)
+                })
+                .collect();
+            let expected = sorted_order(&rows, &pairs);
+            let mut views: Vec<(&[BlockId], usize)> = rows
+                .iter()
+                .map(|(row, size)| (row.as_slice(), *size))
+                .collect();
+            let (mut pairs, mut freed) = (pairs, vec![99]);
+            merge_free_order(&mut views, &mut pairs, &mut freed);
+            assert_eq!(freed[0], 99, "appended after what `freed` held");
+            assert_eq!(freed[1..], expected[..], "rows {rows:?}");
+            assert!(pairs.is_empty());
+        }
+    }
 }
