@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use super::eviction_order::{self, release_tier};
 use super::hit_stats::{HitStats, SeenKeys};
 use super::keys::GroupKeys;
+use super::quiet::QuietBounds;
 use super::request::{HitEnd, PendingHit, RequestState};
 use super::{AttentionKind, CoordinatorConfig};
 use super::{BlockCopy, Coordinator, PrefixEntry, RowRef};
@@ -157,15 +158,14 @@ impl<P: BlockAllocator> Coordinator<P> {
         // The common decode step changes no block (no new one, none leaves the window, none
         // fills up): only the counters move.
         let num_known = total.min(state.tokens.len());
-        if hit.is_none()
-            && blocks_unchanged(
+        if hit.is_none() && state.quiet.hold(computed, total, num_known) {
+            debug_assert!(blocks_unchanged(
                 &self.managers,
                 &state.groups,
                 computed,
                 total,
                 self.config.enable_prefix_caching.then_some(num_known),
-            )
-        {
+            ));
             state.num_computed = computed;
             state.num_allocated = state.num_allocated.max(total);
             count_lookup(&mut self.hit_stats, state, total);
@@ -174,6 +174,9 @@ impl<P: BlockAllocator> Coordinator<P> {
             }
             return Ok(true);
         }
+
+        // Computed again once this step has changed the blocks (an early return leaves none).
+        state.quiet = QuietBounds::default();
 
         // 1. Plan. A tail replay's full-attention rows cover its frontier from the start (the
         // block its hit ends inside included), whatever this step computes.
@@ -460,6 +463,11 @@ impl<P: BlockAllocator> Coordinator<P> {
         if had_copies {
             release_copy_sources(&self.pool, state);
         }
+        state.quiet = QuietBounds::of(
+            &self.managers,
+            &state.groups,
+            self.config.enable_prefix_caching,
+        );
         Ok(true)
     }
 }
@@ -484,7 +492,8 @@ fn release_copy_sources<P: BlockAllocator>(pool: &P, state: &mut RequestState) {
 /// Whether an `allocate` without a hit to `total` tokens, `computed` of them computed, would
 /// leave every group's blocks as they are: nothing to release (`pending_release`), no new block
 /// (`num_new_blocks`) and, when caching (`num_known` tokens known), no block newly full
-/// (`cache_full_blocks` would start and stop at `num_cached`).
+/// (`cache_full_blocks` would start and stop at `num_cached`). What `QuietBounds::hold` answers
+/// from the bounds kept with the request, checked against it in debug builds.
 fn blocks_unchanged(
     managers: &[Box<dyn AttentionManager>],
     groups: &[GroupBlocks],

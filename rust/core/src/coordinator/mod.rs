@@ -45,6 +45,7 @@ mod free;
 mod hit_stats;
 mod keys;
 mod protect;
+mod quiet;
 mod request;
 mod slab;
 mod table;
@@ -57,6 +58,7 @@ pub use table::{BlockTable, RowRef};
 
 use std::collections::HashMap;
 
+use self::quiet::QuietBounds;
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::hashing::{BlockHasher, ExtraKeys};
@@ -433,6 +435,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             copy_sources: Vec::new(),
             replay_frontier: 0,
             pending_lookup: None,
+            quiet: QuietBounds::default(),
         };
         self.requests.insert(request_id, state);
         row

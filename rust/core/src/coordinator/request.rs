@@ -2,6 +2,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use super::quiet::QuietBounds;
 use super::HitStats;
 use crate::hashing::ExtraKeys;
 use crate::manager::GroupBlocks;
@@ -36,6 +37,9 @@ pub struct RequestState {
     /// Its last `find_cache_hit`'s figures, added to the counters when an `allocate` first
     /// gives it slots beyond its hit (dropped if it is freed before).
     pub pending_lookup: Option<HitStats>,
+    /// Counts within which an `allocate` without a hit changes no block, as of its last
+    /// `allocate` that changed some (zero before the first: nothing holds).
+    pub quiet: QuietBounds,
 }
 
 /// A cache hit found but not yet taken.

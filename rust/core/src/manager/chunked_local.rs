@@ -38,6 +38,10 @@ impl AttentionManager for ChunkedLocalManager {
         num_computed / self.chunk * self.chunk
     }
 
+    fn first_skipping(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.chunk).saturating_mul(self.chunk)
+    }
+
     fn longest_hit_blocks(
         &self,
         max_blocks: usize,

@@ -24,6 +24,14 @@ impl AttentionManager for FullAttentionManager {
         0
     }
 
+    fn first_skipping(&self, num_tokens: usize) -> usize {
+        if num_tokens == 0 {
+            0
+        } else {
+            usize::MAX
+        }
+    }
+
     fn longest_hit_blocks(
         &self,
         max_blocks: usize,

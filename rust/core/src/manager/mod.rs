@@ -119,6 +119,11 @@ pub trait AttentionManager: Send + Sync + Debug {
     /// Hook: leading tokens no future query sees once `num_computed` tokens are computed.
     fn num_skipped_tokens(&self, num_computed: usize) -> usize;
 
+    /// Hook: the fewest computed tokens `c` with `num_skipped_tokens(c) >= num_tokens`
+    /// (`usize::MAX` when no count skips that many). `num_skipped_tokens` never decreases, so
+    /// every `c` below the answer skips fewer.
+    fn first_skipping(&self, num_tokens: usize) -> usize;
+
     /// Hook: the longest hit, in blocks (at most `max_blocks`), this type accepts given which
     /// blocks are cached (`is_cached(i)` for block index `i`).
     fn longest_hit_blocks(

@@ -42,6 +42,14 @@ impl AttentionManager for SlidingWindowManager {
         (num_computed + 1).saturating_sub(self.window)
     }
 
+    fn first_skipping(&self, num_tokens: usize) -> usize {
+        if num_tokens == 0 {
+            0
+        } else {
+            num_tokens.saturating_add(self.window - 1)
+        }
+    }
+
     fn longest_hit_blocks(
         &self,
         max_blocks: usize,

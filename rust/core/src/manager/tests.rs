@@ -243,3 +243,25 @@ fn worst_case_live_tokens_is_the_reach_plus_one_step() {
     // Never more than the request's tokens.
     assert_eq!(worst_case_live_tokens(Some(20_000), limits), 10_000);
 }
+
+#[test]
+fn first_skipping_is_the_fewest_computed_tokens_that_skip_that_many() {
+    let managers: Vec<Box<dyn AttentionManager>> = vec![
+        Box::new(FullAttentionManager::new(4)),
+        Box::new(SlidingWindowManager::new(2, 4)),
+        Box::new(SlidingWindowManager::new(2, 1)),
+        Box::new(SlidingWindowManager::new(16, 40)),
+        Box::new(ChunkedLocalManager::new(2, 4)),
+        Box::new(ChunkedLocalManager::new(16, 64)),
+    ];
+    for manager in &managers {
+        for num_tokens in 0..300 {
+            let first = (0..1000).find(|&c| manager.num_skipped_tokens(c) >= num_tokens);
+            assert_eq!(
+                manager.first_skipping(num_tokens),
+                first.unwrap_or(usize::MAX),
+                "{manager:?} skipping {num_tokens}"
+            );
+        }
+    }
+}
