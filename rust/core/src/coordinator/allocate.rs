@@ -129,6 +129,16 @@ impl<P: BlockAllocator> Coordinator<P> {
             state.last_batch = batch_number;
         }
         for (done, (step, &row)) in steps.iter().zip(rows).enumerate() {
+            let state = self.requests.at_mut(row);
+            if quiet_step(
+                &self.managers,
+                &self.config,
+                &mut self.hit_stats,
+                state,
+                step,
+            ) {
+                continue;
+            }
             if !self.allocate_validated(row, *step, 0)? {
                 return Ok(done);
             }
@@ -172,6 +182,27 @@ impl<P: BlockAllocator> Coordinator<P> {
             if had_copies {
                 release_copy_sources(&self.pool, state);
             }
+            return Ok(true);
+        }
+
+        // A step that only fills blocks (nothing to release, no new block, as one decode step
+        // in a block's worth does): caches them, with none of the paths below.
+        if hit.is_none() && !had_copies && state.quiet.hold(computed, total, 0) {
+            debug_assert!(blocks_unchanged(
+                &self.managers,
+                &state.groups,
+                computed,
+                total,
+                None
+            ));
+            state.num_computed = computed;
+            state.num_allocated = state.num_allocated.max(total);
+            count_lookup(&mut self.hit_stats, state, total);
+            state.quiet = QuietBounds::default();
+            self.cache_newly_full(row, num_known)?;
+            let state = self.requests.at_mut(row);
+            let caching = self.config.enable_prefix_caching;
+            state.quiet = QuietBounds::of(&self.managers, &state.groups, caching);
             return Ok(true);
         }
 
@@ -424,42 +455,8 @@ impl<P: BlockAllocator> Coordinator<P> {
         count_lookup(&mut self.hit_stats, state, total);
         self.scratch = scratch;
         self.dirty_from = dirty_from;
-        if self.config.enable_prefix_caching {
-            // Cache the blocks that are full once the scheduled tokens are computed.
-            // Blocks past the scheduled tokens are hashed when they are scheduled (or looked up).
-            let sizes = &self.keys.chain_block_sizes;
-            self.num_hashed += Self::extend_hashes_within(&self.hasher, sizes, state, num_known);
-            for (group, manager) in self.managers.iter().enumerate() {
-                let keys = self.keys.keys(&state.hash_chains, group);
-                let context = CacheContext {
-                    pool: &self.pool,
-                    key_of: &|index| keys.full(index),
-                    num_full_blocks: num_known / manager.block_size(),
-                    hit_alignment: self.hit_alignment,
-                };
-                let blocks = &mut state.groups[group];
-                let from = blocks.num_cached;
-                cache_full_blocks(manager.as_ref(), blocks, &context)?;
-                let seen = &mut self.seen_keys;
-                remember_cached(
-                    manager.as_ref(),
-                    self.hit_alignment,
-                    seen,
-                    keys,
-                    blocks,
-                    from,
-                );
-                if keys.units > 1 {
-                    let index = &mut self.prefix_index;
-                    index_prefixes(&self.pool, index, keys, blocks, from, self.copy_epoch);
-                }
-            }
-            if self.prefix_index.len() > self.prefix_index_limit {
-                let pool = &self.pool;
-                self.prefix_index
-                    .retain(|_, entry| pool.cached_block(entry.full) == Some(entry.block));
-            }
-        }
+        self.cache_newly_full(row, num_known)?;
+        let state = self.requests.at_mut(row);
         if had_copies {
             release_copy_sources(&self.pool, state);
         }
@@ -470,6 +467,85 @@ impl<P: BlockAllocator> Coordinator<P> {
         );
         Ok(true)
     }
+
+    /// Hashes and caches the blocks of the request in `row` that are full once `num_known`
+    /// tokens are computed (prefix caching on), and records them for the hit counters and, in
+    /// groups keyed by sub-blocks, the prefix index.
+    fn cache_newly_full(&mut self, row: usize, num_known: usize) -> Result<(), CoreError> {
+        if !self.config.enable_prefix_caching {
+            return Ok(());
+        }
+        let state = self.requests.at_mut(row);
+        // Cache the blocks that are full once the scheduled tokens are computed.
+        // Blocks past the scheduled tokens are hashed when they are scheduled (or looked up).
+        let sizes = &self.keys.chain_block_sizes;
+        self.num_hashed += Self::extend_hashes_within(&self.hasher, sizes, state, num_known);
+        for (group, manager) in self.managers.iter().enumerate() {
+            let keys = self.keys.keys(&state.hash_chains, group);
+            let context = CacheContext {
+                pool: &self.pool,
+                key_of: &|index| keys.full(index),
+                num_full_blocks: num_known / manager.block_size(),
+                hit_alignment: self.hit_alignment,
+            };
+            let blocks = &mut state.groups[group];
+            let from = blocks.num_cached;
+            cache_full_blocks(manager.as_ref(), blocks, &context)?;
+            let seen = &mut self.seen_keys;
+            remember_cached(
+                manager.as_ref(),
+                self.hit_alignment,
+                seen,
+                keys,
+                blocks,
+                from,
+            );
+            if keys.units > 1 {
+                let index = &mut self.prefix_index;
+                index_prefixes(&self.pool, index, keys, blocks, from, self.copy_epoch);
+            }
+        }
+        if self.prefix_index.len() > self.prefix_index_limit {
+            let pool = &self.pool;
+            self.prefix_index
+                .retain(|_, entry| pool.cached_block(entry.full) == Some(entry.block));
+        }
+        Ok(())
+    }
+}
+
+/// Applies a validated step that changes no block (no pending hit, no copy sources to give
+/// back, the request's `QuietBounds` hold): only the counters move. Returns false, changing
+/// nothing, for any other step. The common decode step, kept small enough to inline into the
+/// batch loop.
+#[inline]
+fn quiet_step(
+    managers: &[Box<dyn AttentionManager>],
+    config: &CoordinatorConfig,
+    hit_stats: &mut HitStats,
+    state: &mut RequestState,
+    step: &AllocateStep,
+) -> bool {
+    let computed = step.num_computed_tokens;
+    let total = computed + step.num_new_tokens;
+    let num_known = total.min(state.tokens.len());
+    if state.pending_hit.is_some()
+        || !state.copy_sources.is_empty()
+        || !state.quiet.hold(computed, total, num_known)
+    {
+        return false;
+    }
+    debug_assert!(blocks_unchanged(
+        managers,
+        &state.groups,
+        computed,
+        total,
+        config.enable_prefix_caching.then_some(num_known),
+    ));
+    state.num_computed = computed;
+    state.num_allocated = state.num_allocated.max(total);
+    count_lookup(hit_stats, state, total);
+    true
 }
 
 /// Adds the request's pending lookup to the counters once it has slots beyond its hit (see
