@@ -31,6 +31,11 @@ use crate::manager::{
 };
 use crate::types::{BlockId, CacheKey, GroupId, NULL_BLOCK};
 
+/// How many requests ahead of the one being applied `allocate_batch` readies its caching
+/// (`prepare_caching`), and how many of its blocks at most.
+const PREPARE_AHEAD: usize = 4;
+const PREPARED_BLOCKS: usize = 2;
+
 /// One `allocate` call's arguments.
 #[derive(Clone, Copy, Debug)]
 pub struct AllocateStep {
@@ -128,7 +133,16 @@ impl<P: BlockAllocator> Coordinator<P> {
             }
             state.last_batch = batch_number;
         }
+        for (step, &row) in steps.iter().zip(rows).take(PREPARE_AHEAD) {
+            self.prepare_caching(row, step);
+        }
         for (done, (step, &row)) in steps.iter().zip(rows).enumerate() {
+            if let (Some(step), Some(&row)) = (
+                steps.get(done + PREPARE_AHEAD),
+                rows.get(done + PREPARE_AHEAD),
+            ) {
+                self.prepare_caching(row, step);
+            }
             let state = self.requests.at_mut(row);
             if quiet_step(
                 &self.managers,
@@ -466,6 +480,39 @@ impl<P: BlockAllocator> Coordinator<P> {
             self.config.enable_prefix_caching,
         );
         Ok(true)
+    }
+
+    /// Readies a batch's step a few requests ahead of the one being applied, when it will cache
+    /// blocks: hashes them now and starts loading the cache map's and the seen-keys filter's
+    /// entries they go to, so that those misses overlap the requests in between instead of
+    /// stalling its own `allocate` (a decode step filling a block is otherwise mostly misses).
+    /// Only a hint: the step itself finds the hashes made and hashes nothing twice.
+    fn prepare_caching(&mut self, row: usize, step: &AllocateStep) {
+        if !self.config.enable_prefix_caching {
+            return;
+        }
+        let state = self.requests.at_mut(row);
+        let computed = step.num_computed_tokens;
+        let total = computed + step.num_new_tokens;
+        let num_known = total.min(state.tokens.len());
+        if state.pending_hit.is_some() || state.quiet.hold(computed, total, num_known) {
+            return;
+        }
+        let sizes = &self.keys.chain_block_sizes;
+        self.num_hashed += Self::extend_hashes_within(&self.hasher, sizes, state, num_known);
+        for (group, manager) in self.managers.iter().enumerate() {
+            let keys = self.keys.keys(&state.hash_chains, group);
+            let blocks = &state.groups[group];
+            let end = (num_known / manager.block_size())
+                .min(blocks.blocks.len())
+                .min(keys.num_full());
+            for index in (blocks.num_cached..end).take(PREPARED_BLOCKS) {
+                self.pool.prefetch_key(keys.full(index));
+                for &hash in keys.unit_hashes(index, keys.units) {
+                    self.seen_keys.prefetch(group as GroupId, hash);
+                }
+            }
+        }
     }
 
     /// Hashes and caches the blocks of the request in `row` that are full once `num_known`

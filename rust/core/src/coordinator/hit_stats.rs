@@ -187,6 +187,13 @@ impl SeenKeys {
         self.inserted += 1;
     }
 
+    /// Starts loading the words `insert` of this key will set (a hint).
+    pub(super) fn prefetch(&self, group: GroupId, hash: BlockHash) {
+        for bit in self.positions(group, hash) {
+            crate::primitive::prefetch(&self.words[bit / 64]);
+        }
+    }
+
     pub(super) fn contains(&self, group: GroupId, hash: BlockHash) -> bool {
         self.positions(group, hash)
             .iter()
