@@ -220,6 +220,8 @@ impl<P: BlockAllocator> Coordinator<P> {
             return Ok(true);
         }
 
+        // Nothing to release (the bounds say so; a hit rewrites the rows): section 3 is skipped.
+        let releases = hit.is_some() || state.quiet.may_release(computed);
         // Computed again once this step has changed the blocks (an early return leaves none).
         state.quiet = QuietBounds::default();
 
@@ -331,84 +333,88 @@ impl<P: BlockAllocator> Coordinator<P> {
         scratch.clear();
         low.clear();
         dirty_from.clear();
-        let caching = self.config.enable_prefix_caching;
-        // A hit point other running requests share (they hold its full-attention prefix): the
-        // next request with that prefix needs exactly its window, so the window's blocks join
-        // the protected tier when it releases them (`eviction_order::shared_hit_point`).
-        let shared = caching
-            && self.protected.is_some()
-            && eviction_order::shared_hit_point(
-                &self.pool,
-                &self.managers,
-                &self.full_groups,
-                state,
-            );
-        let mut shared_window = std::mem::take(&mut self.shared_scratch);
-        shared_window.clear();
-        for (group, manager) in self.managers.iter().enumerate() {
-            let blocks = &mut state.groups[group];
-            let released_range = pending_release(manager.as_ref(), blocks, computed);
-            let keys = self.keys.keys(&state.hash_chains, group);
-            let hit_window = eviction_order::hit_window(manager.as_ref(), state.hit_tokens);
-            for index in released_range.clone().rev() {
-                let block = blocks.blocks[index];
-                if block == NULL_BLOCK {
-                    continue;
-                }
-                let tier = if caching {
-                    release_tier(
-                        manager.as_ref(),
-                        index,
-                        computed,
-                        state.hit_tokens,
-                        self.hit_alignment,
-                    )
-                } else {
-                    FreeTier::Normal
-                };
-                match tier {
-                    FreeTier::Low => low.push(block),
-                    _ if shared && hit_window.contains(&index) && index < keys.num_full() => {
-                        shared_window.push((block, keys.full(index)));
+        if !releases {
+            dirty_from.extend(state.groups.iter().map(|blocks| blocks.blocks.len()));
+        } else {
+            let caching = self.config.enable_prefix_caching;
+            // A hit point other running requests share (they hold its full-attention prefix): the
+            // next request with that prefix needs exactly its window, so the window's blocks join
+            // the protected tier when it releases them (`eviction_order::shared_hit_point`).
+            let shared = caching
+                && self.protected.is_some()
+                && eviction_order::shared_hit_point(
+                    &self.pool,
+                    &self.managers,
+                    &self.full_groups,
+                    state,
+                );
+            let mut shared_window = std::mem::take(&mut self.shared_scratch);
+            shared_window.clear();
+            for (group, manager) in self.managers.iter().enumerate() {
+                let blocks = &mut state.groups[group];
+                let released_range = pending_release(manager.as_ref(), blocks, computed);
+                let keys = self.keys.keys(&state.hash_chains, group);
+                let hit_window = eviction_order::hit_window(manager.as_ref(), state.hit_tokens);
+                for index in released_range.clone().rev() {
+                    let block = blocks.blocks[index];
+                    if block == NULL_BLOCK {
+                        continue;
                     }
-                    FreeTier::Normal | FreeTier::High => scratch.push(block),
+                    let tier = if caching {
+                        release_tier(
+                            manager.as_ref(),
+                            index,
+                            computed,
+                            state.hit_tokens,
+                            self.hit_alignment,
+                        )
+                    } else {
+                        FreeTier::Normal
+                    };
+                    match tier {
+                        FreeTier::Low => low.push(block),
+                        _ if shared && hit_window.contains(&index) && index < keys.num_full() => {
+                            shared_window.push((block, keys.full(index)));
+                        }
+                        FreeTier::Normal | FreeTier::High => scratch.push(block),
+                    }
+                }
+                let released = release_nulls(manager.as_ref(), blocks, computed);
+                self.num_references[group] -= released;
+                dirty_from.push(match (&hit, released) {
+                    (Some(_), _) => 0,
+                    (None, 0) => blocks.blocks.len(),
+                    (None, _) => released_range.start,
+                });
+            }
+            let protect_window = !shared_window.is_empty()
+                && self
+                    .protected
+                    .as_ref()
+                    .is_some_and(|protected| protected.has_room(shared_window.len()));
+            if !protect_window {
+                scratch.extend(shared_window.iter().map(|&(block, _)| block));
+            }
+            let mut freed = [(&low, FreeTier::Low), (&scratch, FreeTier::Normal)]
+                .into_iter()
+                .filter(|(list, _)| !list.is_empty())
+                .try_for_each(|(list, tier)| self.pool.release_held_to(list, tier));
+            if protect_window && freed.is_ok() {
+                scratch.clear();
+                scratch.extend(shared_window.iter().map(|&(block, _)| block));
+                freed = self.pool.release_held_to(&scratch, FreeTier::High);
+                if let (Some(protected), Ok(())) = (&mut self.protected, &freed) {
+                    protected.joined(&self.pool, &shared_window);
                 }
             }
-            let released = release_nulls(manager.as_ref(), blocks, computed);
-            self.num_references[group] -= released;
-            dirty_from.push(match (&hit, released) {
-                (Some(_), _) => 0,
-                (None, 0) => blocks.blocks.len(),
-                (None, _) => released_range.start,
-            });
-        }
-        let protect_window = !shared_window.is_empty()
-            && self
-                .protected
-                .as_ref()
-                .is_some_and(|protected| protected.has_room(shared_window.len()));
-        if !protect_window {
-            scratch.extend(shared_window.iter().map(|&(block, _)| block));
-        }
-        let mut freed = [(&low, FreeTier::Low), (&scratch, FreeTier::Normal)]
-            .into_iter()
-            .filter(|(list, _)| !list.is_empty())
-            .try_for_each(|(list, tier)| self.pool.release_held_to(list, tier));
-        if protect_window && freed.is_ok() {
-            scratch.clear();
-            scratch.extend(shared_window.iter().map(|&(block, _)| block));
-            freed = self.pool.release_held_to(&scratch, FreeTier::High);
-            if let (Some(protected), Ok(())) = (&mut self.protected, &freed) {
-                protected.joined(&self.pool, &shared_window);
+            self.shared_scratch = shared_window;
+            if let Err(error) = freed {
+                debug_assert!(false, "releasing held blocks failed: {error}");
+                self.scratch = scratch;
+                self.low_scratch = low;
+                self.dirty_from = dirty_from;
+                return Err(error);
             }
-        }
-        self.shared_scratch = shared_window;
-        if let Err(error) = freed {
-            debug_assert!(false, "releasing held blocks failed: {error}");
-            self.scratch = scratch;
-            self.low_scratch = low;
-            self.dirty_from = dirty_from;
-            return Err(error);
         }
         self.low_scratch = low;
 
@@ -469,7 +475,12 @@ impl<P: BlockAllocator> Coordinator<P> {
         count_lookup(&mut self.hit_stats, state, total);
         self.scratch = scratch;
         self.dirty_from = dirty_from;
-        self.cache_newly_full(row, num_known)?;
+        let caching = self.config.enable_prefix_caching;
+        state.quiet = QuietBounds::of(&self.managers, &state.groups, caching);
+        if state.quiet.may_fill(num_known) {
+            state.quiet = QuietBounds::default();
+            self.cache_newly_full(row, num_known)?;
+        }
         let state = self.requests.at_mut(row);
         if had_copies {
             release_copy_sources(&self.pool, state);

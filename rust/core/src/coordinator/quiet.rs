@@ -54,6 +54,19 @@ impl QuietBounds {
         bounds
     }
 
+    /// Whether an `allocate` without a hit may release blocks at `computed` tokens (false:
+    /// its window skips no held block).
+    #[inline]
+    pub fn may_release(&self, computed: usize) -> bool {
+        computed >= self.release_at
+    }
+
+    /// Whether some block is full once `known` tokens are computed (false: none to cache).
+    #[inline]
+    pub fn may_fill(&self, known: usize) -> bool {
+        known >= self.fill_at
+    }
+
     /// Whether an `allocate` without a hit with these counts changes no block.
     #[inline]
     pub fn hold(&self, computed: usize, total: usize, known: usize) -> bool {
