@@ -158,3 +158,24 @@ def test_request_that_can_never_fit_the_pool():
 def test_bad_configuration(build):
     with pytest.raises(errors.InvalidArgumentError):
         build()
+
+
+@pytest.mark.parametrize(
+    ("ids", "computed", "new", "message"),
+    [
+        ([1], [-6], [1], "num_computed_tokens must be non-negative, got -6"),
+        ([1], [6], [-1], "num_new_tokens must be non-negative, got -1"),
+        ([-1], [6], [1], "request ids must be non-negative, got -1"),
+        ([1], [6], [1.0], "num_new_tokens must be a 1-d sequence of ints"),
+        ([1], [6], [2**63], "num_new_tokens must be a 1-d sequence of ints"),
+        ([1], [6, 6], [1], "must have one length, got 1, 2 and 1"),
+    ],
+)
+def test_bad_allocate_batch_lists_say_what_is_wrong(busy, ids, computed, new, message):
+    """Three lists of non-negative ints are read together in one pass; whatever that pass
+    refuses takes the list-by-list path, so lists and tuples name the same fault."""
+    for given in ((ids, computed, new), (tuple(ids), tuple(computed), tuple(new))):
+        before = snapshot(busy)
+        with pytest.raises(errors.InvalidArgumentError, match=re.escape(message)):
+            busy.allocate_batch(*given)
+        assert_unchanged(before, busy)

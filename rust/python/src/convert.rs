@@ -90,22 +90,59 @@ fn exact_ints<T: TryFrom<i64>>(list: &Bound<'_, PyList>) -> Option<Vec<T>> {
         }
         // SAFETY: `index < len` and the GIL is held with no Python code running in between, so
         // the list keeps its items (borrowed references, valid while the list holds them).
-        let item = unsafe { pyo3::ffi::PyList_GET_ITEM(list.as_ptr(), index as isize) };
-        // SAFETY: `item` is a valid object pointer (above).
-        if unsafe { pyo3::ffi::PyLong_CheckExact(item) } == 0 {
-            return None;
-        }
-        // SAFETY: `item` is an `int`; an overflow sets an error, cleared below.
-        let value = unsafe { pyo3::ffi::PyLong_AsLongLong(item) };
-        // SAFETY: the GIL is held.
-        if value == -1 && !unsafe { pyo3::ffi::PyErr_Occurred() }.is_null() {
-            // SAFETY: the GIL is held; the error is ours (set just above).
-            unsafe { pyo3::ffi::PyErr_Clear() };
-            return None;
-        }
+        let value =
+            exact_int(unsafe { pyo3::ffi::PyList_GET_ITEM(list.as_ptr(), index as isize) })?;
         ints.push(T::try_from(value).ok()?);
     }
     Some(ints)
+}
+
+/// Reads `N` lists of one length together, item `i` of each list handed to `row` as one array;
+/// the items must all be exactly `int` and fit in an `i64`, and `row` must accept each array.
+/// `None` for anything else (the caller converts list by list, with its errors).
+pub fn int_rows<const N: usize, T>(
+    lists: [&Bound<'_, PyAny>; N],
+    row: impl Fn([i64; N]) -> Option<T>,
+) -> Option<Vec<T>> {
+    let mut pointers = [std::ptr::null_mut(); N];
+    let mut len = None;
+    for (pointer, list) in pointers.iter_mut().zip(lists) {
+        let list = list.cast::<PyList>().ok()?;
+        if *len.get_or_insert(list.len()) != list.len() {
+            return None;
+        }
+        *pointer = list.as_ptr();
+    }
+    let len = len.unwrap_or(0);
+    let mut rows = Vec::with_capacity(len);
+    for index in 0..len {
+        let mut values = [0; N];
+        for (value, &list) in values.iter_mut().zip(&pointers) {
+            // SAFETY: each list has `len > index` items and is held by the caller; the GIL is
+            // held with no Python code running in between (borrowed items stay valid).
+            *value = exact_int(unsafe { pyo3::ffi::PyList_GET_ITEM(list, index as isize) })?;
+        }
+        rows.push(row(values)?);
+    }
+    Some(rows)
+}
+
+/// An exactly-`int` object's value if it fits in an `i64`; `None` otherwise (no error left set).
+#[inline]
+fn exact_int(item: *mut pyo3::ffi::PyObject) -> Option<i64> {
+    // SAFETY: callers pass a valid object pointer and hold the GIL.
+    if unsafe { pyo3::ffi::PyLong_CheckExact(item) } == 0 {
+        return None;
+    }
+    // SAFETY: `item` is an `int`; an overflow sets an error, cleared below.
+    let value = unsafe { pyo3::ffi::PyLong_AsLongLong(item) };
+    // SAFETY: the GIL is held.
+    if value == -1 && !unsafe { pyo3::ffi::PyErr_Occurred() }.is_null() {
+        // SAFETY: the GIL is held; the error is ours (set just above).
+        unsafe { pyo3::ffi::PyErr_Clear() };
+        return None;
+    }
+    Some(value)
 }
 
 /// Token ids: ints in `0..2^32`. A list of ints in range is read in one pass into the result

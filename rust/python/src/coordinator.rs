@@ -366,6 +366,18 @@ impl PyCoordinator {
         num_computed_tokens: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
+        // Lists of non-negative ints (a decode step's): one pass, no copies in between.
+        let lists = [request_ids, num_computed_tokens, num_new_tokens];
+        let steps = crate::convert::int_rows(lists, |[id, computed, new]| {
+            Some(AllocateStep {
+                request_id: u64::try_from(id).ok()?,
+                num_computed_tokens: usize::try_from(computed).ok()?,
+                num_new_tokens: usize::try_from(new).ok()?,
+            })
+        });
+        if let Some(steps) = steps {
+            return self.inner.allocate_batch(&steps).map_err(to_py);
+        }
         let ids = int64s("request_ids", request_ids)?;
         let computed = int64s("num_computed_tokens", num_computed_tokens)?;
         let new = int64s("num_new_tokens", num_new_tokens)?;
