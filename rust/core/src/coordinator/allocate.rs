@@ -493,8 +493,8 @@ impl<P: BlockAllocator> Coordinator<P> {
         Ok(true)
     }
 
-    /// Readies a batch's step a few requests ahead of the one being applied, when it will only
-    /// cache blocks: hashes them now and starts loading the cache map's and the seen-keys filter's
+    /// Readies a batch's step a few requests ahead of the one being applied, when it will cache
+    /// blocks and take none: hashes them now and starts loading the cache map's and the seen-keys filter's
     /// entries they go to, so that those misses overlap the requests in between instead of
     /// stalling its own `allocate` (a decode step filling a block is otherwise mostly misses).
     /// Only a hint: the step itself finds the hashes made and hashes nothing twice.
@@ -506,12 +506,10 @@ impl<P: BlockAllocator> Coordinator<P> {
         let computed = step.num_computed_tokens;
         let total = computed + step.num_new_tokens;
         let num_known = total.min(state.tokens.len());
-        // Only a step that fills blocks and does nothing else (a decode step's): a prefill
-        // step's blocks are prefetched by its own caching, a few blocks ahead.
-        let fills_only = state.quiet.hold(computed, total, 0);
-        if state.pending_hit.is_some()
-            || !fills_only
-            || state.quiet.hold(computed, total, num_known)
+        // Only a step that fills blocks and takes none (a decode step's, which may also release
+        // one): a prefill step's blocks are prefetched by its own caching, a few blocks ahead.
+        let bounds = state.quiet;
+        if state.pending_hit.is_some() || bounds.needs_blocks(total) || !bounds.may_fill(num_known)
         {
             return;
         }

@@ -61,6 +61,12 @@ impl QuietBounds {
         computed >= self.release_at
     }
 
+    /// Whether an `allocate` to `total` tokens needs new blocks (false: its rows cover them).
+    #[inline]
+    pub fn needs_blocks(&self, total: usize) -> bool {
+        total > self.cover_upto
+    }
+
     /// Whether some block is full once `known` tokens are computed (false: none to cache).
     #[inline]
     pub fn may_fill(&self, known: usize) -> bool {
