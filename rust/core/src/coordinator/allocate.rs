@@ -748,7 +748,37 @@ fn touch_hit<P: BlockAllocator>(
 }
 
 /// Checks one step against the request's state and the limits (see `allocate`).
+#[inline]
 fn check_step(
+    config: &CoordinatorConfig,
+    state: &RequestState,
+    step: &AllocateStep,
+) -> Result<(), CoreError> {
+    let (computed, new) = (step.num_computed_tokens, step.num_new_tokens);
+    let valid = new <= config.max_num_batched_tokens
+        && computed
+            .checked_add(new)
+            .is_some_and(|total| total <= config.max_model_len)
+        && computed <= state.tokens.len()
+        && computed >= state.num_computed
+        && if state.num_allocated == 0 {
+            let hit = state.pending_hit.as_ref().map_or(0, |hit| hit.num_tokens);
+            computed == 0 || computed == hit
+        } else {
+            computed <= state.num_allocated
+        };
+    if valid {
+        return Ok(());
+    }
+    let explained = explain_step(config, state, step);
+    debug_assert!(explained.is_err(), "an invalid step is explained");
+    explained
+}
+
+/// `check_step`'s error for an invalid step: the first rule it breaks, said in words.
+#[cold]
+#[inline(never)]
+fn explain_step(
     config: &CoordinatorConfig,
     state: &RequestState,
     step: &AllocateStep,
