@@ -772,7 +772,12 @@ fn check_step(
     }
     let explained = explain_step(config, state, step);
     debug_assert!(explained.is_err(), "an invalid step is explained");
-    explained
+    explained.and_then(|()| {
+        Err(CoreError::InvalidArgument(format!(
+            "request {}: invalid step",
+            step.request_id
+        )))
+    })
 }
 
 /// `check_step`'s error for an invalid step: the first rule it breaks, said in words.
