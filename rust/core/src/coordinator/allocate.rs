@@ -144,13 +144,18 @@ impl<P: BlockAllocator> Coordinator<P> {
                 self.prepare_caching(row, step);
             }
             let state = self.requests.at_mut(row);
-            if quiet_step(
-                &self.managers,
-                &self.config,
-                &mut self.hit_stats,
-                state,
-                step,
-            ) {
+            if state.pending_hit.is_none()
+                && quiet_step(
+                    &self.managers,
+                    &self.config,
+                    &mut self.hit_stats,
+                    state,
+                    step,
+                )
+            {
+                if !state.copy_sources.is_empty() {
+                    release_copy_sources(&self.pool, state);
+                }
                 continue;
             }
             if !self.allocate_validated(row, *step, 0)? {
@@ -182,17 +187,8 @@ impl<P: BlockAllocator> Coordinator<P> {
         // The common decode step changes no block (no new one, none leaves the window, none
         // fills up): only the counters move.
         let num_known = total.min(state.tokens.len());
-        if hit.is_none() && state.quiet.hold(computed, total, num_known) {
-            debug_assert!(blocks_unchanged(
-                &self.managers,
-                &state.groups,
-                computed,
-                total,
-                self.config.enable_prefix_caching.then_some(num_known),
-            ));
-            state.num_computed = computed;
-            state.num_allocated = state.num_allocated.max(total);
-            count_lookup(&mut self.hit_stats, state, total);
+        let config = &self.config;
+        if hit.is_none() && quiet_step(&self.managers, config, &mut self.hit_stats, state, &step) {
             if had_copies {
                 release_copy_sources(&self.pool, state);
             }
@@ -209,14 +205,9 @@ impl<P: BlockAllocator> Coordinator<P> {
                 total,
                 None
             ));
-            state.num_computed = computed;
-            state.num_allocated = state.num_allocated.max(total);
-            count_lookup(&mut self.hit_stats, state, total);
-            state.quiet = QuietBounds::default();
+            advance(&mut self.hit_stats, state, computed, total);
+            // The bounds are those of the rows as they are: they say a block fills.
             self.cache_newly_full(row, num_known)?;
-            let state = self.requests.at_mut(row);
-            let caching = self.config.enable_prefix_caching;
-            state.quiet = QuietBounds::of(&self.managers, &state.groups, caching);
             return Ok(true);
         }
 
@@ -470,26 +461,15 @@ impl<P: BlockAllocator> Coordinator<P> {
                 }
             }
         }
-        state.num_computed = computed;
-        state.num_allocated = state.num_allocated.max(total);
-        count_lookup(&mut self.hit_stats, state, total);
+        advance(&mut self.hit_stats, state, computed, total);
         self.scratch = scratch;
         self.dirty_from = dirty_from;
         let caching = self.config.enable_prefix_caching;
         state.quiet = QuietBounds::of(&self.managers, &state.groups, caching);
-        if state.quiet.may_fill(num_known) {
-            state.quiet = QuietBounds::default();
-            self.cache_newly_full(row, num_known)?;
-        }
-        let state = self.requests.at_mut(row);
+        self.cache_newly_full(row, num_known)?;
         if had_copies {
-            release_copy_sources(&self.pool, state);
+            release_copy_sources(&self.pool, self.requests.at_mut(row));
         }
-        state.quiet = QuietBounds::of(
-            &self.managers,
-            &state.groups,
-            self.config.enable_prefix_caching,
-        );
         Ok(true)
     }
 
@@ -531,13 +511,18 @@ impl<P: BlockAllocator> Coordinator<P> {
     }
 
     /// Hashes and caches the blocks of the request in `row` that are full once `num_known`
-    /// tokens are computed (prefix caching on), and records them for the hit counters and, in
-    /// groups keyed by sub-blocks, the prefix index.
+    /// tokens are computed (prefix caching on), records them for the hit counters and, in
+    /// groups keyed by sub-blocks, the prefix index, and computes the request's bounds again.
+    /// Its bounds must be those of its rows as they are: when they say no block fills, nothing
+    /// is done.
     fn cache_newly_full(&mut self, row: usize, num_known: usize) -> Result<(), CoreError> {
-        if !self.config.enable_prefix_caching {
+        let caching = self.config.enable_prefix_caching;
+        let state = self.requests.at_mut(row);
+        if !caching || !state.quiet.may_fill(num_known) {
             return Ok(());
         }
-        let state = self.requests.at_mut(row);
+        // Until the blocks are cached: an error leaves no step quiet.
+        state.quiet = QuietBounds::default();
         // Cache the blocks that are full once the scheduled tokens are computed.
         // Blocks past the scheduled tokens are hashed when they are scheduled (or looked up).
         let sizes = &self.keys.chain_block_sizes;
@@ -572,14 +557,15 @@ impl<P: BlockAllocator> Coordinator<P> {
             self.prefix_index
                 .retain(|_, entry| pool.cached_block(entry.full) == Some(entry.block));
         }
+        state.quiet = QuietBounds::of(&self.managers, &state.groups, caching);
         Ok(())
     }
 }
 
-/// Applies a validated step that changes no block (no pending hit, no copy sources to give
-/// back, the request's `QuietBounds` hold): only the counters move. Returns false, changing
-/// nothing, for any other step. The common decode step, kept small enough to inline into the
-/// batch loop.
+/// Applies a validated step without a hit that changes no block (the request's `QuietBounds`
+/// hold): only the counters move; the caller gives back any copy sources. Returns false,
+/// changing nothing, for any other step. The common decode step, kept small enough to inline
+/// into the batch loop.
 #[inline]
 fn quiet_step(
     managers: &[Box<dyn AttentionManager>],
@@ -591,10 +577,7 @@ fn quiet_step(
     let computed = step.num_computed_tokens;
     let total = computed + step.num_new_tokens;
     let num_known = total.min(state.tokens.len());
-    if state.pending_hit.is_some()
-        || !state.copy_sources.is_empty()
-        || !state.quiet.hold(computed, total, num_known)
-    {
+    if !state.quiet.hold(computed, total, num_known) {
         return false;
     }
     debug_assert!(blocks_unchanged(
@@ -604,10 +587,16 @@ fn quiet_step(
         total,
         config.enable_prefix_caching.then_some(num_known),
     ));
+    advance(hit_stats, state, computed, total);
+    true
+}
+
+/// Moves a request's counters to a step's: `computed` tokens computed, slots for `total`.
+#[inline(always)]
+fn advance(hit_stats: &mut HitStats, state: &mut RequestState, computed: usize, total: usize) {
     state.num_computed = computed;
     state.num_allocated = state.num_allocated.max(total);
     count_lookup(hit_stats, state, total);
-    true
 }
 
 /// Adds the request's pending lookup to the counters once it has slots beyond its hit (see
