@@ -3,7 +3,7 @@
 //!   `allocate_batch`;
 //! - the prefix-hit lookup for a 2048-token prompt whose blocks are cached;
 //! - `probe_cache_hit` (what the "lpm" scheduler weighs per waiting request) of the same
-//!   cached prompt, and of a 2048-token prompt with nothing cached;
+//!   cached prompt, and of a 2048-token prompt with nothing cached and the chained hashes of a 2048-token prompt (128 blocks) under each hash;
 //! - one decode step of a single long request while the window releases blocks;
 //! - the prefix lookup and the decode step again over Gemma-3's per-type layout (window blocks
 //!   of 16 tokens, full-attention blocks of 80 keyed by 16-token units, so a hit ends inside a
@@ -18,7 +18,10 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use hybrid_cache_core::{AllocateStep, Coordinator, CoordinatorConfig, ExtraKeys, NewRequest};
+use hybrid_cache_core::{
+    hashing::BlockHasher, AllocateStep, Coordinator, CoordinatorConfig, ExtraKeys, HashAlgo,
+    NewRequest,
+};
 
 mod common;
 
@@ -194,6 +197,26 @@ fn probe_2048(criterion: &mut Criterion) {
     });
 }
 
+fn hash_chain_2048(criterion: &mut Criterion) {
+    let tokens = prompt(3, 2048);
+    let extra = ExtraKeys::default();
+    for (name, algo) in [
+        ("hash_chain_2048_tokens_xxh3", HashAlgo::Xxh3),
+        ("hash_chain_2048_tokens_sha256", HashAlgo::Sha256),
+    ] {
+        let hasher = BlockHasher::new(algo, 0);
+        let mut hashes = Vec::with_capacity(2048 / BLOCK_SIZE);
+        criterion.bench_function(name, |bench| {
+            bench.iter(|| {
+                hashes.clear();
+                hasher.extend_chain(black_box(&tokens), BLOCK_SIZE, &extra, &mut hashes);
+                assert_eq!(hashes.len(), 2048 / BLOCK_SIZE);
+                hashes[hashes.len() - 1]
+            })
+        });
+    }
+}
+
 fn window_release_long_decode(criterion: &mut Criterion) {
     const MAX_LEN: usize = 65536;
     let mut coordinator = Coordinator::new(gemma2_config(8192, 1, MAX_LEN)).unwrap();
@@ -289,7 +312,8 @@ fn next_turn_2049(criterion: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20);
-    targets = decode_step_256, prefix_hit_2048, probe_2048, window_release_long_decode,
+    targets = decode_step_256, prefix_hit_2048, probe_2048, hash_chain_2048,
+        window_release_long_decode,
         next_turn_2049
 }
 criterion_main!(benches);

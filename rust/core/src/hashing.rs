@@ -32,7 +32,7 @@
 //! resistant against an adversary, though: a deployment where one tenant could craft prompts to
 //! alias another tenant's cache should use a per-tenant cache salt and `HashAlgo::Sha256`.
 
-use sha2::{Digest, Sha256};
+use sha2::digest::generic_array::GenericArray;
 
 use crate::error::CoreError;
 use crate::types::BlockHash;
@@ -91,6 +91,11 @@ const TAG_LORA: u8 = 1;
 const TAG_SALT: u8 = 2;
 const TAG_MULTIMODAL: u8 = 3;
 
+thread_local! {
+    /// The bytes of the block being hashed, reused by every `extend_chain` on the thread.
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Computes chained block hashes for one algorithm and seed.
 #[derive(Clone, Debug)]
 pub struct BlockHasher {
@@ -126,12 +131,29 @@ impl BlockHasher {
         extra: &ExtraKeys,
         hashes: &mut Vec<BlockHash>,
     ) {
+        if hashes.len() < tokens.len() / block_size {
+            // A decode step hashes one block: no allocation for its bytes.
+            SCRATCH.with_borrow_mut(|buffer| {
+                self.extend_chain_in(tokens, block_size, extra, hashes, buffer)
+            });
+        }
+    }
+
+    /// `extend_chain` writing each block's bytes into `buffer`.
+    fn extend_chain_in(
+        &self,
+        tokens: &[u32],
+        block_size: usize,
+        extra: &ExtraKeys,
+        hashes: &mut Vec<BlockHash>,
+        buffer: &mut Vec<u8>,
+    ) {
         debug_assert!(block_size > 0, "block size is validated by the coordinator");
         let num_full = tokens.len() / block_size;
         if hashes.len() >= num_full {
             return;
         }
-        let mut buffer = Vec::with_capacity(24 + 4 * block_size);
+        buffer.reserve(24 + 4 * block_size);
         hashes.reserve(num_full - hashes.len());
         for index in hashes.len()..num_full {
             let parent = hashes.last().copied().unwrap_or(self.root);
@@ -141,7 +163,7 @@ impl BlockHasher {
                 start,
                 tokens: &tokens[start..start + block_size],
             };
-            let hash = self.hash_block(parent, &block, extra, &mut buffer);
+            let hash = self.hash_block(parent, &block, extra, buffer);
             hashes.push(hash);
         }
     }
@@ -260,13 +282,54 @@ struct BlockSpan<'a> {
 fn digest(algo: HashAlgo, bytes: &[u8]) -> BlockHash {
     match algo {
         HashAlgo::Xxh3 => BlockHash(xxhash_rust::xxh3::xxh3_128(bytes)),
-        HashAlgo::Sha256 => {
-            let full = Sha256::digest(bytes);
-            let mut first = [0u8; 16];
-            first.copy_from_slice(&full[..16]);
-            BlockHash(u128::from_le_bytes(first))
-        }
+        HashAlgo::Sha256 => BlockHash(sha256_first_128(bytes)),
     }
+}
+
+/// sha256's initial state (FIPS 180-4, 5.3.3).
+const SHA256_INIT: [u32; 8] = [
+    0x6a09_e667,
+    0xbb67_ae85,
+    0x3c6e_f372,
+    0xa54f_f53a,
+    0x510e_527f,
+    0x9b05_688c,
+    0x1f83_d9ab,
+    0x5be0_cd19,
+];
+
+/// The first 16 bytes of `sha256(bytes)`, read little-endian. The message is padded here and fed
+/// straight to the compression function: a packed block (55 bytes) is one compression with no
+/// streaming buffer around it.
+fn sha256_first_128(bytes: &[u8]) -> u128 {
+    let mut state = SHA256_INIT;
+    let whole = bytes.len() / 64 * 64;
+    for chunk in bytes[..whole].chunks_exact(64) {
+        sha2::compress256(
+            &mut state,
+            core::slice::from_ref(GenericArray::from_slice(chunk)),
+        );
+    }
+    // Padding: 0x80, zeros, then the message length in bits (big-endian u64) at the end of the
+    // last 64-byte block; one block if the rest and the 9 padding bytes fit, else two.
+    let rest = &bytes[whole..];
+    let mut tail = [0u8; 128];
+    tail[..rest.len()].copy_from_slice(rest);
+    tail[rest.len()] = 0x80;
+    let tail_len = if rest.len() + 9 <= 64 { 64 } else { 128 };
+    let bits = (bytes.len() as u64).wrapping_mul(8);
+    tail[tail_len - 8..tail_len].copy_from_slice(&bits.to_be_bytes());
+    for chunk in tail[..tail_len].chunks_exact(64) {
+        sha2::compress256(
+            &mut state,
+            core::slice::from_ref(GenericArray::from_slice(chunk)),
+        );
+    }
+    let mut first = [0u8; 16];
+    for (out, word) in first.chunks_exact_mut(4).zip(&state[..4]) {
+        out.copy_from_slice(&word.to_be_bytes());
+    }
+    u128::from_le_bytes(first)
 }
 
 #[cfg(test)]
@@ -280,6 +343,22 @@ mod tests {
     }
 
     const TOKENS: [u32; 7] = [1, 2, 3, 4, 5, 6, 7];
+
+    #[test]
+    fn direct_sha256_equals_the_streaming_digest_at_every_length() {
+        use sha2::Digest;
+        // Every padding case: one block, the 55/56-byte edge where the length spills into a
+        // second block, whole blocks, and several blocks before the tail.
+        let bytes: Vec<u8> = (0..300u32).map(|i| (i * 151 + 7) as u8).collect();
+        for len in 0..=bytes.len() {
+            let full = sha2::Sha256::digest(&bytes[..len]);
+            let expected = u128::from_le_bytes(full[..16].try_into().unwrap());
+            assert_eq!(sha256_first_128(&bytes[..len]), expected, "length {len}");
+        }
+        // A published vector: sha256("abc") = ba7816bf 8f01cfea 414140de 5dae2223 ...
+        let abc = sha256_first_128(b"abc").to_le_bytes();
+        assert_eq!(abc[..8], [0xba, 0x78, 0x16, 0xbf, 0x8f, 0x01, 0xcf, 0xea]);
+    }
 
     #[test]
     fn hashes_full_blocks_only_and_deterministically() {

@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use crate::errors::{invalid_argument, to_py};
+use crate::ints::exact_int;
 
 /// A non-negative Python int as `usize`.
 pub fn size(name: &str, value: i64) -> PyResult<usize> {
@@ -127,24 +128,6 @@ pub fn int_rows<const N: usize, T>(
     Some(rows)
 }
 
-/// An exactly-`int` object's value if it fits in an `i64`; `None` otherwise (no error left set).
-#[inline]
-fn exact_int(item: *mut pyo3::ffi::PyObject) -> Option<i64> {
-    // SAFETY: callers pass a valid object pointer and hold the GIL.
-    if unsafe { pyo3::ffi::PyLong_CheckExact(item) } == 0 {
-        return None;
-    }
-    // SAFETY: `item` is an `int`; an overflow sets an error, cleared below.
-    let value = unsafe { pyo3::ffi::PyLong_AsLongLong(item) };
-    // SAFETY: the GIL is held.
-    if value == -1 && !unsafe { pyo3::ffi::PyErr_Occurred() }.is_null() {
-        // SAFETY: the GIL is held; the error is ours (set just above).
-        unsafe { pyo3::ffi::PyErr_Clear() };
-        return None;
-    }
-    Some(value)
-}
-
 /// Token ids: ints in `0..2^32`. A list of ints in range is read in one pass into the result
 /// (no `i64` copy first).
 pub fn token_ids(values: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
@@ -182,6 +165,38 @@ impl<'a, 'py> ListTokens<'a, 'py> {
             converted: Vec::new(),
         }
     }
+
+    /// Item `index` as a token id: an exact int read in place, anything else through
+    /// `extract` (which may run Python code: the list's length is read again each item).
+    fn token(&self, index: usize) -> Result<u32, ReadError> {
+        let list = self.list.as_ptr();
+        // SAFETY: the GIL is held; a list's size is a plain field.
+        let current = unsafe { pyo3::ffi::PyList_GET_SIZE(list) } as usize;
+        if index < current {
+            if index + PREFETCH_AHEAD < current {
+                // SAFETY: as below; the item is only prefetched.
+                prefetch(unsafe {
+                    pyo3::ffi::PyList_GET_ITEM(list, (index + PREFETCH_AHEAD) as isize)
+                });
+            }
+            // SAFETY: `index` is below the list's current size and the GIL is held: a borrowed
+            // item, valid while the list holds it (no Python code runs before it is read).
+            let item = unsafe { pyo3::ffi::PyList_GET_ITEM(list, index as isize) };
+            if let Some(token) = exact_int(item).and_then(|value| u32::try_from(value).ok()) {
+                return Ok(token);
+            }
+        }
+        let item = self
+            .list
+            .get_item(index)
+            .map_err(|_| ReadError(invalid_argument("the token ids changed while read".into())))?;
+        let token = item.extract::<i64>().map_err(|_| {
+            ReadError(invalid_argument(
+                "token ids must be a 1-d sequence of ints".into(),
+            ))
+        })?;
+        token_id(token).map_err(ReadError)
+    }
 }
 
 /// Why reading a prompt failed: a conversion (the Python error) or the core.
@@ -201,16 +216,11 @@ impl PromptPrefix for ListTokens<'_, '_> {
     }
 
     fn prefix(&mut self, num_tokens: usize) -> Result<&[u32], ReadError> {
+        self.converted
+            .reserve(num_tokens.saturating_sub(self.converted.len()));
         for index in self.converted.len()..num_tokens {
-            let item = self.list.get_item(index).map_err(|_| {
-                ReadError(invalid_argument("the token ids changed while read".into()))
-            })?;
-            let token = item.extract::<i64>().map_err(|_| {
-                ReadError(invalid_argument(
-                    "token ids must be a 1-d sequence of ints".into(),
-                ))
-            })?;
-            self.converted.push(token_id(token).map_err(ReadError)?);
+            let token = self.token(index)?;
+            self.converted.push(token);
         }
         Ok(&self.converted[..num_tokens])
     }

@@ -8,6 +8,7 @@ mod convert;
 mod coordinator;
 mod elementwise;
 mod errors;
+mod ints;
 mod pool;
 mod sampling;
 mod step_tables;
@@ -17,6 +18,8 @@ mod table_view;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("NULL_BLOCK", hybrid_cache_core::NULL_BLOCK)?;
+    ints::detect(m.py())?;
+    m.add("_int_read", ints::layout_name())?;
     errors::register(m)?;
     m.add_class::<coordinator::PyGroupSpec>()?;
     m.add_class::<coordinator::PyCoordinator>()?;

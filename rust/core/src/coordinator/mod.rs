@@ -311,8 +311,15 @@ impl<P: BlockAllocator> Coordinator<P> {
             &request.extra,
         )?;
         self.parked.take(request.request_id);
-        let chains = vec![Vec::new(); self.keys.chain_block_sizes.len()];
-        let tokens = request.prompt_token_ids.to_vec();
+        // Room for every token it may reach and every block hash: decode appends without
+        // copying what is there.
+        let prompt = request.prompt_token_ids;
+        let max_len = max_total.unwrap_or(prompt.len());
+        let chains = (self.keys.chain_block_sizes.iter())
+            .map(|&size| Vec::with_capacity(max_len / size))
+            .collect();
+        let mut tokens = Vec::with_capacity(max_len);
+        tokens.extend_from_slice(prompt);
         Ok(self.insert_request(request.request_id, tokens, request.extra, chains))
     }
 

@@ -1,0 +1,78 @@
+"""Python ints reach the core with their exact values, whichever way the binding reads them: in
+place from the object (one-digit non-negative ints, where the interpreter's layout was
+confirmed at import) or through the interpreter (everything else)."""
+
+import enum
+import sys
+import sysconfig
+
+import numpy as np
+import pytest
+from hybrid_cache import Coordinator, GroupSpec, _core, errors
+
+BLOCK = 4
+# One-digit values at both ends, the first two-digit ones, and the top of the token range.
+EDGES = [0, 1, 2, 255, 256, 2**30 - 1, 2**30, 2**30 + 5, 2**31, 2**32 - 1]
+
+
+class Token(enum.IntEnum):
+    """An int subclass: never read in place."""
+
+    SEVEN = 7
+
+
+def test_the_layout_read_in_place_is_the_one_this_interpreter_has():
+    free_threaded = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
+    digits = (sys.int_info.bits_per_digit, sys.int_info.sizeof_digit)
+    expected = "call"
+    if digits == (30, 4) and not free_threaded:
+        if (3, 9) <= sys.version_info[:2] <= (3, 11):
+            expected = "signed-size"
+        elif (3, 12) <= sys.version_info[:2] <= (3, 13):
+            expected = "tag"
+    assert _core._int_read == expected
+
+
+def cached_hashes(tokens):
+    """The (group, hash) of every block a one-request run caches for `tokens`."""
+    coordinator = Coordinator(64, [GroupSpec("full", BLOCK)], 2, 256, 64)
+    coordinator.add_request(1, tokens)
+    assert coordinator.allocate(1, 0, len(tokens))
+    coordinator.free_request(1)
+    return sorted((group, block_hash) for _, group, block_hash in coordinator.cached_blocks())
+
+
+def test_token_ids_from_a_list_hash_as_the_same_ids_from_an_array():
+    # Each edge value in every position of a block, so a misread value changes some hash.
+    tokens = [value for shift in range(BLOCK) for value in EDGES[shift:] + EDGES[:shift]]
+    tokens += [9]  # a last token that is never cached (the hit must leave one to compute)
+    from_array = cached_hashes(np.array(tokens, dtype=np.int64))
+    assert len(from_array) == (len(tokens) - 1) // BLOCK
+    assert cached_hashes(tokens) == from_array
+    assert cached_hashes(tuple(tokens)) == from_array
+    changed = list(tokens)
+    changed[3] = 2**30 - 2
+    assert cached_hashes(changed)[0] != from_array[0]
+
+
+def test_int_subclasses_and_big_values_take_the_interpreters_path():
+    tokens = [Token.SEVEN, True, 2**31 + 3, 8, 9]
+    assert cached_hashes(tokens) == cached_hashes([7, 1, 2**31 + 3, 8, 9])
+    coordinator = Coordinator(64, [GroupSpec("full", BLOCK)], 2, 256, 64)
+    for bad in (-1, -(2**40), 2**32, 2**70):
+        with pytest.raises(errors.InvalidArgumentError):
+            coordinator.add_request(1, [1, 2, bad])
+    coordinator.add_request(1, [1, 2, 3])  # the refused adds left no request behind
+
+
+def test_request_ids_and_counts_past_one_digit_are_read_exactly():
+    coordinator = Coordinator(64, [GroupSpec("full", BLOCK)], 2, 256, 64)
+    big_id, small_id = 2**40 + 3, 2**30 - 1
+    coordinator.add_request(big_id, list(range(12)))
+    coordinator.add_request(small_id, list(range(8)))
+    coordinator.allocate_batch([big_id, small_id], [0, 0], [12, 8])
+    assert len(coordinator.request_blocks(big_id, 0)) == 3
+    assert len(coordinator.request_blocks(small_id, 0)) == 2
+    coordinator.append_token_ids_batch([big_id, small_id], [2**30, 0])
+    assert coordinator.num_tokens(big_id) == 13
+    assert coordinator.num_tokens(small_id) == 9
