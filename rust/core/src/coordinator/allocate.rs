@@ -317,7 +317,8 @@ impl<P: BlockAllocator> Coordinator<P> {
         }
 
         // 3. Release what the window skipped, each block to its free tier (`release_tier`).
-        // `dirty_from[g]`: first entry of group g whose table copy is stale.
+        // `dirty_from[g]`: first entry of group g whose table copy is stale (the released
+        // entries are written as they are released).
         let mut scratch = std::mem::take(&mut self.scratch);
         let mut low = std::mem::take(&mut self.low_scratch);
         let mut dirty_from = std::mem::take(&mut self.dirty_from);
@@ -372,10 +373,18 @@ impl<P: BlockAllocator> Coordinator<P> {
                 }
                 let released = release_nulls(manager.as_ref(), blocks, computed);
                 self.num_references[group] -= released;
-                dirty_from.push(match (&hit, released) {
-                    (Some(_), _) => 0,
-                    (None, 0) => blocks.blocks.len(),
-                    (None, _) => released_range.start,
+                if hit.is_none() && released > 0 {
+                    // Mirrored now: the table shows the release even if no block is taken.
+                    let at = RowRef {
+                        group,
+                        row: state.row,
+                    };
+                    self.table
+                        .write_entries(at, &blocks.blocks, released_range.clone());
+                }
+                dirty_from.push(match hit {
+                    Some(_) => 0,
+                    None => blocks.blocks.len(),
                 });
             }
             let protect_window = !shared_window.is_empty()

@@ -318,7 +318,8 @@ impl<P: BlockAllocator> Coordinator<P> {
         let chains = (self.keys.chain_block_sizes.iter())
             .map(|&size| Vec::with_capacity(max_len / size))
             .collect();
-        let mut tokens = Vec::with_capacity(max_len);
+        // (The last sampled token is appended though never computed: one more.)
+        let mut tokens = Vec::with_capacity(max_len + 1);
         tokens.extend_from_slice(prompt);
         Ok(self.insert_request(request.request_id, tokens, request.extra, chains))
     }

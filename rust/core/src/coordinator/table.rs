@@ -67,6 +67,15 @@ impl BlockTable {
         length.store(blocks.len() as i32, Ordering::Relaxed);
     }
 
+    /// Writes `blocks[range]` into the row's same entries; its length stays (a window's
+    /// released entries, now null, inside a row that keeps its length).
+    pub fn write_entries(&self, at: RowRef, blocks: &[BlockId], range: std::ops::Range<usize>) {
+        let start = self.row_start(at);
+        for (index, &block) in range.clone().zip(&blocks[range]) {
+            self.entries[start + index].store(block as i32, Ordering::Relaxed);
+        }
+    }
+
     /// Entry `index` of a row.
     pub fn entry(&self, at: RowRef, index: usize) -> i32 {
         self.entries[self.row_start(at) + index].load(Ordering::Relaxed)
