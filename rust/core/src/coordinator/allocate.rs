@@ -487,6 +487,7 @@ impl<P: BlockAllocator> Coordinator<P> {
     /// entries they go to, so that those misses overlap the requests in between instead of
     /// stalling its own `allocate` (a decode step filling a block is otherwise mostly misses).
     /// Only a hint: the step itself finds the hashes made and hashes nothing twice.
+    #[inline(always)]
     fn prepare_caching(&mut self, row: usize, step: &AllocateStep) {
         if !self.config.enable_prefix_caching {
             return;
@@ -502,6 +503,13 @@ impl<P: BlockAllocator> Coordinator<P> {
         {
             return;
         }
+        self.prepare_blocks(row, num_known);
+    }
+
+    /// `prepare_caching` of a step that fills blocks and takes none.
+    #[inline(never)]
+    fn prepare_blocks(&mut self, row: usize, num_known: usize) {
+        let state = self.requests.at_mut(row);
         let sizes = &self.keys.chain_block_sizes;
         self.num_hashed += Self::extend_hashes_within(&self.hasher, sizes, state, num_known);
         for (group, manager) in self.managers.iter().enumerate() {
