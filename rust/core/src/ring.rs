@@ -98,32 +98,28 @@ impl Ring {
         position % self.slots.len()
     }
 
-    /// The slot index after `index`, wrapping around.
-    fn next(&self, index: usize) -> usize {
-        if index + 1 == self.slots.len() {
-            0
-        } else {
-            index + 1
-        }
+    /// The slots of positions `start..start + count` (`count` at most the capacity), in order:
+    /// a run up to the end of the array and the run wrapped to its start (often empty).
+    fn runs(&self, start: usize, count: usize) -> (&[Slot], &[Slot]) {
+        let index = self.index(start);
+        let first = count.min(self.slots.len() - index);
+        (
+            &self.slots[index..index + first],
+            &self.slots[..count - first],
+        )
     }
 
     /// How many slots from `start` (at most `max`) have the sequence word `position + offset`:
     /// ready for their push (offset 0) or their pop (offset 1).
     fn ready_run(&self, start: usize, max: usize, offset: usize) -> usize {
-        let mut ready = 0;
-        let mut index = self.index(start);
-        while ready < max {
-            let position = start.wrapping_add(ready);
-            // Acquire: for a pop, the entry written before the push's Release store; for a push,
-            // the last pop's read of the slot happened before our write.
-            let seq = self.slots[index].seq.load(Ordering::Acquire);
-            if seq != position.wrapping_add(offset) as u32 {
-                break;
-            }
-            ready += 1;
-            index = self.next(index);
+        // A lap at most: a slot's word matches one position of it.
+        let (run, wrapped) = self.runs(start, max.min(self.capacity()));
+        let expected = start.wrapping_add(offset) as u32;
+        let ready = count_ready(run, expected);
+        if ready < run.len() {
+            return ready;
         }
-        ready
+        ready + count_ready(wrapped, expected.wrapping_add(run.len() as u32))
     }
 
     /// Whether the slot of `position` is behind it: its sequence word, compared with
@@ -168,22 +164,10 @@ impl Ring {
             return 0;
         }
         let (tail, ready) = self.claim(&self.tail.0, entries.len(), 0);
-        let mut index = self.index(tail);
-        for (offset, entry) in entries[..ready].iter().enumerate() {
-            let slot = &self.slots[index];
-            index = self.next(index);
-            // SAFETY: `claim` gave this push the position and its slot was ready (its last pop
-            // done with it): nobody else touches the entry until the store below.
-            unsafe {
-                slot.block.with_mut(|block| *block = entry.block);
-                slot.generation
-                    .with_mut(|generation| *generation = entry.generation);
-            }
-            // Release: the pop that sees this word (Acquire) sees the entry.
-            let position = tail.wrapping_add(offset);
-            slot.seq
-                .store(position.wrapping_add(1) as u32, Ordering::Release);
-        }
+        let (run, wrapped) = self.runs(tail, ready);
+        let (first, rest) = entries[..ready].split_at(run.len());
+        write_entries(run, first, tail);
+        write_entries(wrapped, rest, tail.wrapping_add(run.len()));
         ready
     }
 
@@ -195,23 +179,10 @@ impl Ring {
         }
         let (head, ready) = self.claim(&self.head.0, out.len(), 1);
         let capacity = self.capacity();
-        let mut index = self.index(head);
-        for (offset, out) in out[..ready].iter_mut().enumerate() {
-            let slot = &self.slots[index];
-            index = self.next(index);
-            // SAFETY: `claim` gave this pop the position and its entry was published (Acquire
-            // in `ready_run`): nobody else touches it until the store below.
-            *out = unsafe {
-                Entry {
-                    block: slot.block.with(|block| *block),
-                    generation: slot.generation.with(|generation| *generation),
-                }
-            };
-            // Release: the push of the next lap writes only after this read.
-            let position = head.wrapping_add(offset);
-            slot.seq
-                .store(position.wrapping_add(capacity) as u32, Ordering::Release);
-        }
+        let (run, wrapped) = self.runs(head, ready);
+        let (first, rest) = out[..ready].split_at_mut(run.len());
+        read_entries(run, first, head.wrapping_add(capacity));
+        read_entries(wrapped, rest, head.wrapping_add(run.len() + capacity));
         ready
     }
 
@@ -220,6 +191,53 @@ impl Ring {
         let head = self.head.0.load(Ordering::Acquire);
         let tail = self.tail.0.load(Ordering::Acquire);
         tail.wrapping_sub(head).min(self.capacity())
+    }
+}
+
+/// How many of `slots` from the first have the sequence words `expected`, `expected + 1`, ...
+fn count_ready(slots: &[Slot], expected: u32) -> usize {
+    // Acquire: for a pop, the entry written before the push's Release store; for a push, the
+    // last pop's read of the slot happened before our write.
+    (slots.iter().zip(0u32..))
+        .take_while(|(slot, offset)| {
+            slot.seq.load(Ordering::Acquire) == expected.wrapping_add(*offset)
+        })
+        .count()
+}
+
+/// Writes `entries` into `slots` (claimed for the pushes at positions `first_position`, ...)
+/// and publishes each.
+fn write_entries(slots: &[Slot], entries: &[Entry], first_position: usize) {
+    for ((slot, entry), offset) in slots.iter().zip(entries).zip(0usize..) {
+        // SAFETY: `claim` gave this push the position and its slot was ready (its last pop done
+        // with it): nobody else touches the entry until the store below.
+        unsafe {
+            slot.block.with_mut(|block| *block = entry.block);
+            slot.generation
+                .with_mut(|generation| *generation = entry.generation);
+        }
+        // Release: the pop that sees this word (Acquire) sees the entry.
+        let position = first_position.wrapping_add(offset);
+        slot.seq
+            .store(position.wrapping_add(1) as u32, Ordering::Release);
+    }
+}
+
+/// Reads `slots` (claimed for the pops at positions `next_lap - capacity`, ...) into `out` and
+/// frees each for the push a lap later (`next_lap`, ...).
+fn read_entries(slots: &[Slot], out: &mut [Entry], next_lap: usize) {
+    for ((slot, out), offset) in slots.iter().zip(out).zip(0usize..) {
+        // SAFETY: `claim` gave this pop the position and its entry was published (Acquire in
+        // `ready_run`): nobody else touches it until the store below.
+        *out = unsafe {
+            Entry {
+                block: slot.block.with(|block| *block),
+                generation: slot.generation.with(|generation| *generation),
+            }
+        };
+        // Release: the push of the next lap writes only after this read.
+        slot.seq
+            .store(next_lap.wrapping_add(offset) as u32, Ordering::Release);
     }
 }
 

@@ -220,6 +220,22 @@ fn merge_two(
     freed: &mut Vec<BlockId>,
 ) {
     freed.reserve(first.len() + second.len());
+    if first_size == second_size {
+        // Entry i of each row ends at the same position: the longer row's extra entries end
+        // last, then the rows alternate, the first row's entry first on each tie.
+        let common = first.len().min(second.len());
+        push_newest_first(&second[common..], freed);
+        push_newest_first(&first[common..], freed);
+        for (&of_first, &of_second) in first[..common].iter().zip(&second[..common]).rev() {
+            if of_first != NULL_BLOCK {
+                freed.push(of_first);
+            }
+            if of_second != NULL_BLOCK {
+                freed.push(of_second);
+            }
+        }
+        return;
+    }
     let (mut left, mut right) = (first.len(), second.len());
     while left > 0 && right > 0 {
         let block = if left * first_size >= right * second_size {
