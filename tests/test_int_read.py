@@ -56,7 +56,7 @@ def test_token_ids_from_a_list_hash_as_the_same_ids_from_an_array():
 
 
 def test_int_subclasses_and_big_values_take_the_interpreters_path():
-    tokens = [Token.SEVEN, True, 2**31 + 3, 8, 9]
+    tokens = [Token.SEVEN, True, 2**31 + 3, np.int64(8), 9]
     assert cached_hashes(tokens) == cached_hashes([7, 1, 2**31 + 3, 8, 9])
     coordinator = Coordinator(64, [GroupSpec("full", BLOCK)], 2, 256, 64)
     for bad in (-1, -(2**40), 2**32, 2**70):
