@@ -139,7 +139,8 @@ class Coordinator:
         mm_hashes: Optional[Sequence[tuple[int, int, int]]] = None,
     ) -> int:
         """Adds a request and returns its block-table row. Raises RequestTooLargeError when
-        `max_total_tokens` (default: len(prompt)) can never fit. `mm_hashes` are
+        `max_total_tokens` (default: len(prompt)) can never fit; room for that many tokens (and
+        the last sampled one) is allocated up front. `mm_hashes` are
         (start_token, num_tokens, item_hash) triples mixed into the blocks they overlap."""
     def append_token_ids(self, request_id: int, token_ids: Sequence[int]) -> None: ...
     def append_token_ids_batch(
