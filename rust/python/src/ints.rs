@@ -10,10 +10,11 @@
 //! - CPython 3.12-3.13: a tag, digit count << 3 | sign bits: 1 for zero, 8 for one positive
 //!   digit.
 //!
-//! The module picks the layout from the running interpreter's version and digit size at import
-//! and then checks it against `PyLong_AsLongLong` on sample values (one-digit values must read
-//! back exactly, others must be declined); any mismatch (another version, a free-threaded
-//! build's larger object header, 15-bit digits) leaves every read on the interpreter's call.
+//! The module picks the layout from the running interpreter (CPython only), its version and
+//! digit size at import and then checks it against `PyLong_AsLongLong` on sample values
+//! (one-digit values must read back exactly, others must be declined); any mismatch (another
+//! version, a free-threaded build's larger object header, 15-bit digits) leaves every read on
+//! the interpreter's call. The digit is read only once the size word says there is one.
 //! Values the in-place read declines (negative, two digits or more) always take the call.
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -40,12 +41,15 @@ const DIGIT_OFFSET: usize = 3 * std::mem::size_of::<usize>();
 /// Picks the in-place layout for this interpreter if the sample values confirm it.
 pub fn detect(py: Python<'_>) -> PyResult<()> {
     let version = py.version_info();
-    let int_info = py.import("sys")?.getattr("int_info")?;
+    let sys = py.import("sys")?;
+    let implementation: String = sys.getattr("implementation")?.getattr("name")?.extract()?;
+    let int_info = sys.getattr("int_info")?;
     let bits: u32 = int_info.getattr("bits_per_digit")?.extract()?;
     let digit_bytes: u32 = int_info.getattr("sizeof_digit")?.extract()?;
-    let candidate = match (version.major, version.minor, bits, digit_bytes) {
-        (3, 9..=11, 30, 4) => Layout::SignedSize,
-        (3, 12..=13, 30, 4) => Layout::Tag,
+    let candidate = match (implementation.as_str(), version.minor, bits, digit_bytes) {
+        _ if version.major != 3 => Layout::Call,
+        ("cpython", 9..=11, 30, 4) => Layout::SignedSize,
+        ("cpython", 12..=13, 30, 4) => Layout::Tag,
         _ => Layout::Call,
     };
     let layout = if candidate != Layout::Call && confirmed(py, candidate)? {
@@ -82,17 +86,15 @@ fn confirmed(py: Python<'_>, layout: Layout) -> PyResult<bool> {
 #[inline(always)]
 unsafe fn read_in_place(layout: Layout, item: *const pyo3::ffi::PyObject) -> Option<i64> {
     let bytes = item.cast::<u8>();
-    // SAFETY: (caller) `item` is an int object, whose size word and first digit follow the
-    // object header under both layouts.
-    let (size_word, digit) = unsafe {
-        (
-            bytes.add(SIZE_OFFSET).cast::<usize>().read(),
-            bytes.add(DIGIT_OFFSET).cast::<u32>().read(),
-        )
-    };
+    // SAFETY: (caller) `item` is an int object, whose size word follows the object header
+    // under both layouts.
+    let size_word = unsafe { bytes.add(SIZE_OFFSET).cast::<usize>().read() };
     match (layout, size_word) {
         (Layout::SignedSize, 0) | (Layout::Tag, 1) => Some(0),
-        (Layout::SignedSize, 1) | (Layout::Tag, 8) => Some(i64::from(digit)),
+        // SAFETY: a one-digit int: its first digit follows the size word.
+        (Layout::SignedSize, 1) | (Layout::Tag, 8) => Some(i64::from(unsafe {
+            bytes.add(DIGIT_OFFSET).cast::<u32>().read()
+        })),
         _ => None,
     }
 }
