@@ -316,18 +316,13 @@ impl<P: BlockAllocator> Coordinator<P> {
             }
         }
 
-        // 3. Release what the window skipped, each block to its free tier (`release_tier`).
-        // `dirty_from[g]`: first entry of group g whose table copy is stale (the released
-        // entries are written as they are released).
+        // 3. Release what the window skipped, each block to its free tier (`release_tier`); the
+        // released entries are written to the table as they are released.
         let mut scratch = std::mem::take(&mut self.scratch);
         let mut low = std::mem::take(&mut self.low_scratch);
-        let mut dirty_from = std::mem::take(&mut self.dirty_from);
         scratch.clear();
         low.clear();
-        dirty_from.clear();
-        if !releases {
-            dirty_from.extend(state.groups.iter().map(|blocks| blocks.blocks.len()));
-        } else {
+        if releases {
             let caching = self.config.enable_prefix_caching;
             // A hit point other running requests share (they hold its full-attention prefix): the
             // next request with that prefix needs exactly its window, so the window's blocks join
@@ -382,10 +377,6 @@ impl<P: BlockAllocator> Coordinator<P> {
                     self.table
                         .write_entries(at, &blocks.blocks, released_range.clone());
                 }
-                dirty_from.push(match hit {
-                    Some(_) => 0,
-                    None => blocks.blocks.len(),
-                });
             }
             let protect_window = !shared_window.is_empty()
                 && self
@@ -412,7 +403,6 @@ impl<P: BlockAllocator> Coordinator<P> {
                 debug_assert!(false, "releasing held blocks failed: {error}");
                 self.scratch = scratch;
                 self.low_scratch = low;
-                self.dirty_from = dirty_from;
                 return Err(error);
             }
         }
@@ -426,7 +416,6 @@ impl<P: BlockAllocator> Coordinator<P> {
                 undo_hit(&self.pool, &mut self.num_references, state);
             }
             self.scratch = scratch;
-            self.dirty_from = dirty_from;
             return Ok(false);
         }
         if let Some(protected) = &mut self.protected {
@@ -443,7 +432,8 @@ impl<P: BlockAllocator> Coordinator<P> {
             let old_len = blocks.blocks.len();
             blocks.blocks.extend(new_blocks.by_ref().take(count));
             self.num_references[group] += count;
-            let from = dirty_from[group].min(old_len);
+            // A hit replaced the row; otherwise only the new blocks are not in the table yet.
+            let from = if hit.is_some() { 0 } else { old_len };
             self.table.write_row(
                 RowRef {
                     group,
@@ -472,7 +462,6 @@ impl<P: BlockAllocator> Coordinator<P> {
         }
         advance(&mut self.hit_stats, state, computed, total);
         self.scratch = scratch;
-        self.dirty_from = dirty_from;
         let caching = self.config.enable_prefix_caching;
         state.quiet = QuietBounds::of(&self.managers, &state.groups, caching);
         self.cache_newly_full(row, num_known)?;

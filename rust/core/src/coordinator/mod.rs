@@ -137,8 +137,6 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     shared_scratch: Vec<(BlockId, CacheKey)>,
     /// Scratch: a freed request's blocks with the keys they are cached under (protection).
     keyed_scratch: Vec<(BlockId, CacheKey)>,
-    /// Scratch: per group, the first table entry an `allocate` changed.
-    dirty_from: Vec<usize>,
     /// Page copies hits asked for since the caller last took them (`take_block_copies`).
     block_copies: Vec<BlockCopy>,
     /// Keys of cached full blocks in groups keyed by sub-blocks, partial and full: `key ->
@@ -249,7 +247,6 @@ impl<P: BlockAllocator> Coordinator<P> {
             low_scratch: Vec::new(),
             shared_scratch: Vec::new(),
             keyed_scratch: Vec::new(),
-            dirty_from: Vec::new(),
             block_copies: Vec::new(),
             prefix_index: HashMap::new(),
             prefix_index_limit,
