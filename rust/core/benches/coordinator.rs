@@ -3,7 +3,8 @@
 //!   `allocate_batch`;
 //! - the prefix-hit lookup for a 2048-token prompt whose blocks are cached;
 //! - `probe_cache_hit` (what the "lpm" scheduler weighs per waiting request) of the same
-//!   cached prompt, and of a 2048-token prompt with nothing cached and the chained hashes of a 2048-token prompt (128 blocks) under each hash;
+//!   cached prompt, and of a 2048-token prompt with nothing cached;
+//! - the chained hashes of a 2048-token prompt (128 blocks) under xxh3 and under sha256;
 //! - one decode step of a single long request while the window releases blocks;
 //! - the prefix lookup and the decode step again over Gemma-3's per-type layout (window blocks
 //!   of 16 tokens, full-attention blocks of 80 keyed by 16-token units, so a hit ends inside a

@@ -304,12 +304,7 @@ const SHA256_INIT: [u32; 8] = [
 fn sha256_first_128(bytes: &[u8]) -> u128 {
     let mut state = SHA256_INIT;
     let whole = bytes.len() / 64 * 64;
-    for chunk in bytes[..whole].chunks_exact(64) {
-        sha2::compress256(
-            &mut state,
-            core::slice::from_ref(GenericArray::from_slice(chunk)),
-        );
-    }
+    compress(&mut state, &bytes[..whole]);
     // Padding: 0x80, zeros, then the message length in bits (big-endian u64) at the end of the
     // last 64-byte block; one block if the rest and the 9 padding bytes fit, else two.
     let rest = &bytes[whole..];
@@ -319,17 +314,22 @@ fn sha256_first_128(bytes: &[u8]) -> u128 {
     let tail_len = if rest.len() + 9 <= 64 { 64 } else { 128 };
     let bits = (bytes.len() as u64).wrapping_mul(8);
     tail[tail_len - 8..tail_len].copy_from_slice(&bits.to_be_bytes());
-    for chunk in tail[..tail_len].chunks_exact(64) {
-        sha2::compress256(
-            &mut state,
-            core::slice::from_ref(GenericArray::from_slice(chunk)),
-        );
-    }
+    compress(&mut state, &tail[..tail_len]);
     let mut first = [0u8; 16];
     for (out, word) in first.chunks_exact_mut(4).zip(&state[..4]) {
         out.copy_from_slice(&word.to_be_bytes());
     }
     u128::from_le_bytes(first)
+}
+
+/// Runs sha256's compression function over `blocks` (a whole number of 64-byte blocks).
+fn compress(state: &mut [u32; 8], blocks: &[u8]) {
+    for block in blocks.chunks_exact(64) {
+        sha2::compress256(
+            state,
+            core::slice::from_ref(GenericArray::from_slice(block)),
+        );
+    }
 }
 
 #[cfg(test)]

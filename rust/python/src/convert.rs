@@ -83,19 +83,28 @@ fn exact_ints<T: TryFrom<i64>>(list: &Bound<'_, PyList>) -> Option<Vec<T>> {
     let len = list.len();
     let mut ints = Vec::with_capacity(len);
     for index in 0..len {
-        if index + PREFETCH_AHEAD < len {
-            // SAFETY: as below; the item is only prefetched.
-            prefetch(unsafe {
-                pyo3::ffi::PyList_GET_ITEM(list.as_ptr(), (index + PREFETCH_AHEAD) as isize)
-            });
-        }
-        // SAFETY: `index < len` and the GIL is held with no Python code running in between, so
-        // the list keeps its items (borrowed references, valid while the list holds them).
-        let value =
-            exact_int(unsafe { pyo3::ffi::PyList_GET_ITEM(list.as_ptr(), index as isize) })?;
+        // SAFETY: `index < len`, the list's size, and no Python code runs in this loop.
+        let value = unsafe { list_int(list.as_ptr(), index, len) }?;
         ints.push(T::try_from(value).ok()?);
     }
     Some(ints)
+}
+
+/// Item `index` of `list` if it is exactly an `int` fitting an `i64` (`exact_int`), the item
+/// `PREFETCH_AHEAD` further on prefetched.
+///
+/// # Safety
+/// `list` is a list whose size is `len` now, `index < len`, and the GIL is held with no Python
+/// code running since `len` was read (the list keeps its items: borrowed references, valid
+/// while the list holds them).
+#[inline(always)]
+unsafe fn list_int(list: *mut pyo3::ffi::PyObject, index: usize, len: usize) -> Option<i64> {
+    if index + PREFETCH_AHEAD < len {
+        // SAFETY: (caller) the position is inside the list; the item is only prefetched.
+        prefetch(unsafe { pyo3::ffi::PyList_GET_ITEM(list, (index + PREFETCH_AHEAD) as isize) });
+    }
+    // SAFETY: (caller) as above.
+    exact_int(unsafe { pyo3::ffi::PyList_GET_ITEM(list, index as isize) })
 }
 
 /// Reads `N` lists of one length together, item `i` of each list handed to `row` as one array;
@@ -173,16 +182,9 @@ impl<'a, 'py> ListTokens<'a, 'py> {
         // SAFETY: the GIL is held; a list's size is a plain field.
         let current = unsafe { pyo3::ffi::PyList_GET_SIZE(list) } as usize;
         if index < current {
-            if index + PREFETCH_AHEAD < current {
-                // SAFETY: as below; the item is only prefetched.
-                prefetch(unsafe {
-                    pyo3::ffi::PyList_GET_ITEM(list, (index + PREFETCH_AHEAD) as isize)
-                });
-            }
-            // SAFETY: `index` is below the list's current size and the GIL is held: a borrowed
-            // item, valid while the list holds it (no Python code runs before it is read).
-            let item = unsafe { pyo3::ffi::PyList_GET_ITEM(list, index as isize) };
-            if let Some(token) = exact_int(item).and_then(|value| u32::try_from(value).ok()) {
+            // SAFETY: `index` is below the list's size read just above, the GIL held.
+            let value = unsafe { list_int(list, index, current) };
+            if let Some(token) = value.and_then(|value| u32::try_from(value).ok()) {
                 return Ok(token);
             }
         }

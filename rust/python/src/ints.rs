@@ -106,13 +106,8 @@ pub fn exact_int(item: *mut pyo3::ffi::PyObject) -> Option<i64> {
     if unsafe { pyo3::ffi::PyLong_CheckExact(item) } == 0 {
         return None;
     }
-    let layout = match LAYOUT.load(Ordering::Relaxed) {
-        1 => Layout::SignedSize,
-        2 => Layout::Tag,
-        _ => Layout::Call,
-    };
     // SAFETY: `item` is an exact int (checked above) and the GIL is held.
-    if let Some(value) = unsafe { read_in_place(layout, item) } {
+    if let Some(value) = unsafe { read_in_place(current(), item) } {
         return Some(value);
     }
     called(item)
@@ -132,11 +127,21 @@ fn called(item: *mut pyo3::ffi::PyObject) -> Option<i64> {
     Some(value)
 }
 
+/// The layout `detect` chose.
+#[inline(always)]
+fn current() -> Layout {
+    match LAYOUT.load(Ordering::Relaxed) {
+        1 => Layout::SignedSize,
+        2 => Layout::Tag,
+        _ => Layout::Call,
+    }
+}
+
 /// Which layout `detect` chose: "call", "signed-size" or "tag" (for tests and diagnostics).
 pub fn layout_name() -> &'static str {
-    match LAYOUT.load(Ordering::Relaxed) {
-        1 => "signed-size",
-        2 => "tag",
-        _ => "call",
+    match current() {
+        Layout::SignedSize => "signed-size",
+        Layout::Tag => "tag",
+        Layout::Call => "call",
     }
 }
