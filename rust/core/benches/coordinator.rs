@@ -199,7 +199,7 @@ fn probe_2048(criterion: &mut Criterion) {
 }
 
 fn hash_chain_2048(criterion: &mut Criterion) {
-    let tokens = prompt(3, 2048);
+    let tokens = prompt(0, 2048);
     let extra = ExtraKeys::default();
     for (name, algo) in [
         ("hash_chain_2048_tokens_xxh3", HashAlgo::Xxh3),

@@ -35,6 +35,7 @@
 use sha2::digest::generic_array::GenericArray;
 
 use crate::error::CoreError;
+use crate::sha256_packed;
 use crate::types::BlockHash;
 
 /// Which 128-bit hash function names blocks.
@@ -155,7 +156,21 @@ impl BlockHasher {
         }
         buffer.reserve(24 + 4 * block_size);
         hashes.reserve(num_full - hashes.len());
-        for index in hashes.len()..num_full {
+        // Blocks of 16 under sha256 with no adapter and no multimodal item: the one-compression
+        // chain (the salt only changes block 0).
+        let packed_16 = self.algo == HashAlgo::Sha256
+            && block_size == sha256_packed::TOKENS
+            && extra.lora_id.is_none()
+            && extra.mm_items.is_empty();
+        let mut index = hashes.len();
+        while index < num_full {
+            if packed_16 && (index != 0 || extra.cache_salt.is_none()) {
+                let rest = &tokens[index * block_size..num_full * block_size];
+                index += sha256_packed::extend(LAYOUT_PACKED, self.root.0, rest, hashes);
+                if index == num_full {
+                    break;
+                }
+            }
             let parent = hashes.last().copied().unwrap_or(self.root);
             let start = index * block_size;
             let block = BlockSpan {
@@ -165,6 +180,7 @@ impl BlockHasher {
             };
             let hash = self.hash_block(parent, &block, extra, buffer);
             hashes.push(hash);
+            index += 1;
         }
     }
 
@@ -286,23 +302,11 @@ fn digest(algo: HashAlgo, bytes: &[u8]) -> BlockHash {
     }
 }
 
-/// sha256's initial state (FIPS 180-4, 5.3.3).
-const SHA256_INIT: [u32; 8] = [
-    0x6a09_e667,
-    0xbb67_ae85,
-    0x3c6e_f372,
-    0xa54f_f53a,
-    0x510e_527f,
-    0x9b05_688c,
-    0x1f83_d9ab,
-    0x5be0_cd19,
-];
-
 /// The first 16 bytes of `sha256(bytes)`, read little-endian. The message is padded here and fed
 /// straight to the compression function: a packed block (55 bytes) is one compression with no
 /// streaming buffer around it.
 fn sha256_first_128(bytes: &[u8]) -> u128 {
-    let mut state = SHA256_INIT;
+    let mut state = sha256_packed::SHA256_INIT;
     let whole = bytes.len() / 64 * 64;
     compress(&mut state, &bytes[..whole]);
     // Padding: 0x80, zeros, then the message length in bits (big-endian u64) at the end of the
@@ -315,11 +319,7 @@ fn sha256_first_128(bytes: &[u8]) -> u128 {
     let bits = (bytes.len() as u64).wrapping_mul(8);
     tail[tail_len - 8..tail_len].copy_from_slice(&bits.to_be_bytes());
     compress(&mut state, &tail[..tail_len]);
-    let mut first = [0u8; 16];
-    for (out, word) in first.chunks_exact_mut(4).zip(&state[..4]) {
-        out.copy_from_slice(&word.to_be_bytes());
-    }
-    u128::from_le_bytes(first)
+    sha256_packed::first_128(&state)
 }
 
 /// Runs sha256's compression function over `blocks` (a whole number of 64-byte blocks).
@@ -481,6 +481,44 @@ mod tests {
         );
         assert_eq!(sha.len(), 3);
         assert!(xxh3.iter().zip(&sha).all(|(a, b)| a != b));
+    }
+
+    #[test]
+    fn sixteen_token_chains_under_sha256_equal_hashing_each_block_on_its_own() {
+        // Blocks of 16 take the one-compression chain; it must give what `hash_block` (the
+        // layout encoder, then the digest) gives block by block, across wide blocks, the salt
+        // on block 0 and chains extended in steps.
+        let mut rng = crate::test_rng::XorShift(2024);
+        let hasher = BlockHasher::new(HashAlgo::Sha256, 11);
+        let salted = ExtraKeys {
+            cache_salt: Some("tenant".into()),
+            ..ExtraKeys::default()
+        };
+        for extra in [ExtraKeys::default(), salted] {
+            let mut tokens: Vec<u32> = (0..16 * 40).map(|_| (rng.next() % 32000) as u32).collect();
+            for wide in [0, 5 * 16 + 3, 6 * 16, 39 * 16 + 15] {
+                tokens[wide] = 1 << 20;
+            }
+            let mut expected = Vec::new();
+            let mut buffer = Vec::new();
+            for (index, block) in tokens.chunks(16).enumerate() {
+                let parent = expected.last().copied().unwrap_or(hasher.root());
+                let span = BlockSpan {
+                    index,
+                    start: index * 16,
+                    tokens: block,
+                };
+                expected.push(hasher.hash_block(parent, &span, &extra, &mut buffer));
+            }
+            let mut whole = Vec::new();
+            hasher.extend_chain(&tokens, 16, &extra, &mut whole);
+            assert_eq!(whole, expected);
+            let mut steps = Vec::new();
+            for end in [1, 17, 100, 101, 300, 640] {
+                hasher.extend_chain(&tokens[..end], 16, &extra, &mut steps);
+                assert_eq!(steps[..], expected[..end / 16]);
+            }
+        }
     }
 
     fn encoded(tokens: &[u32], index: usize, extra: &ExtraKeys, packed: bool) -> Vec<u8> {

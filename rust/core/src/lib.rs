@@ -15,6 +15,7 @@ pub mod mutex_pool;
 mod primitive;
 pub mod prompt;
 mod ring;
+mod sha256_packed;
 #[cfg(test)]
 mod test_rng;
 pub mod types;
