@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
 use crate::errors::{invalid_argument, to_py};
-use crate::ints::exact_int;
+use crate::ints::{self, exact_int, Layout};
 
 /// A non-negative Python int as `usize`.
 pub fn size(name: &str, value: i64) -> PyResult<usize> {
@@ -27,7 +27,7 @@ pub fn request_id(value: i64) -> PyResult<u64> {
 pub fn int64s(name: &str, values: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     // Lists and tuples first: asking them for a buffer would build a TypeError each call.
     if let Ok(list) = values.cast::<PyList>() {
-        return match exact_ints::<i64>(list) {
+        return match exact_ints::<i64>(list, |len| len) {
             Some(ints) => Ok(ints),
             None => ints_by_item(name, list.iter()),
         };
@@ -79,15 +79,49 @@ fn prefetch(item: *const pyo3::ffi::PyObject) {
 /// A list whose items are all exactly `int` and fit in a `T` (read as `i64`), read without a
 /// reference count change per item, in one pass; `None` (the caller converts item by item,
 /// with its errors) for any other list.
-fn exact_ints<T: TryFrom<i64>>(list: &Bound<'_, PyList>) -> Option<Vec<T>> {
-    let len = list.len();
-    let mut ints = Vec::with_capacity(len);
-    for index in 0..len {
-        // SAFETY: `index < len`, the list's size, and no Python code runs in this loop.
-        let value = unsafe { list_int(list.as_ptr(), index, len) }?;
-        ints.push(T::try_from(value).ok()?);
+/// The result has room for `capacity(len)` items.
+fn exact_ints<T: TryFrom<i64>>(
+    list: &Bound<'_, PyList>,
+    capacity: impl Fn(usize) -> usize,
+) -> Option<Vec<T>> {
+    // SAFETY: a list's `ob_item` holds its `len` items; the GIL is held and no Python code runs
+    // while the slice is read (the list keeps its items: borrowed references).
+    let items = unsafe {
+        let list = list.as_ptr().cast::<pyo3::ffi::PyListObject>();
+        let len = usize::try_from((*list).ob_base.ob_size).unwrap_or(0);
+        std::slice::from_raw_parts((*list).ob_item, len)
+    };
+    // The layout read once, each one's loop compiled on its own.
+    let mut ints = Vec::with_capacity(capacity(items.len()).max(items.len()));
+    let read = match ints::current() {
+        Layout::SignedSize => read_items(Layout::SignedSize, items, &mut ints),
+        Layout::Tag => read_items(Layout::Tag, items, &mut ints),
+        Layout::Call => read_items(Layout::Call, items, &mut ints),
+    };
+    read.then_some(ints)
+}
+
+/// `exact_ints` over a list's items under one int layout, written straight into `ints` (empty,
+/// with room for them); false when one is not an int that fits a `T` (`ints` left empty).
+#[inline(always)]
+fn read_items<T: TryFrom<i64>>(
+    layout: Layout,
+    items: &[*mut pyo3::ffi::PyObject],
+    ints: &mut Vec<T>,
+) -> bool {
+    let slots = &mut ints.spare_capacity_mut()[..items.len()];
+    for (index, (slot, &item)) in slots.iter_mut().zip(items).enumerate() {
+        if let Some(&ahead) = items.get(index + PREFETCH_AHEAD) {
+            prefetch(ahead);
+        }
+        match ints::exact_int_in(layout, item).and_then(|value| T::try_from(value).ok()) {
+            Some(value) => slot.write(value),
+            None => return false,
+        };
     }
-    Some(ints)
+    // SAFETY: every one of the first `items.len()` slots was written above.
+    unsafe { ints.set_len(items.len()) };
+    true
 }
 
 /// Item `index` of `list` if it is exactly an `int` fitting an `i64` (`exact_int`), the item
@@ -140,15 +174,26 @@ pub fn int_rows<const N: usize, T>(
 /// Token ids: ints in `0..2^32`. A list of ints in range is read in one pass into the result
 /// (no `i64` copy first).
 pub fn token_ids(values: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    token_ids_with_room(values, |len| len)
+}
+
+/// `token_ids` into a vector with room for `capacity(len)` ids (at least `len`): storage the
+/// caller keeps growing without a copy.
+pub fn token_ids_with_room(
+    values: &Bound<'_, PyAny>,
+    capacity: impl Fn(usize) -> usize,
+) -> PyResult<Vec<u32>> {
     if let Ok(list) = values.cast::<PyList>() {
-        if let Some(tokens) = exact_ints::<u32>(list) {
+        if let Some(tokens) = exact_ints::<u32>(list, &capacity) {
             return Ok(tokens);
         }
     }
-    int64s("token ids", values)?
-        .into_iter()
-        .map(token_id)
-        .collect()
+    let ids = int64s("token ids", values)?;
+    let mut tokens = Vec::with_capacity(capacity(ids.len()).max(ids.len()));
+    for id in ids {
+        tokens.push(token_id(id)?);
+    }
+    Ok(tokens)
 }
 
 /// One token id: an int in `0..2^32`.

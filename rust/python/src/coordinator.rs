@@ -6,12 +6,14 @@ use hybrid_cache_core::manager::{
 };
 use hybrid_cache_core::{
     AllocateStep, AttentionKind, Coordinator, CoordinatorConfig, ExtraKeys, GroupSpec, HashAlgo,
-    MultimodalItem, NewRequest,
+    MultimodalItem,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::convert::{hash128, int64s, size, token_ids, ListTokens, ReadError};
+use crate::convert::{
+    hash128, int64s, size, token_ids, token_ids_with_room, ListTokens, ReadError,
+};
 use crate::errors::{invalid_argument, to_py};
 use crate::table_view::TableView;
 
@@ -286,17 +288,16 @@ impl PyCoordinator {
         mm_hashes: Option<Vec<(i64, i64, Bound<'_, PyAny>)>>,
     ) -> PyResult<usize> {
         let request_id = crate::convert::request_id(request_id)?;
-        let tokens = token_ids(prompt_token_ids)?;
         let max_total_tokens = max_total_tokens
             .map(|tokens| size("max_total_tokens", tokens))
             .transpose()?;
-        let request = NewRequest {
-            request_id,
-            prompt_token_ids: &tokens,
-            max_total_tokens,
-            extra: extra_keys(lora_id, cache_salt, mm_hashes)?,
-        };
-        self.inner.add_request(request).map_err(to_py)
+        // Converted straight into the request's own storage (room for every token it may reach).
+        let capacity = |len| <Coordinator>::token_capacity(len, max_total_tokens);
+        let tokens = token_ids_with_room(prompt_token_ids, capacity)?;
+        let extra = extra_keys(lora_id, cache_salt, mm_hashes)?;
+        self.inner
+            .add_request_owned(request_id, tokens, max_total_tokens, extra)
+            .map_err(to_py)
     }
 
     fn append_token_ids(&mut self, request_id: i64, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {

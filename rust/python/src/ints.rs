@@ -24,7 +24,7 @@ use pyo3::prelude::*;
 /// How exact ints are read: by calling the interpreter, or in place under one of two layouts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
-enum Layout {
+pub enum Layout {
     Call = 0,
     SignedSize = 1,
     Tag = 2,
@@ -102,12 +102,19 @@ unsafe fn read_in_place(layout: Layout, item: *const pyo3::ffi::PyObject) -> Opt
 /// An exactly-`int` object's value if it fits in an `i64`; `None` otherwise (no error left set).
 #[inline(always)]
 pub fn exact_int(item: *mut pyo3::ffi::PyObject) -> Option<i64> {
+    exact_int_in(current(), item)
+}
+
+/// `exact_int` under `layout` (`current()`, read once by a caller converting many items, so
+/// that each layout's loop is compiled on its own).
+#[inline(always)]
+pub fn exact_int_in(layout: Layout, item: *mut pyo3::ffi::PyObject) -> Option<i64> {
     // SAFETY: callers pass a valid object pointer and hold the GIL.
     if unsafe { pyo3::ffi::PyLong_CheckExact(item) } == 0 {
         return None;
     }
     // SAFETY: `item` is an exact int (checked above) and the GIL is held.
-    if let Some(value) = unsafe { read_in_place(current(), item) } {
+    if let Some(value) = unsafe { read_in_place(layout, item) } {
         return Some(value);
     }
     called(item)
@@ -129,7 +136,7 @@ fn called(item: *mut pyo3::ffi::PyObject) -> Option<i64> {
 
 /// The layout `detect` chose.
 #[inline(always)]
-fn current() -> Layout {
+pub fn current() -> Layout {
     match LAYOUT.load(Ordering::Relaxed) {
         1 => Layout::SignedSize,
         2 => Layout::Tag,

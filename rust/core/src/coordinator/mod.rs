@@ -300,25 +300,53 @@ impl<P: BlockAllocator> Coordinator<P> {
     /// request preempted under the same id (`preempt_request`) is forgotten: this one starts
     /// over from its own tokens.
     pub fn add_request(&mut self, request: NewRequest<'_>) -> Result<usize, CoreError> {
-        let max_total = request.max_total_tokens;
-        self.check_new(
-            request.request_id,
-            request.prompt_token_ids,
-            max_total,
-            &request.extra,
-        )?;
-        self.parked.take(request.request_id);
-        // Room for every token it may reach and every block hash: decode appends without
-        // copying what is there.
         let prompt = request.prompt_token_ids;
-        let max_len = max_total.unwrap_or(prompt.len());
+        let max_total = request.max_total_tokens;
+        self.check_new(request.request_id, prompt, max_total, &request.extra)?;
+        let mut tokens = Vec::with_capacity(Self::token_capacity(prompt.len(), max_total));
+        tokens.extend_from_slice(prompt);
+        Ok(self.add_checked(request.request_id, tokens, max_total, request.extra))
+    }
+
+    /// `add_request` keeping `prompt`'s storage as the request's: no copy when it has room for
+    /// `token_capacity(prompt.len(), max_total_tokens)` tokens (a caller converting a prompt
+    /// from another representation allocates that much up front), else it grows once.
+    pub fn add_request_owned(
+        &mut self,
+        request_id: u64,
+        prompt: Vec<u32>,
+        max_total_tokens: Option<usize>,
+        extra: ExtraKeys,
+    ) -> Result<usize, CoreError> {
+        self.check_new(request_id, &prompt, max_total_tokens, &extra)?;
+        let mut tokens = prompt;
+        let capacity = Self::token_capacity(tokens.len(), max_total_tokens);
+        tokens.reserve_exact(capacity - tokens.len());
+        Ok(self.add_checked(request_id, tokens, max_total_tokens, extra))
+    }
+
+    /// The token storage a request of `prompt_len` tokens that may reach `max_total_tokens`
+    /// gets: room for every token it may reach, so decode appends without copying what is
+    /// there, and one more (the last sampled token is appended though never computed).
+    pub fn token_capacity(prompt_len: usize, max_total_tokens: Option<usize>) -> usize {
+        max_total_tokens.unwrap_or(prompt_len).max(prompt_len) + 1
+    }
+
+    /// Adds a request `check_new` accepted, its tokens in storage of `token_capacity`.
+    fn add_checked(
+        &mut self,
+        request_id: u64,
+        tokens: Vec<u32>,
+        max_total_tokens: Option<usize>,
+        extra: ExtraKeys,
+    ) -> usize {
+        self.parked.take(request_id);
+        // Room for every block hash too.
+        let max_len = max_total_tokens.unwrap_or(tokens.len());
         let chains = (self.keys.chain_block_sizes.iter())
             .map(|&size| Vec::with_capacity(max_len / size))
             .collect();
-        // (The last sampled token is appended though never computed: one more.)
-        let mut tokens = Vec::with_capacity(max_len + 1);
-        tokens.extend_from_slice(prompt);
-        Ok(self.insert_request(request.request_id, tokens, request.extra, chains))
+        self.insert_request(request_id, tokens, extra, chains)
     }
 
     /// Frees a request's blocks and row as `free_request` does, and keeps its tokens (prompt

@@ -204,8 +204,12 @@ pub fn cache_full_blocks(
     context: &CacheContext<'_>,
 ) -> Result<(), CoreError> {
     let end = context.num_full_blocks.min(blocks.blocks.len());
+    // The keys a few blocks on are prefetched, so the cache map's misses overlap: the first
+    // `PREFETCH_AHEAD` before the loop, then one per block.
+    for index in blocks.num_cached..end.min(blocks.num_cached + PREFETCH_AHEAD) {
+        context.pool.prefetch_key((context.key_of)(index));
+    }
     for index in blocks.num_cached..end {
-        // The keys a few blocks on are prefetched, so the cache map's misses overlap.
         if let Some(ahead) = Some(index + PREFETCH_AHEAD).filter(|&ahead| ahead < end) {
             context.pool.prefetch_key((context.key_of)(ahead));
         }
