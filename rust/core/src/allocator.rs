@@ -98,6 +98,17 @@ pub trait BlockAllocator: Send + Sync {
     /// changes) when `block` already carries a key or `key` has both copies.
     fn cache_block(&self, block: BlockId, key: CacheKey) -> Result<bool, CoreError>;
 
+    /// `cache_block` for each `(block, key)` in order, stopping at the first error; returns how
+    /// many became cached. A pool may share work across the batch (the lock-free pool updates
+    /// its cached-block counter once, not once per block).
+    fn cache_blocks(&self, entries: &[(BlockId, CacheKey)]) -> Result<usize, CoreError> {
+        let mut cached = 0;
+        for &(block, key) in entries {
+            cached += usize::from(self.cache_block(block, key)?);
+        }
+        Ok(cached)
+    }
+
     /// A hint that `key` is about to be looked up or cached: a pool may start loading what
     /// that touches (the default does nothing).
     fn prefetch_key(&self, _key: CacheKey) {}

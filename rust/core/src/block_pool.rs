@@ -209,6 +209,36 @@ impl BlockPool {
         }
     }
 
+    /// `cache_block` without counting the block in `num_cached` (the caller does, before).
+    fn cache_uncounted(&self, block: BlockId, key: CacheKey) -> Result<bool, CoreError> {
+        let slot = self.check_block(block)?;
+        let generation = match slot.begin_caching() {
+            Err(NotHeld) => {
+                return Err(CoreError::InvalidBlock(format!(
+                    "block {block} is free; only a block the caller holds can be cached"
+                )))
+            }
+            Ok(None) => return Ok(false),
+            Ok(Some(generation)) => generation,
+        };
+        // The key is written before the entry is inserted, so whoever finds the entry reads it.
+        slot.write_pending_key(key);
+        let Some((copy, at)) = self.cache.insert(key, block, |block| self.key_of(block)) else {
+            slot.abort_caching(generation);
+            return Ok(false);
+        };
+        slot.set_map_slot(at);
+        if copy == Copy::Spare {
+            // Relaxed: statistics only.
+            self.num_spares.fetch_add(1, Ordering::Relaxed);
+        }
+        if !slot.finish_caching(generation, key) {
+            self.remove_entry(slot, key, block);
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
     /// The key slots of `block`, as the cache map reads them.
     fn key_of(&self, block: BlockId) -> CacheKey {
         self.blocks[block as usize].key()
@@ -391,36 +421,30 @@ impl BlockAllocator for BlockPool {
     }
 
     fn cache_block(&self, block: BlockId, key: CacheKey) -> Result<bool, CoreError> {
-        let slot = self.check_block(block)?;
-        let generation = match slot.begin_caching() {
-            Err(NotHeld) => {
-                return Err(CoreError::InvalidBlock(format!(
-                    "block {block} is free; only a block the caller holds can be cached"
-                )))
+        self.cache_blocks(&[(block, key)]).map(|cached| cached == 1)
+    }
+
+    fn cache_blocks(&self, entries: &[(BlockId, CacheKey)]) -> Result<usize, CoreError> {
+        // Counted before any cached bit is published, so a concurrent eviction never underflows
+        // it; what did not become cached is taken back at the end. Relaxed: statistics only.
+        self.num_cached.fetch_add(entries.len(), Ordering::Relaxed);
+        let mut cached = 0;
+        let mut result = Ok(());
+        for &(block, key) in entries {
+            match self.cache_uncounted(block, key) {
+                Ok(true) => cached += 1,
+                Ok(false) => {}
+                Err(error) => {
+                    result = Err(error);
+                    break;
+                }
             }
-            Ok(None) => return Ok(false),
-            Ok(Some(generation)) => generation,
-        };
-        // The key is written before the entry is inserted, so whoever finds the entry reads it.
-        slot.write_pending_key(key);
-        let Some((copy, at)) = self.cache.insert(key, block, |block| self.key_of(block)) else {
-            slot.abort_caching(generation);
-            return Ok(false);
-        };
-        slot.set_map_slot(at);
-        if copy == Copy::Spare {
-            // Relaxed: statistics only.
-            self.num_spares.fetch_add(1, Ordering::Relaxed);
         }
-        // Counted before the bit is published so a concurrent eviction never underflows it.
-        // Relaxed: statistics only.
-        self.num_cached.fetch_add(1, Ordering::Relaxed);
-        if !slot.finish_caching(generation, key) {
-            self.remove_entry(slot, key, block);
-            self.num_cached.fetch_sub(1, Ordering::Relaxed);
-            return Ok(false);
+        if cached < entries.len() {
+            self.num_cached
+                .fetch_sub(entries.len() - cached, Ordering::Relaxed);
         }
-        Ok(true)
+        result.map(|()| cached)
     }
 
     fn reset_prefix_cache(&self) -> bool {

@@ -244,6 +244,49 @@ fn take_claims_a_free_cached_block_and_drops_its_key<P: Pool>() {
     assert_eq!(pool.free_queue_order(), vec![5, 4, 1, 3]);
 }
 
+/// A batch caches what `cache_block` one at a time would (a block already keyed and a key
+/// with both copies are skipped), stops at a free block with the blocks before it cached, and
+/// counts exactly what it cached.
+fn a_batch_caches_as_one_call_per_block_and_counts_what_it_cached<P: Pool>() {
+    let pool = P::with_blocks(8);
+    let mut out = Vec::new();
+    pool.get_new_blocks(6, &mut out).unwrap();
+    assert!(pool.cache_block(out[0], key(0, 1)).unwrap());
+    let batch = [
+        (out[0], key(0, 9)), // already keyed
+        (out[1], key(0, 1)), // the spare of key 1
+        (out[2], key(0, 1)), // key 1 has both copies
+        (out[3], key(1, 1)), // same hash, other group: another key
+        (out[4], key(0, 2)),
+    ];
+    assert_eq!(pool.cache_blocks(&batch), Ok(3));
+    let stats = pool.stats();
+    assert_eq!((stats.num_cached_blocks, stats.num_spare_blocks), (4, 1));
+    assert_eq!(pool.cached_block(key(1, 1)), Some(out[3]));
+    assert_eq!(pool.cached_block(key(0, 2)), Some(out[4]));
+    assert_eq!(pool.cached_block(key(0, 9)), None);
+
+    pool.free_blocks(&[out[5]]).unwrap();
+    let failing = [
+        (out[2], key(0, 3)),
+        (out[5], key(0, 4)),
+        (out[2], key(0, 5)),
+    ];
+    assert!(matches!(
+        pool.cache_blocks(&failing),
+        Err(CoreError::InvalidBlock(_))
+    ));
+    assert_eq!(
+        pool.cached_block(key(0, 3)),
+        Some(out[2]),
+        "cached before the error"
+    );
+    assert_eq!(pool.cached_block(key(0, 5)), None, "nothing after it");
+    assert_eq!(pool.stats().num_cached_blocks, 5);
+    assert_eq!(pool.cache_blocks(&[]), Ok(0));
+    assert_eq!(pool.stats().num_cached_blocks, 5);
+}
+
 /// `contract_tests!([behaviour, ...] for module => Pool, ...)`: a module per pool with one
 /// `#[test]` per behaviour, each running the generic function of that name on that pool.
 macro_rules! contract_tests {
@@ -281,6 +324,7 @@ contract_tests!(
         keyless_blocks_go_first_then_low_then_normal,
         hit_only_workload_keeps_lru_order,
         take_claims_a_free_cached_block_and_drops_its_key,
+        a_batch_caches_as_one_call_per_block_and_counts_what_it_cached,
     ] for
     block_pool => BlockPool,
     mutex_pool => MutexPool,

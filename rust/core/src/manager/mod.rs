@@ -36,6 +36,14 @@ use crate::types::{BlockId, CacheKey, NULL_BLOCK};
 /// How many blocks ahead of the one being cached (or looked up) its key is prefetched.
 pub const PREFETCH_AHEAD: usize = 6;
 
+/// How many blocks `cache_full_blocks` hands the pool at once.
+const CACHE_BATCH: usize = 32;
+/// A placeholder key for the unused part of a batch.
+const NO_KEY: CacheKey = CacheKey {
+    group: 0,
+    hash: crate::types::BlockHash(0),
+};
+
 /// A request's blocks in one group.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GroupBlocks {
@@ -209,6 +217,9 @@ pub fn cache_full_blocks(
     for index in blocks.num_cached..end.min(blocks.num_cached + PREFETCH_AHEAD) {
         context.pool.prefetch_key((context.key_of)(index));
     }
+    // Handed to the pool in batches (its counters move once per batch).
+    let mut batch = [(NULL_BLOCK, NO_KEY); CACHE_BATCH];
+    let mut len = 0;
     for index in blocks.num_cached..end {
         if let Some(ahead) = Some(index + PREFETCH_AHEAD).filter(|&ahead| ahead < end) {
             context.pool.prefetch_key((context.key_of)(ahead));
@@ -217,8 +228,14 @@ pub fn cache_full_blocks(
         if block == NULL_BLOCK || !manager.can_be_hit(index, context.hit_alignment) {
             continue;
         }
-        context.pool.cache_block(block, (context.key_of)(index))?;
+        batch[len] = (block, (context.key_of)(index));
+        len += 1;
+        if len == CACHE_BATCH {
+            context.pool.cache_blocks(&batch)?;
+            len = 0;
+        }
     }
+    context.pool.cache_blocks(&batch[..len])?;
     blocks.num_cached = blocks.num_cached.max(end);
     Ok(())
 }
