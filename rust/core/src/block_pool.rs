@@ -305,6 +305,12 @@ impl BlockAllocator for BlockPool {
             // At most the units still reserved: every valid entry popped is claimed below.
             let batch = (count - taken).min(QUEUE_BATCH);
             let num_popped = self.free_queue.pop_into(&mut popped[..batch]);
+            // The batch's state words are prefetched first, so their cache misses overlap.
+            for entry in &popped[..num_popped] {
+                if let Some(slot) = self.blocks.get(entry.block as usize) {
+                    crate::primitive::prefetch(slot);
+                }
+            }
             for entry in &popped[..num_popped] {
                 match self.blocks[entry.block as usize].claim(entry.generation) {
                     Claim::Claimed { was_cached } => {
@@ -332,6 +338,13 @@ impl BlockAllocator for BlockPool {
         // Released entries wait here, per queue (keyless, then keyed), and go in batches.
         let mut batches = [QueueBatch::default(), QueueBatch::default()];
         let queues = [tier.queue(false), tier.queue(true)];
+        // The first blocks' state words are prefetched before the loop, which then prefetches
+        // `RELEASE_PREFETCH_AHEAD` blocks on as it goes.
+        for &block in &blocks[..blocks.len().min(RELEASE_PREFETCH_AHEAD)] {
+            if let Some(slot) = self.blocks.get(block as usize) {
+                crate::primitive::prefetch(slot);
+            }
+        }
         for (index, &block) in blocks.iter().enumerate() {
             // The state words of the blocks a few ahead are prefetched: a request's blocks lie
             // anywhere in the pool, and their cache misses overlap.
