@@ -4,13 +4,18 @@
 //! - `cache_hit`: `cached_block` + `touch_cached` + free of a cached free block.
 //! - `threads/N`: N threads each doing `iters` allocate+free pairs on one shared pool; the figure
 //!   is wall time per pair per thread (equal across N means perfect scaling).
+//! - `release_320/{cold,warm}`: freeing 256 requests of 320 blocks each (a 2560-token request in
+//!   two groups) from a pool of 131072 blocks whose free order was shuffled, half the blocks
+//!   cached; the figure is per request. `cold`: the caches are flushed (64 MiB written) between
+//!   the allocation and the release, as a request's blocks are when it ends; `warm`: released
+//!   right after allocation. Lock-free pool only.
 
 use std::hint::black_box;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use hybrid_cache_core::{BlockAllocator, BlockHash, BlockPool, CacheKey, MutexPool};
+use hybrid_cache_core::{BlockAllocator, BlockHash, BlockPool, CacheKey, FreeTier, MutexPool};
 
 const NUM_BLOCKS: usize = 1024;
 
@@ -94,5 +99,66 @@ fn threads(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, alloc_free_one, cache_hit, threads);
+/// Blocks per request and requests per release round in `release_320`.
+const RELEASE_BLOCKS: usize = 320;
+const RELEASE_REQUESTS: usize = 256;
+
+fn release_320(c: &mut Criterion) {
+    let num_blocks = 131072;
+    let pool = BlockPool::new(num_blocks).unwrap();
+    let mut all = Vec::new();
+    pool.get_new_blocks(num_blocks - 1, &mut all).unwrap();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    for i in (1..all.len()).rev() {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        all.swap(i, (state % (i as u64 + 1)) as usize);
+    }
+    for (i, &block) in all.iter().enumerate().step_by(2) {
+        let key = CacheKey {
+            group: 0,
+            hash: BlockHash(i as u128 * 0x2545_f491_4f6c_dd1d),
+        };
+        assert!(pool.cache_block(block, key).unwrap());
+    }
+    pool.free_blocks(&all).unwrap();
+    let mut held: Vec<Vec<u32>> = (0..RELEASE_REQUESTS)
+        .map(|_| Vec::with_capacity(RELEASE_BLOCKS))
+        .collect();
+    let mut flush = vec![0u64; 8 << 20];
+    let mut group = c.benchmark_group("release_320");
+    for cold in [true, false] {
+        group.bench_function(if cold { "cold" } else { "warm" }, |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for round in 0..iters.div_ceil(RELEASE_REQUESTS as u64) {
+                    for blocks in held.iter_mut() {
+                        blocks.clear();
+                        pool.get_new_blocks(RELEASE_BLOCKS, blocks).unwrap();
+                    }
+                    if cold {
+                        flush.iter_mut().for_each(|word| *word = round);
+                        black_box(&flush);
+                    }
+                    let start = Instant::now();
+                    for blocks in &held {
+                        pool.release_held_to(black_box(blocks), FreeTier::Normal)
+                            .unwrap();
+                    }
+                    spent += start.elapsed();
+                }
+                // Per request: the rounds ran whole, `iters` rounded up to them.
+                spent.mul_f64(
+                    iters as f64
+                        / (iters.div_ceil(RELEASE_REQUESTS as u64) as f64
+                            * RELEASE_REQUESTS as f64),
+                )
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, alloc_free_one, cache_hit, threads, release_320);
 criterion_main!(benches);

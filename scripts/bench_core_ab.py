@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Two or more builds of the Rust extension side by side in one process, on the allocator's phases.
+
+Each build's `_core` shared object is loaded as its own module (CPython keys extension modules by
+path), and the builds run the same workload in turn, round after round (the order reversed every
+other round): on a noisy machine the per-round ratio against the first build is far steadier than
+runs in separate processes. Workloads, through the binding on Python lists as the engine calls it
+(pool of 131072 blocks of 16 tokens, a full-attention and a 4096-token window group, sha256):
+
+- lookup: `add_request` + `find_cache_hit` of 64 prompts of `--tokens` tokens (random ids below
+  32000), the prompts cached by the round before (every block hits), per request;
+- prefill: 64 requests of 8192 tokens allocated in 512-token chunks (`allocate_batch`), then freed
+  (`free_request`), per round.
+
+A build's `_core` comes from its wheel (`maturin build --release -o DIR`, then unzip the wheel's
+`hybrid_cache/_core*.so`); this checkout's Python package is imported around it.
+
+    python scripts/bench_core_ab.py OLD.so,NEW.so [--workload lookup|prefill] [--tokens 2048]
+        [--rounds 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+
+NUM_REQS = 64
+clock = time.perf_counter
+
+
+def load(path: str):
+    # The package first (with its own `_core`): a build's module init imports it, which must
+    # not start loading an extension while this one is being initialised.
+    import hybrid_cache  # noqa: F401
+
+    spec = importlib.util.spec_from_file_location("hybrid_cache._core", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def coordinator(core, max_len: int):
+    groups = [core.GroupSpec("full", 16), core.GroupSpec("sliding_window", 16, window=4096)]
+    return core.Coordinator(
+        131072,
+        groups,
+        max_num_reqs=NUM_REQS,
+        max_model_len=max_len + 600,
+        max_num_batched_tokens=512,
+        hash_algo="sha256",
+    )
+
+
+def lookup(c, prompts: list[list[int]], round_: int) -> dict[str, float]:
+    spent = 0.0
+    for i, prompt in enumerate(prompts):
+        start = clock()
+        c.add_request(i, prompt, max_total_tokens=len(prompt) + 200)
+        c.find_cache_hit(i)
+        spent += clock() - start
+    for i in range(len(prompts)):
+        c.free_request(i)
+    return {"lookup us/request": spent / len(prompts) * 1e6}
+
+
+def prefill(c, prompts: list[list[int]], round_: int) -> dict[str, float]:
+    ids = [round_ * NUM_REQS + i for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        c.add_request(request_id, prompt, max_total_tokens=len(prompt) + 200)
+        c.find_cache_hit(request_id)
+    spent = 0.0
+    for chunk in range(0, len(prompts[0]), 512):
+        start = clock()
+        assert c.allocate_batch(ids, [chunk] * len(ids), [512] * len(ids)) == len(ids)
+        spent += clock() - start
+    start = clock()
+    for request_id in ids:
+        c.free_request(request_id)
+    return {"prefill ms": spent * 1e3, "free ms": (clock() - start) * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("builds", help="comma-separated paths of _core shared objects")
+    parser.add_argument("--workload", choices=["lookup", "prefill"], default="lookup")
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt length (lookup)")
+    parser.add_argument("--rounds", type=int, default=40)
+    args = parser.parse_args()
+    paths = args.builds.split(",")
+    if len(paths) < 2:
+        parser.error("give at least two builds")
+    tokens = args.tokens if args.workload == "lookup" else 8192
+    rng = random.Random(7)
+    prompts = [[rng.randrange(32000) for _ in range(tokens)] for _ in range(NUM_REQS)]
+    work = lookup if args.workload == "lookup" else prefill
+    coordinators = [coordinator(load(path), tokens) for path in paths]
+    results: list[list[dict[str, float]]] = [[] for _ in paths]
+    for round_ in range(args.rounds):
+        order = range(len(paths)) if round_ % 2 == 0 else reversed(range(len(paths)))
+        for k in order:
+            results[k].append(work(coordinators[k], prompts, round_))
+    for key in results[0][0]:
+        print(f"{key}: {paths[0]} median {statistics.median(r[key] for r in results[0]):.2f}")
+        for k in range(1, len(paths)):
+            ratios = sorted(b[key] / a[key] for a, b in zip(results[0], results[k]))
+            tenth = len(ratios) // 10
+            print(
+                f"  {paths[k]}: median {statistics.median(r[key] for r in results[k]):.2f}, "
+                f"ratio to the first {statistics.median(ratios):.3f} "
+                f"[{ratios[tenth]:.2f}..{ratios[-1 - tenth]:.2f}] (median [10th..90th percentile])"
+            )
+
+
+if __name__ == "__main__":
+    main()
