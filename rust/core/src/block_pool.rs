@@ -239,6 +239,13 @@ impl BlockPool {
         Ok(true)
     }
 
+    /// Starts loading `block`'s state word into the cache (a hint; ids out of range are ignored).
+    fn prefetch_state(&self, block: BlockId) {
+        if let Some(slot) = self.blocks.get(block as usize) {
+            crate::primitive::prefetch(slot);
+        }
+    }
+
     /// The key slots of `block`, as the cache map reads them.
     fn key_of(&self, block: BlockId) -> CacheKey {
         self.blocks[block as usize].key()
@@ -307,9 +314,7 @@ impl BlockAllocator for BlockPool {
             let num_popped = self.free_queue.pop_into(&mut popped[..batch]);
             // The batch's state words are prefetched first, so their cache misses overlap.
             for entry in &popped[..num_popped] {
-                if let Some(slot) = self.blocks.get(entry.block as usize) {
-                    crate::primitive::prefetch(slot);
-                }
+                self.prefetch_state(entry.block);
             }
             for entry in &popped[..num_popped] {
                 match self.blocks[entry.block as usize].claim(entry.generation) {
@@ -341,17 +346,13 @@ impl BlockAllocator for BlockPool {
         // The first blocks' state words are prefetched before the loop, which then prefetches
         // `RELEASE_PREFETCH_AHEAD` blocks on as it goes.
         for &block in &blocks[..blocks.len().min(RELEASE_PREFETCH_AHEAD)] {
-            if let Some(slot) = self.blocks.get(block as usize) {
-                crate::primitive::prefetch(slot);
-            }
+            self.prefetch_state(block);
         }
         for (index, &block) in blocks.iter().enumerate() {
             // The state words of the blocks a few ahead are prefetched: a request's blocks lie
             // anywhere in the pool, and their cache misses overlap.
-            if let Some(ahead) = blocks.get(index + RELEASE_PREFETCH_AHEAD) {
-                if let Some(slot) = self.blocks.get(*ahead as usize) {
-                    crate::primitive::prefetch(slot);
-                }
+            if let Some(&ahead) = blocks.get(index + RELEASE_PREFETCH_AHEAD) {
+                self.prefetch_state(ahead);
             }
             let slot = match self.check_block(block) {
                 Ok(slot) => slot,
@@ -438,6 +439,9 @@ impl BlockAllocator for BlockPool {
     }
 
     fn cache_blocks(&self, entries: &[(BlockId, CacheKey)]) -> Result<usize, CoreError> {
+        if entries.is_empty() {
+            return Ok(0);
+        }
         // Counted before any cached bit is published, so a concurrent eviction never underflows
         // it; what did not become cached is taken back at the end. Relaxed: statistics only.
         self.num_cached.fetch_add(entries.len(), Ordering::Relaxed);

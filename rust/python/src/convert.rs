@@ -84,11 +84,15 @@ fn exact_ints<T: TryFrom<i64>>(
     list: &Bound<'_, PyList>,
     capacity: impl Fn(usize) -> usize,
 ) -> Option<Vec<T>> {
-    // SAFETY: a list's `ob_item` holds its `len` items; the GIL is held and no Python code runs
-    // while the slice is read (the list keeps its items: borrowed references).
+    let len = list.len();
+    if len == 0 {
+        // An empty list may have no item array at all (`ob_item` null).
+        return Some(Vec::with_capacity(capacity(0)));
+    }
+    // SAFETY: a non-empty list's `ob_item` points at its `len` items; the GIL is held and no
+    // Python code runs while the slice is read (the list keeps its items: borrowed references).
     let items = unsafe {
         let list = list.as_ptr().cast::<pyo3::ffi::PyListObject>();
-        let len = usize::try_from((*list).ob_base.ob_size).unwrap_or(0);
         std::slice::from_raw_parts((*list).ob_item, len)
     };
     // The layout read once, each one's loop compiled on its own.

@@ -214,15 +214,14 @@ pub fn cache_full_blocks(
     let end = context.num_full_blocks.min(blocks.blocks.len());
     // The keys a few blocks on are prefetched, so the cache map's misses overlap: the first
     // `PREFETCH_AHEAD` before the loop, then one per block.
-    for index in blocks.num_cached..end.min(blocks.num_cached + PREFETCH_AHEAD) {
-        context.pool.prefetch_key((context.key_of)(index));
-    }
+    let prefetch = |index| context.pool.prefetch_key((context.key_of)(index));
+    (blocks.num_cached..end.min(blocks.num_cached + PREFETCH_AHEAD)).for_each(prefetch);
     // Handed to the pool in batches (its counters move once per batch).
     let mut batch = [(NULL_BLOCK, NO_KEY); CACHE_BATCH];
     let mut len = 0;
     for index in blocks.num_cached..end {
         if let Some(ahead) = Some(index + PREFETCH_AHEAD).filter(|&ahead| ahead < end) {
-            context.pool.prefetch_key((context.key_of)(ahead));
+            prefetch(ahead);
         }
         let block = blocks.blocks[index];
         if block == NULL_BLOCK || !manager.can_be_hit(index, context.hit_alignment) {
