@@ -10,13 +10,16 @@ runs in separate processes. Workloads, through the binding on Python lists as th
 - lookup: `add_request` + `find_cache_hit` of 64 prompts of `--tokens` tokens (random ids below
   32000), the prompts cached by the round before (every block hits), per request;
 - prefill: 64 requests of 8192 tokens allocated in 512-token chunks (`allocate_batch`), then freed
-  (`free_request`), per round.
+  (`free_request`), per round;
+- T1, T2: the scheduler traces of `scripts/bench_vllm_replay.py` (our side only, a new
+  coordinator every round), per phase as that script reports them.
 
 A build's `_core` comes from its wheel (`maturin build --release -o DIR`, then unzip the wheel's
 `hybrid_cache/_core*.so`); this checkout's Python package is imported around it.
 
     python scripts/bench_core_ab.py OLD.so,NEW.so [--workload lookup|prefill] [--tokens 2048]
         [--rounds 40]
+    python scripts/bench_core_ab.py OLD.so,NEW.so --workload T2 --rounds 20
 """
 
 from __future__ import annotations
@@ -86,21 +89,39 @@ def prefill(c, prompts: list[list[int]], round_: int) -> dict[str, float]:
     return {"prefill ms": spent * 1e3, "free ms": (clock() - start) * 1e3}
 
 
+def replay(name: str):
+    """A workload running one round of trace `name` of `bench_vllm_replay.py` on a build."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_vllm_replay as replay_script
+
+    trace = replay_script.TRACES[name]
+
+    def work(core, prompts, round_: int) -> dict[str, float]:
+        return replay_script.run_ours(trace, core).per_unit(trace)
+
+    return work
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("builds", help="comma-separated paths of _core shared objects")
-    parser.add_argument("--workload", choices=["lookup", "prefill"], default="lookup")
+    parser.add_argument("--workload", choices=["lookup", "prefill", "T1", "T2"], default="lookup")
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length (lookup)")
     parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args()
     paths = args.builds.split(",")
     if len(paths) < 2:
         parser.error("give at least two builds")
-    tokens = args.tokens if args.workload == "lookup" else 8192
-    rng = random.Random(7)
-    prompts = [[rng.randrange(32000) for _ in range(tokens)] for _ in range(NUM_REQS)]
-    work = lookup if args.workload == "lookup" else prefill
-    coordinators = [coordinator(load(path), tokens) for path in paths]
+    if args.workload in ("T1", "T2"):
+        work, prompts = replay(args.workload), []
+        # A new coordinator every round: each build's slot holds its module.
+        coordinators = [load(path) for path in paths]
+    else:
+        tokens = args.tokens if args.workload == "lookup" else 8192
+        rng = random.Random(7)
+        prompts = [[rng.randrange(32000) for _ in range(tokens)] for _ in range(NUM_REQS)]
+        work = lookup if args.workload == "lookup" else prefill
+        coordinators = [coordinator(load(path), tokens) for path in paths]
     results: list[list[dict[str, float]]] = [[] for _ in paths]
     for round_ in range(args.rounds):
         order = range(len(paths)) if round_ % 2 == 0 else reversed(range(len(paths)))

@@ -223,14 +223,16 @@ def run_vllm(trace: dict) -> Phases:
     return time_free(phases, manager.free, requests, used)
 
 
-def run_ours(trace: dict) -> Phases:
-    from hybrid_cache import _core
+def run_ours(trace: dict, core=None) -> Phases:
+    """Our side of a round; `core` is a `_core` module (default: the installed one)."""
+    if core is None:
+        from hybrid_cache import _core as core
 
     max_tokens = trace["steps"] + 1
     chunk = trace["chunk"] or trace["prompt_len"]
-    coordinator = _core.Coordinator(
+    coordinator = core.Coordinator(
         NUM_BLOCKS,
-        [_core.GroupSpec("full", BLOCK), _core.GroupSpec("sliding_window", BLOCK, window=WINDOW)],
+        [core.GroupSpec("full", BLOCK), core.GroupSpec("sliding_window", BLOCK, window=WINDOW)],
         max_num_reqs=trace["num_reqs"],
         max_model_len=trace["prompt_len"] + max_tokens + BLOCK,
         max_num_batched_tokens=chunk,

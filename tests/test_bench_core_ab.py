@@ -30,8 +30,19 @@ def test_two_builds_alternate_and_each_phase_gets_a_ratio(tmp_path):
     for workload, keys in (
         ("lookup", ["lookup us/request"]),
         ("prefill", ["prefill ms", "free ms"]),
+        (
+            "T2",
+            [
+                "lookup us/request",
+                "prefill ns/block",
+                "decode ns/request-step",
+                "free ns/block",
+                "whole ms",
+            ],
+        ),
     ):
-        result = run(builds, "--workload", workload, "--tokens", "64", "--rounds", "3")
+        rounds = "1" if workload == "T2" else "3"
+        result = run(builds, "--workload", workload, "--tokens", "64", "--rounds", rounds)
         assert result.returncode == 0, result.stderr
         lines = result.stdout.splitlines()
         assert [line.split(":")[0] for line in lines[::2]] == keys

@@ -50,7 +50,18 @@ pub trait BlockAllocator: Send + Sync {
     /// recently freed first within each), each with ref count 1, and appends them to `out`. A block taken that still
     /// carries a cache key loses it (lazy eviction). Asking for more than are free returns
     /// `CoreError::NoFreeBlocks` and takes nothing.
-    fn get_new_blocks(&self, count: usize, out: &mut Vec<BlockId>) -> Result<(), CoreError>;
+    fn get_new_blocks(&self, count: usize, out: &mut Vec<BlockId>) -> Result<(), CoreError> {
+        self.get_new_blocks_noting(count, out, &mut Vec::new())
+    }
+
+    /// `get_new_blocks`, also appending to `evicted` the key each block taken lost (the
+    /// caller's record of what left the cache).
+    fn get_new_blocks_noting(
+        &self,
+        count: usize,
+        out: &mut Vec<BlockId>,
+        evicted: &mut Vec<CacheKey>,
+    ) -> Result<(), CoreError>;
 
     /// Drops one reference from each block, in the order given. A block whose count reaches 0 is
     /// appended to the tail of its free queue: the [`FreeTier::Normal`] one when it carries a

@@ -182,23 +182,27 @@ impl BlockPool {
         })
     }
 
-    /// Drops the key of a block this thread just claimed while it was cached (an eviction).
-    fn evict(&self, block: BlockId) {
-        self.drop_key(block);
+    /// Drops the key of a block this thread just claimed while it was cached (an eviction);
+    /// returns that key.
+    fn evict(&self, block: BlockId) -> CacheKey {
+        let key = self.drop_key(block);
         // Relaxed: statistics only.
         self.num_evictions.fetch_add(1, Ordering::Relaxed);
+        key
     }
 
-    /// Drops the key of a block this thread just claimed or took while it was cached: its
-    /// entry as the key's first copy or as its spare. A spare left alone is found by lookups
+    /// Drops the key of a block this thread just claimed or took while it was cached (its
+    /// entry as the key's first copy or as its spare) and returns it. A spare left alone is found by lookups
     /// (`cached_block`) as it is: nothing is moved, so no map entry ever names a block its
     /// writer does not hold.
-    fn drop_key(&self, block: BlockId) {
+    fn drop_key(&self, block: BlockId) -> CacheKey {
         // The claimer holds the block and the cached bit is clear, so nobody rewrites the slots.
         let slot = &self.blocks[block as usize];
-        self.remove_entry(slot, slot.key(), block);
+        let key = slot.key();
+        self.remove_entry(slot, key, block);
         // Relaxed: statistics only.
         self.num_cached.fetch_sub(1, Ordering::Relaxed);
+        key
     }
 
     /// Removes the map entry of `block` (held by this thread) for `key`, if it has one.
@@ -212,6 +216,9 @@ impl BlockPool {
     /// `cache_block` without counting the block in `num_cached` (the caller does, before).
     fn cache_uncounted(&self, block: BlockId, key: CacheKey) -> Result<bool, CoreError> {
         let slot = self.check_block(block)?;
+        if let Some(alone) = slot.held_alone() {
+            return Ok(self.cache_alone(slot, alone, block, key));
+        }
         let generation = match slot.begin_caching() {
             Err(NotHeld) => {
                 return Err(CoreError::InvalidBlock(format!(
@@ -237,6 +244,33 @@ impl BlockPool {
             return Ok(false);
         }
         Ok(true)
+    }
+
+    /// Caches a block its caller holds alone (`BlockSlot::held_alone` returned `alone`): the
+    /// key slots are written and the entry inserted without the pending bit, and one CAS
+    /// publishes them (one locked instruction where `begin_caching` + `finish_caching` take
+    /// two), the common case: a request caching the blocks it just computed.
+    fn cache_alone(
+        &self,
+        slot: &BlockSlot,
+        alone: crate::block_state::State,
+        block: BlockId,
+        key: CacheKey,
+    ) -> bool {
+        slot.write_key_alone(key);
+        let Some((copy, at)) = self.cache.insert(key, block, |block| self.key_of(block)) else {
+            return false;
+        };
+        slot.set_map_slot(at);
+        if copy == Copy::Spare {
+            // Relaxed: statistics only.
+            self.num_spares.fetch_add(1, Ordering::Relaxed);
+        }
+        if !slot.publish_alone(alone) {
+            self.remove_entry(slot, key, block);
+            return false;
+        }
+        true
     }
 
     /// Starts loading `block`'s state word into the cache (a hint; ids out of range are ignored).
@@ -298,7 +332,12 @@ impl BlockAllocator for BlockPool {
         self.free_queue.num_countable()
     }
 
-    fn get_new_blocks(&self, count: usize, out: &mut Vec<BlockId>) -> Result<(), CoreError> {
+    fn get_new_blocks_noting(
+        &self,
+        count: usize,
+        out: &mut Vec<BlockId>,
+        evicted: &mut Vec<CacheKey>,
+    ) -> Result<(), CoreError> {
         if let Err(free) = self.free_queue.try_reserve(count) {
             return Err(CoreError::NoFreeBlocks {
                 requested: count,
@@ -320,7 +359,7 @@ impl BlockAllocator for BlockPool {
                 match self.blocks[entry.block as usize].claim(entry.generation) {
                     Claim::Claimed { was_cached } => {
                         if was_cached {
-                            self.evict(entry.block);
+                            evicted.push(self.evict(entry.block));
                         }
                         out.push(entry.block);
                         taken += 1;

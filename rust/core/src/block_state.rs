@@ -28,13 +28,15 @@
 //! | release one reference     | `(r>0, g, c, p)`      | `(r-1, g, c, p)`            |
 //! | begin caching             | `(r>0, g, 0, 0)`      | `(r, g, 0, 1)`              |
 //! | finish caching            | `(r, g, 0, 1)`        | `(r, g, 1, 0)` (same `g`)   |
+//! | cache by the sole holder  | `(1, g, 0, 0)`        | `(1, g, 1, 0)` (same `g`)   |
 //! | forget key (reset)        | `(0, g, 1, 0)`        | `(0, g, 0, 0)`              |
 //!
 //! Invariants:
 //! - A block has at most one valid free-queue entry: a release to 0 pushes `(block, g)` with the
 //!   current `g`, and the next 0 -> 1 transition bumps `g`, so older entries are stale.
 //! - The key slots change only between `begin caching` and `finish caching`, which require the
-//!   block to be held and uncached; a block leaves the cached state only by a claim or a take
+//!   block to be held and uncached, or while its sole holder caches an uncached block (no other
+//!   caller can change its word then, and no reader acts on an uncached word); a block leaves the cached state only by a claim or a take
 //!   (both bump `g`) or a reset (needs ref count 0, after which only a claim can make it held again). So *two
 //!   different keys observed under the same state word value are impossible*: a toucher that
 //!   reads the word, then the key, then CASes from that exact word has read the key that word
@@ -364,6 +366,31 @@ impl BlockSlot {
                 Err(actual) => current = actual,
             }
         }
+    }
+
+    /// The word of a block its caller holds alone (reference count 1, neither cached nor being
+    /// cached), for `cache_alone`; `None` for any other block. Nobody else can change that
+    /// word until the caller does: a touch or a take needs the cached bit, a claim a free
+    /// block, and a release or a `begin_caching` a second holder.
+    pub(crate) fn held_alone(&self) -> Option<State> {
+        let current = self.load();
+        (current.ref_count() == 1 && !current.is_cached() && !current.is_pending())
+            .then_some(current)
+    }
+
+    /// Writes the key slots of a block whose word `held_alone` returned (its sole holder,
+    /// before the block's cache map entry is inserted): no pending bit is needed, since no
+    /// other caller can cache it and every reader of the slots needs the cached bit first.
+    pub(crate) fn write_key_alone(&self, key: CacheKey) {
+        self.write_key(key);
+    }
+
+    /// Publishes the key written by `write_key_alone` by one CAS from `alone` (the word
+    /// `held_alone` returned) to the same word with the cached bit. False when the word
+    /// changed since, which only a caller breaking the holding contract can cause.
+    pub(crate) fn publish_alone(&self, alone: State) -> bool {
+        self.compare_exchange(alone, State(alone.0 | CACHED))
+            .is_ok()
     }
 
     /// Writes `key` and publishes it by setting the cached bit. Returns false (and clears

@@ -106,17 +106,16 @@ impl Sequential {
 
     /// Drops the key a block carries (its entry as first copy or as spare). Returns whether
     /// it had one.
-    fn drop_key(&mut self, block: u32) -> bool {
-        let Some(key) = self.key_of[block as usize].take() else {
-            return false;
-        };
+    /// Drops the key `block` carries, if any, and returns it.
+    fn drop_key(&mut self, block: u32) -> Option<CacheKey> {
+        let key = self.key_of[block as usize].take()?;
         if self.cache.get(&key) == Some(&block) {
             self.cache.remove(&key);
         } else {
             let removed = self.spares.remove(&key);
             debug_assert_eq!(removed, Some(block), "cache maps and key_of disagree");
         }
-        true
+        Some(key)
     }
 
     fn check_block(&self, block: BlockId) -> Result<(), CoreError> {
@@ -168,7 +167,12 @@ impl BlockAllocator for MutexPool {
         self.lock().num_free
     }
 
-    fn get_new_blocks(&self, count: usize, out: &mut Vec<BlockId>) -> Result<(), CoreError> {
+    fn get_new_blocks_noting(
+        &self,
+        count: usize,
+        out: &mut Vec<BlockId>,
+        evicted: &mut Vec<CacheKey>,
+    ) -> Result<(), CoreError> {
         let mut pool = self.lock();
         if count > pool.num_free {
             return Err(CoreError::NoFreeBlocks {
@@ -181,8 +185,9 @@ impl BlockAllocator for MutexPool {
             let block = pool.first_free();
             debug_assert!(block != NIL, "free count says a block is free");
             pool.unlink(block);
-            if pool.drop_key(block) {
+            if let Some(key) = pool.drop_key(block) {
                 pool.num_evictions += 1;
+                evicted.push(key);
             }
             pool.ref_count[block as usize] = 1;
             out.push(block);

@@ -749,9 +749,17 @@ fn every_looked_up_token_is_a_hit_or_has_a_reason() {
     for computed in (0..20).step_by(4) {
         assert!(allocate(&mut c, 4, computed, 4));
     }
+    // A filler computing its whole prompt at once (a block per 2 tokens in each group) takes
+    // the free blocks through the coordinator, which records what its allocation evicts; an
+    // odd one out is taken on the pool first (the least recently freed: a released window
+    // block, whose eviction the filter need not know, as "window tail" is told without it).
     let mut taken = Vec::new();
     let free = c.pool().num_free_blocks();
-    c.pool().get_new_blocks(free, &mut taken).unwrap();
+    c.pool().get_new_blocks(free % 2, &mut taken).unwrap();
+    let filler: Vec<u32> = (1000..1000 + free as u32 / 2 * 2).collect();
+    add(&mut c, 5, &filler);
+    assert!(allocate(&mut c, 5, 0, filler.len()));
+    assert_eq!(c.pool().num_free_blocks(), 0);
     // The long request's first 12 tokens, then others: its full-attention blocks are cached
     // (and held), the window blocks a hit at 12 needs are gone: window tail 12; the next full
     // unit (tokens 12..14 of this prompt) was never cached: 2; alignment 1.
@@ -763,6 +771,7 @@ fn every_looked_up_token_is_a_hit_or_has_a_reason() {
     add(&mut c, 7, &first);
     assert_eq!(c.find_cache_hit(7).unwrap(), 0);
     // Counted as they were looked up, once they compute (with the blocks given back).
+    c.free_request(5).unwrap();
     c.pool().free_blocks(&taken).unwrap();
     assert!(allocate(&mut c, 6, 0, 15));
     assert_eq!(delta(&c), [0, 12, 2, 0, 1]);
@@ -770,6 +779,25 @@ fn every_looked_up_token_is_a_hit_or_has_a_reason() {
     assert_eq!(delta(&c), [0, 0, 0, 8, 2]);
     let stats = c.stats().hits;
     assert_eq!(stats.shortened, vec![12, 0]);
+}
+
+#[test]
+fn keys_a_reset_dropped_count_as_evicted() {
+    // Full B = 2 and window B = 2 W = 4. A prompt computed and freed, then the cache reset:
+    // looked up again it misses 8 tokens that were cached before (evicted, not never cached).
+    let mut c = coordinator(48, vec![full(2), window(2, 4)]);
+    let prompt = tokens(10);
+    add(&mut c, 1, &prompt);
+    assert!(allocate(&mut c, 1, 0, 10));
+    c.free_request(1).unwrap();
+    assert!(c.reset_prefix_cache());
+    let before = c.stats().hits;
+    add(&mut c, 2, &prompt);
+    assert_eq!(c.find_cache_hit(2).unwrap(), 0);
+    assert!(allocate(&mut c, 2, 0, 10));
+    let after = c.stats().hits;
+    assert_eq!(after.miss_evicted - before.miss_evicted, 8);
+    assert_eq!(after.miss_never_cached, before.miss_never_cached);
 }
 
 #[test]

@@ -536,3 +536,40 @@ fn a_spare_evicted_and_cached_again_while_its_twin_goes() {
         assert!(pool.touch_cached(2, key(9)), "and hit");
     });
 }
+
+#[test]
+fn sole_holder_caching_races_a_touch() {
+    model(|| {
+        // Block 1 is held by this thread alone and uncached; it caches it under A (one CAS,
+        // no pending bit) while another thread looks A up and touches what it finds. The touch
+        // succeeds only once the block is cached under A, and then holds a second reference.
+        let pool = Arc::new(BlockPool::new(3).unwrap());
+        let mut out = Vec::new();
+        pool.get_new_blocks(1, &mut out).unwrap();
+        let block = out[0];
+
+        let other = Arc::clone(&pool);
+        let toucher = thread::spawn(move || match other.cached_block(key(0xA)) {
+            Some(found) => {
+                thread::yield_now();
+                other.touch_cached(found, key(0xA)).then_some(found)
+            }
+            None => None,
+        });
+        assert!(pool.cache_block(block, key(0xA)).unwrap());
+        let touched = toucher.join().unwrap();
+        if let Some(found) = touched {
+            assert_eq!(found, block);
+        }
+        let held = if touched.is_some() {
+            vec![block, block]
+        } else {
+            vec![block]
+        };
+        assert_eq!(pool.cached_block(key(0xA)), Some(block));
+        assert_eq!(pool.stats().num_cached_blocks, 1);
+        check_quiescent(&pool, &held);
+        pool.free_blocks(&held).unwrap();
+        check_quiescent(&pool, &[]);
+    });
+}

@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 
 use super::eviction_order::{self, release_tier};
-use super::hit_stats::{HitStats, SeenKeys};
+use super::hit_stats::HitStats;
 use super::keys::GroupKeys;
 use super::quiet::QuietBounds;
 use super::request::{HitEnd, PendingHit, RequestState};
@@ -29,7 +29,7 @@ use crate::error::CoreError;
 use crate::manager::{
     cache_full_blocks, pending_release, release_nulls, AttentionManager, CacheContext, GroupBlocks,
 };
-use crate::types::{BlockId, CacheKey, GroupId, NULL_BLOCK};
+use crate::types::{BlockId, CacheKey, NULL_BLOCK};
 
 /// How many requests ahead of the one being applied `allocate_batch` readies its caching
 /// (`prepare_caching`), and how many of its blocks at most.
@@ -279,7 +279,15 @@ impl<P: BlockAllocator> Coordinator<P> {
 
         // 2. Touch the hit.
         if let Some(hit) = &hit {
-            if !touch_hit(&self.pool, hit, &key_of, &mut state.copy_sources) {
+            let taken = touch_hit(
+                &self.pool,
+                hit,
+                &key_of,
+                &mut state.copy_sources,
+                &mut self.evicted_scratch,
+            );
+            self.evicted_keys.insert_all(&mut self.evicted_scratch);
+            if !taken {
                 // Evicted between the lookup and now (only with a pool shared across threads):
                 // the request must look its hit up again.
                 return Ok(false);
@@ -410,7 +418,14 @@ impl<P: BlockAllocator> Coordinator<P> {
 
         // 4. Take the new blocks.
         scratch.clear();
-        if num_new > 0 && self.pool.get_new_blocks(num_new, &mut scratch).is_err() {
+        let evicted = &mut self.evicted_scratch;
+        let taken = num_new == 0
+            || self
+                .pool
+                .get_new_blocks_noting(num_new, &mut scratch, evicted)
+                .is_ok();
+        self.evicted_keys.insert_all(&mut self.evicted_scratch);
+        if !taken {
             // Another thread took blocks after the plan: undo the hit, keep the release.
             if hit.is_some() {
                 undo_hit(&self.pool, &mut self.num_references, state);
@@ -472,8 +487,8 @@ impl<P: BlockAllocator> Coordinator<P> {
     }
 
     /// Readies a batch's step a few requests ahead of the one being applied, when it will cache
-    /// blocks and take none: hashes them now and starts loading the cache map's and the seen-keys filter's
-    /// entries they go to, so that those misses overlap the requests in between instead of
+    /// blocks and take none: hashes them now and starts loading the cache map's entries they go
+    /// to, so that those misses overlap the requests in between instead of
     /// stalling its own `allocate` (a decode step filling a block is otherwise mostly misses).
     /// Only a hint: the step itself finds the hashes made and hashes nothing twice.
     #[inline(always)]
@@ -509,16 +524,13 @@ impl<P: BlockAllocator> Coordinator<P> {
                 .min(keys.num_full());
             for index in (blocks.num_cached..end).take(PREPARED_BLOCKS) {
                 self.pool.prefetch_key(keys.full(index));
-                for &hash in keys.unit_hashes(index, keys.units) {
-                    self.seen_keys.prefetch(group as GroupId, hash);
-                }
             }
         }
     }
 
     /// Hashes and caches the blocks of the request in `row` that are full once `num_known`
-    /// tokens are computed (prefix caching on), records them for the hit counters and, in
-    /// groups keyed by sub-blocks, the prefix index, and computes the request's bounds again.
+    /// tokens are computed (prefix caching on), records them, in groups keyed by sub-blocks, in
+    /// the prefix index, and computes the request's bounds again.
     /// Its bounds must be those of its rows as they are: when they say no block fills, nothing
     /// is done.
     fn cache_newly_full(&mut self, row: usize, num_known: usize) -> Result<(), CoreError> {
@@ -544,15 +556,6 @@ impl<P: BlockAllocator> Coordinator<P> {
             let blocks = &mut state.groups[group];
             let from = blocks.num_cached;
             cache_full_blocks(manager.as_ref(), blocks, &context)?;
-            let seen = &mut self.seen_keys;
-            remember_cached(
-                manager.as_ref(),
-                self.hit_alignment,
-                seen,
-                keys,
-                blocks,
-                from,
-            );
             if keys.units > 1 {
                 let index = &mut self.prefix_index;
                 index_prefixes(&self.pool, index, keys, blocks, from, self.copy_epoch);
@@ -643,29 +646,6 @@ fn blocks_unchanged(
     })
 }
 
-/// Records in `seen` the unit keys of the blocks `blocks.num_cached` was advanced over (from
-/// `from`) that `cache_full_blocks` offered to the cache (see `hit_stats`).
-fn remember_cached(
-    manager: &dyn AttentionManager,
-    hit_alignment: usize,
-    seen: &mut SeenKeys,
-    keys: GroupKeys<'_>,
-    blocks: &GroupBlocks,
-    from: usize,
-) {
-    let end = blocks
-        .num_cached
-        .min(blocks.blocks.len())
-        .min(keys.num_full());
-    for index in from..end {
-        if blocks.blocks[index] != NULL_BLOCK && manager.can_be_hit(index, hit_alignment) {
-            for &hash in keys.unit_hashes(index, keys.units) {
-                seen.insert(keys.group as GroupId, hash);
-            }
-        }
-    }
-}
-
 /// Records every key (partial and full) of the blocks `blocks.num_cached` was advanced over
 /// (from `from`) that are now cached under their full key, in a group keyed by sub-blocks.
 fn index_prefixes<P: BlockAllocator>(
@@ -698,13 +678,14 @@ fn index_prefixes<P: BlockAllocator>(
 
 /// Takes one reference on every block of the hit (keys from the request's hash chains) and on
 /// each copy source (appended to `copy_sources`), and takes the block a hit ends inside for the
-/// request alone (`take_cached`); when one was evicted in between, gives back the ones taken
-/// (sources included) and returns false.
+/// request alone (`take_cached`, its key appended to `evicted`); when one was evicted in
+/// between, gives back the ones taken (sources included) and returns false.
 fn touch_hit<P: BlockAllocator>(
     pool: &P,
     hit: &PendingHit,
     key_of: &dyn Fn(usize, usize) -> CacheKey,
     copy_sources: &mut Vec<BlockId>,
+    evicted: &mut Vec<CacheKey>,
 ) -> bool {
     let mut touched: Vec<BlockId> = Vec::new();
     let sources = hit.ends.iter().filter_map(|end| match *end {
@@ -726,7 +707,13 @@ fn touch_hit<P: BlockAllocator>(
                 continue;
             }
             let ok = match hit.taken_key(group, index) {
-                Some(key) => pool.take_cached(block, key),
+                // A taken block loses its key: it left the cache.
+                Some(key) => {
+                    pool.take_cached(block, key) && {
+                        evicted.push(key);
+                        true
+                    }
+                }
                 None => pool.touch_cached(block, key_of(group, index)),
             };
             if !ok {

@@ -131,10 +131,8 @@ impl<P: BlockAllocator> Coordinator<P> {
         }
         let keys = keys_of(limiting);
         let next_unit = alone[limiting] / (self.managers[limiting].block_size() / keys.units);
-        let next_was_cached = keys
-            .hashes
-            .get(next_unit)
-            .is_some_and(|&hash| self.seen_keys.contains(limiting as GroupId, hash));
+        let next_was_cached = (keys.covering(next_unit).iter())
+            .any(|&hash| self.evicted_keys.contains(limiting as GroupId, hash));
         let replay = common.replay.filter(|_| hit > 0);
         let lookup_figures = HitStats::of(Lookup {
             num_tokens,

@@ -51,11 +51,8 @@ impl<P: BlockAllocator> Coordinator<P> {
                         computed,
                     ),
                     None => {
-                        let seen = &mut self.seen_keys;
-                        keys::cache_partial_tail(
-                            &self.pool, seen, keys, blocks, block_size, computed,
-                        )
-                        .map(|()| None)
+                        keys::cache_partial_tail(&self.pool, keys, blocks, block_size, computed)
+                            .map(|()| None)
                     }
                 };
                 debug_assert!(tail.is_ok(), "the request holds its tail block: {tail:?}");

@@ -21,9 +21,14 @@
 //! point (`F - h`) and `replay_gain` the tokens they hit beyond the plain hit. A token-tail hit
 //! (`tails`) may end past `h_max`, inside a block: `h_max` is then taken as the hit, each group
 //! as accepting it; `tail_hits` counts those lookups and `tail_gain` the tokens they took beyond
-//! the aligned hit. "Was it ever cached" is a Bloom filter over the keys this coordinator cached: no
-//! false "never cached", some false "evicted" (under 1% while the filter is at most 1/16 full;
-//! it is cleared when fuller, after which keys cached before count as never cached).
+//! the aligned hit. A unit that is not cached now was cached before exactly when its key left the
+//! cache since, so "was it ever cached" is a Bloom filter over the keys that left this
+//! coordinator's cache (a block evicted by an allocation, a cached block a hit took, a reset):
+//! nothing is recorded while blocks are only cached, which is most of the time. No false "never
+//! cached", some false "evicted" (under 1% while the filter is at most 1/16 full; it is cleared
+//! when fuller, after which keys evicted before count as never cached). A unit is looked up
+//! under every key of its block that covers it (the block's full key, or a partial key of at
+//! least its units).
 //!
 //! One count per admission: a lookup is counted when its request first gets slots beyond its hit
 //! (it starts computing), so a lookup whose request is freed before (a hold given back, an
@@ -31,7 +36,7 @@
 //! looked up again is not counted twice; the counters only grow. A preempted request did
 //! compute: its next admission counts again.
 
-use crate::types::{BlockHash, GroupId};
+use crate::types::{BlockHash, CacheKey, GroupId};
 
 /// See the module docs. All counts are tokens.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -144,9 +149,10 @@ impl HitStats {
     }
 }
 
-/// A Bloom filter of the keys (group, chain hash) cached so far; see the module docs.
+/// A Bloom filter of the keys (group, chain hash) that left the cache so far; see the module
+/// docs.
 #[derive(Debug)]
-pub(super) struct SeenKeys {
+pub(super) struct EvictedKeys {
     words: Vec<u64>,
     inserted: usize,
 }
@@ -154,14 +160,14 @@ pub(super) struct SeenKeys {
 const PROBES: usize = 3;
 const GROUP_MIX: u128 = 0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835;
 
-impl SeenKeys {
+impl EvictedKeys {
     /// A filter of about `capacity * 16` bits (a power of two, 4 KiB to 2 MiB).
     pub(super) fn new(capacity: usize) -> Self {
         let bits = capacity
             .saturating_mul(16)
             .next_power_of_two()
             .clamp(1 << 15, 1 << 24);
-        SeenKeys {
+        EvictedKeys {
             words: vec![0; bits / 64],
             inserted: 0,
         }
@@ -187,10 +193,10 @@ impl SeenKeys {
         self.inserted += 1;
     }
 
-    /// Starts loading the words `insert` of this key will set (a hint).
-    pub(super) fn prefetch(&self, group: GroupId, hash: BlockHash) {
-        for bit in self.positions(group, hash) {
-            crate::primitive::prefetch(&self.words[bit / 64]);
+    /// Inserts every key of `keys` and empties it.
+    pub(super) fn insert_all(&mut self, keys: &mut Vec<CacheKey>) {
+        for key in keys.drain(..) {
+            self.insert(key.group, key.hash);
         }
     }
 
@@ -207,17 +213,17 @@ mod tests {
 
     #[test]
     fn the_filter_holds_what_was_inserted_and_little_else() {
-        let mut seen = SeenKeys::new(1000);
+        let mut evicted = EvictedKeys::new(1000);
         for hash in 0..1000u128 {
-            seen.insert(0, BlockHash(hash * 7919));
+            evicted.insert(0, BlockHash(hash * 7919));
         }
-        assert!((0..1000u128).all(|hash| seen.contains(0, BlockHash(hash * 7919))));
+        assert!((0..1000u128).all(|hash| evicted.contains(0, BlockHash(hash * 7919))));
         let false_positives = (5000..15000u128)
-            .filter(|&hash| seen.contains(0, BlockHash(hash * 7919)))
+            .filter(|&hash| evicted.contains(0, BlockHash(hash * 7919)))
             .count();
         assert!(false_positives < 100, "{false_positives} of 10000");
         let other_group = (0..1000u128)
-            .filter(|&hash| seen.contains(1, BlockHash(hash * 7919)))
+            .filter(|&hash| evicted.contains(1, BlockHash(hash * 7919)))
             .count();
         assert!(
             other_group < 10,

@@ -13,7 +13,6 @@
 //!
 //! A full key and a partial key never coincide: they name prefixes of different lengths.
 
-use super::hit_stats::SeenKeys;
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::manager::GroupBlocks;
@@ -46,11 +45,12 @@ impl GroupKeys<'_> {
         self.key((index + 1) * self.units - 1)
     }
 
-    /// The chain entries of block `index`'s first `filled` units (those the request has).
-    pub fn unit_hashes(&self, index: usize, filled: usize) -> &[BlockHash] {
-        let start = (index * self.units).min(self.hashes.len());
-        let end = (index * self.units + filled).min(self.hashes.len());
-        &self.hashes[start..end]
+    /// The chain entries that key unit `unit` when cached: its block's keys that cover it (the
+    /// full key, and the partial keys of at least `unit`'s units), those the request has.
+    pub fn covering(&self, unit: usize) -> &[BlockHash] {
+        let block_end = (unit / self.units + 1) * self.units;
+        let end = block_end.min(self.hashes.len());
+        self.hashes.get(unit..end).unwrap_or(&[])
     }
 
     /// The key of block `index` holding its first `filled` units (`1..=units`; `units` is the
@@ -111,7 +111,6 @@ impl KeyLayout {
 /// the last block boundary. Nothing happens in other groups or when no whole unit is there.
 pub(super) fn cache_partial_tail<P: BlockAllocator>(
     pool: &P,
-    seen: &mut SeenKeys,
     keys: GroupKeys<'_>,
     blocks: &GroupBlocks,
     block_size: usize,
@@ -129,8 +128,29 @@ pub(super) fn cache_partial_tail<P: BlockAllocator>(
     let Some(key) = keys.partial(index, filled) else {
         return Ok(());
     };
-    for &hash in keys.unit_hashes(index, filled) {
-        seen.insert(keys.group as GroupId, hash);
-    }
     pool.cache_block(block, key).map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_unit_is_covered_by_its_block_keys_from_its_own_on() {
+        let hashes: Vec<BlockHash> = (0..7u128).map(BlockHash).collect();
+        let keys = GroupKeys {
+            group: 0,
+            hashes: &hashes,
+            units: 3,
+        };
+        // Block 0 = entries 0..3 (full key 2), block 1 = 3..6 (full key 5), block 2 = 6 only.
+        assert_eq!(keys.covering(0), &hashes[0..3]);
+        assert_eq!(keys.covering(1), &hashes[1..3]);
+        assert_eq!(keys.covering(2), &hashes[2..3]);
+        assert_eq!(keys.covering(3), &hashes[3..6]);
+        assert_eq!(keys.covering(6), &hashes[6..7]);
+        assert!(keys.covering(7).is_empty() && keys.covering(9).is_empty());
+        let one = GroupKeys { units: 1, ..keys };
+        assert_eq!(one.covering(4), &hashes[4..5]);
+    }
 }

@@ -65,7 +65,7 @@ use crate::hashing::{BlockHasher, ExtraKeys};
 use crate::manager::{AdmissionLimits, AttentionManager, GroupBlocks};
 use crate::types::{BlockHash, BlockId, CacheKey, PoolStats};
 use crate::DefaultPool;
-use hit_stats::SeenKeys;
+use hit_stats::EvictedKeys;
 use keys::KeyLayout;
 use request::RequestState;
 
@@ -123,8 +123,11 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     num_references: Vec<usize>,
     /// Prefix-cache counters (`hit_stats`).
     hit_stats: HitStats,
-    /// The keys cached so far (a Bloom filter), to tell evicted from never-cached misses.
-    seen_keys: SeenKeys,
+    /// The keys that left the cache so far (a Bloom filter), to tell evicted from
+    /// never-cached misses.
+    evicted_keys: EvictedKeys,
+    /// Keys the pool reported evicted by the current `allocate`, for `evicted_keys`.
+    evicted_scratch: Vec<CacheKey>,
     /// Number of the current `allocate_batch` call (duplicate-id detection).
     batch_number: u64,
     /// Scratch list of blocks, reused to avoid allocating per call.
@@ -216,7 +219,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             .unwrap_or(1);
         let prefix_index_limit = 2 * config.num_blocks * max_units;
         let num_groups = config.groups.len();
-        let seen_keys = SeenKeys::new(config.num_blocks * max_units);
+        let evicted_keys = EvictedKeys::new(config.num_blocks * max_units);
         // Preempted requests kept at most: at least 16, so a configuration with few rows still
         // keeps some.
         let parked_limit = 4 * config.max_num_reqs.max(4);
@@ -240,7 +243,8 @@ impl<P: BlockAllocator> Coordinator<P> {
             pool,
             config,
             hit_stats: HitStats::new(num_groups),
-            seen_keys,
+            evicted_keys,
+            evicted_scratch: Vec::new(),
             batch_number: 0,
             scratch: Vec::new(),
             order_scratch: Vec::new(),
@@ -569,8 +573,13 @@ impl<P: BlockAllocator> Coordinator<P> {
 
     /// Forgets every cached block; refused (false) while any block is in use.
     pub fn reset_prefix_cache(&mut self) -> bool {
+        // Read before the reset (and kept only if it happens): the keys it drops left the cache.
+        let cached = self.pool.cached_blocks();
         let reset = self.pool.reset_prefix_cache();
         if reset {
+            for (_, key) in cached {
+                self.evicted_keys.insert(key.group, key.hash);
+            }
             self.prefix_index.clear();
             if let Some(tails) = &mut self.tails {
                 tails.clear();
