@@ -9,9 +9,15 @@
 //! ```
 //!
 //! Cache hit: the next query only needs the last `k = cdiv(W - 1, B)` blocks before it, so the
-//! search scans from the right for `k` contiguous cached blocks; the rightmost such run wins and
+//! search looks from the right for `k` contiguous cached blocks; the rightmost such run wins and
 //! everything left of it becomes the null block. A shorter run that reaches block 0 also counts
 //! (the whole prefix is cached).
+//!
+//! A missing block rules out every run that contains it, so the next candidate run ends right at
+//! it; checking a candidate's leftmost block first skips `k` candidates on a miss there. A prompt
+//! of `n` blocks that misses everywhere is answered in about `n / k` lookups instead of `n`,
+//! with the plain right-to-left scan's answer (tested against it on every pattern of up to 12
+//! blocks).
 
 use super::{worst_case_live_blocks, AdmissionLimits, AttentionManager};
 
@@ -60,19 +66,28 @@ impl AttentionManager for SlidingWindowManager {
             // W = 1: a query sees only itself, any prefix is a hit.
             return max_blocks;
         }
-        let mut run = 0;
-        for index in (0..max_blocks).rev() {
-            if is_cached(index) {
-                run += 1;
-                if run == needed {
-                    return index + needed;
-                }
-            } else {
-                run = 0;
+        // Candidate runs end at `end`: blocks `end - needed .. end` must all be cached. A
+        // missing block at `m` rules out every run containing it, so the next candidate ends
+        // at `m`. The leftmost block is checked first (a miss there skips `needed` candidates),
+        // then the others from the right.
+        let mut end = max_blocks;
+        'candidates: while end >= needed {
+            let start = end - needed;
+            if !is_cached(start) {
+                end = start;
+                continue;
             }
+            for index in (start + 1..end).rev() {
+                if !is_cached(index) {
+                    end = index;
+                    continue 'candidates;
+                }
+            }
+            return end;
         }
-        // No full run: a run reaching block 0 is the whole prefix, which also counts.
-        run
+        // No full run: a run reaching block 0 is the whole prefix, which also counts (it is
+        // shorter than `needed`, and within `end`, since every run past it was ruled out).
+        (0..end).take_while(|&index| is_cached(index)).count()
     }
 
     fn max_live_blocks(&self, limits: AdmissionLimits) -> usize {

@@ -265,3 +265,51 @@ fn first_skipping_is_the_fewest_computed_tokens_that_skip_that_many() {
         }
     }
 }
+
+/// The sliding window's hit as a plain right-to-left scan: the rightmost run of `needed` cached
+/// blocks, else the cached run from block 0.
+fn window_hit_by_scan(needed: usize, pattern: &[bool]) -> usize {
+    let mut run = 0;
+    for index in (0..pattern.len()).rev() {
+        run = if pattern[index] { run + 1 } else { 0 };
+        if run == needed {
+            return index + needed;
+        }
+    }
+    run
+}
+
+#[test]
+fn the_window_search_skips_to_the_scan_answer() {
+    for window in [2, 3, 4, 5, 7, 9] {
+        let manager = SlidingWindowManager::new(2, window);
+        let needed = manager.num_blocks_kept();
+        for len in 0..=12 {
+            for bits in 0u32..1 << len {
+                let pattern: Vec<bool> = (0..len).map(|i| bits >> i & 1 == 1).collect();
+                let mut probes = 0;
+                let hit = manager.longest_hit_blocks(len, &mut |index| {
+                    probes += 1;
+                    pattern[index]
+                });
+                assert_eq!(
+                    hit,
+                    window_hit_by_scan(needed, &pattern),
+                    "W {window} {pattern:?}"
+                );
+                assert!(probes <= 2 * len, "{probes} lookups for {len} blocks");
+            }
+        }
+        // Nothing cached: about one lookup per `needed` blocks.
+        let mut probes = 0;
+        let hit = manager.longest_hit_blocks(120, &mut |_| {
+            probes += 1;
+            false
+        });
+        assert_eq!(hit, 0);
+        assert!(
+            probes <= 120 / needed + 1,
+            "{probes} lookups, needed {needed}"
+        );
+    }
+}
