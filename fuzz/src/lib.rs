@@ -1338,20 +1338,26 @@ mod tests {
         fn num_free_blocks(&self) -> usize {
             self.inner.num_free_blocks()
         }
-        fn get_new_blocks(&self, count: usize, out: &mut Vec<BlockId>) -> Result<(), CoreError> {
+        fn get_new_blocks_noting(
+            &self,
+            count: usize,
+            out: &mut Vec<BlockId>,
+            evicted: &mut Vec<CacheKey>,
+        ) -> Result<(), CoreError> {
             if let Fault::MostRecentFirst = self.fault {
                 let order = self.inner.free_queue_order();
                 if count == 1 && order.len() > 1 {
                     // Take everything, keep the newest, give the rest back in order.
                     let mut all = Vec::new();
-                    self.inner.get_new_blocks(order.len(), &mut all)?;
+                    self.inner
+                        .get_new_blocks_noting(order.len(), &mut all, evicted)?;
                     let newest = all.pop().unwrap();
                     self.inner.free_blocks(&all)?;
                     out.push(newest);
                     return Ok(());
                 }
             }
-            self.inner.get_new_blocks(count, out)
+            self.inner.get_new_blocks_noting(count, out, evicted)
         }
         fn free_blocks_to(&self, blocks: &[BlockId], tier: FreeTier) -> Result<(), CoreError> {
             match self.fault {
