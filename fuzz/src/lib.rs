@@ -1394,8 +1394,8 @@ mod tests {
         fn cache_block(&self, block: BlockId, key: CacheKey) -> Result<bool, CoreError> {
             self.inner.cache_block(block, key)
         }
-        fn reset_prefix_cache(&self) -> bool {
-            self.inner.reset_prefix_cache()
+        fn reset_prefix_cache_noting(&self, forgotten: &mut Vec<CacheKey>) -> bool {
+            self.inner.reset_prefix_cache_noting(forgotten)
         }
         fn ref_count(&self, block: BlockId) -> u32 {
             self.inner.ref_count(block)

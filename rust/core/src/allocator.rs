@@ -126,7 +126,13 @@ pub trait BlockAllocator: Send + Sync {
 
     /// Forgets every cache key. Refused (returns false, changes nothing) while any block is in
     /// use, as a reset under running requests would strand their cached blocks.
-    fn reset_prefix_cache(&self) -> bool;
+    fn reset_prefix_cache(&self) -> bool {
+        self.reset_prefix_cache_noting(&mut Vec::new())
+    }
+
+    /// `reset_prefix_cache`, also appending to `forgotten` every key it drops (nothing when
+    /// refused).
+    fn reset_prefix_cache_noting(&self, forgotten: &mut Vec<CacheKey>) -> bool;
 
     /// Current reference count of `block` (0 for free blocks and for the null block).
     fn ref_count(&self, block: BlockId) -> u32;

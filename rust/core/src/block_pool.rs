@@ -192,9 +192,9 @@ impl BlockPool {
     }
 
     /// Drops the key of a block this thread just claimed or took while it was cached (its
-    /// entry as the key's first copy or as its spare) and returns it. A spare left alone is found by lookups
-    /// (`cached_block`) as it is: nothing is moved, so no map entry ever names a block its
-    /// writer does not hold.
+    /// entry as the key's first copy or as its spare) and returns it. A spare left alone is
+    /// found by lookups (`cached_block`) as it is: nothing is moved, so no map entry ever names
+    /// a block its writer does not hold.
     fn drop_key(&self, block: BlockId) -> CacheKey {
         // The claimer holds the block and the cached bit is clear, so nobody rewrites the slots.
         let slot = &self.blocks[block as usize];
@@ -230,20 +230,30 @@ impl BlockPool {
         };
         // The key is written before the entry is inserted, so whoever finds the entry reads it.
         slot.write_pending_key(key);
-        let Some((copy, at)) = self.cache.insert(key, block, |block| self.key_of(block)) else {
+        if !self.insert_entry(slot, key, block) {
             slot.abort_caching(generation);
             return Ok(false);
-        };
-        slot.set_map_slot(at);
-        if copy == Copy::Spare {
-            // Relaxed: statistics only.
-            self.num_spares.fetch_add(1, Ordering::Relaxed);
         }
         if !slot.finish_caching(generation, key) {
             self.remove_entry(slot, key, block);
             return Ok(false);
         }
         Ok(true)
+    }
+
+    /// Inserts the cache map entry of `block` (its key slots already hold `key`) as the key's
+    /// first copy or its spare, and records the slot with the block; false (nothing changed)
+    /// when the key has both copies.
+    fn insert_entry(&self, slot: &BlockSlot, key: CacheKey, block: BlockId) -> bool {
+        let Some((copy, at)) = self.cache.insert(key, block, |block| self.key_of(block)) else {
+            return false;
+        };
+        slot.set_map_slot(at);
+        if copy == Copy::Spare {
+            // Relaxed: statistics only.
+            self.num_spares.fetch_add(1, Ordering::Relaxed);
+        }
+        true
     }
 
     /// Caches a block its caller holds alone (`BlockSlot::held_alone` returned `alone`): the
@@ -258,13 +268,8 @@ impl BlockPool {
         key: CacheKey,
     ) -> bool {
         slot.write_key_alone(key);
-        let Some((copy, at)) = self.cache.insert(key, block, |block| self.key_of(block)) else {
+        if !self.insert_entry(slot, key, block) {
             return false;
-        };
-        slot.set_map_slot(at);
-        if copy == Copy::Spare {
-            // Relaxed: statistics only.
-            self.num_spares.fetch_add(1, Ordering::Relaxed);
         }
         if !slot.publish_alone(alone) {
             self.remove_entry(slot, key, block);
@@ -503,12 +508,13 @@ impl BlockAllocator for BlockPool {
         result.map(|()| cached)
     }
 
-    fn reset_prefix_cache(&self) -> bool {
+    fn reset_prefix_cache_noting(&self, forgotten: &mut Vec<CacheKey>) -> bool {
         if self.free_queue.num_countable() + 1 != self.blocks.len() {
             return false;
         }
         for (block, slot) in self.blocks.iter().enumerate().skip(1) {
             if let Some(key) = slot.forget_key() {
+                forgotten.push(key);
                 self.remove_entry(slot, key, block as BlockId);
                 // Relaxed: statistics only.
                 self.num_cached.fetch_sub(1, Ordering::Relaxed);

@@ -36,11 +36,12 @@
 //!   current `g`, and the next 0 -> 1 transition bumps `g`, so older entries are stale.
 //! - The key slots change only between `begin caching` and `finish caching`, which require the
 //!   block to be held and uncached, or while its sole holder caches an uncached block (no other
-//!   caller can change its word then, and no reader acts on an uncached word); a block leaves the cached state only by a claim or a take
-//!   (both bump `g`) or a reset (needs ref count 0, after which only a claim can make it held again). So *two
-//!   different keys observed under the same state word value are impossible*: a toucher that
-//!   reads the word, then the key, then CASes from that exact word has read the key that word
-//!   describes (see [`BlockSlot::touch`] for the memory-ordering argument).
+//!   caller can change its word then, and no reader acts on an uncached word); a block leaves
+//!   the cached state only by a claim or a take (both bump `g`) or a reset (needs ref count 0,
+//!   after which only a claim can make it held again). So *two different keys observed under
+//!   the same state word value are impossible*: a toucher that reads the word, then the key,
+//!   then CASes from that exact word has read the key that word describes (see
+//!   [`BlockSlot::touch`] for the memory-ordering argument).
 //!
 //! # ABA and field widths
 //!

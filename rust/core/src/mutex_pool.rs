@@ -275,14 +275,14 @@ impl BlockAllocator for MutexPool {
         Ok(true)
     }
 
-    fn reset_prefix_cache(&self) -> bool {
+    fn reset_prefix_cache_noting(&self, forgotten: &mut Vec<CacheKey>) -> bool {
         let mut pool = self.lock();
         if pool.num_free + 1 != pool.ref_count.len() {
             return false;
         }
         pool.cache.clear();
         pool.spares.clear();
-        pool.key_of.iter_mut().for_each(|key| *key = None);
+        forgotten.extend(pool.key_of.iter_mut().filter_map(Option::take));
         true
     }
 

@@ -126,7 +126,7 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     /// The keys that left the cache so far (a Bloom filter), to tell evicted from
     /// never-cached misses.
     evicted_keys: EvictedKeys,
-    /// Keys the pool reported evicted by the current `allocate`, for `evicted_keys`.
+    /// Keys the pool reported leaving the cache in the current call, for `evicted_keys`.
     evicted_scratch: Vec<CacheKey>,
     /// Number of the current `allocate_batch` call (duplicate-id detection).
     batch_number: u64,
@@ -573,13 +573,10 @@ impl<P: BlockAllocator> Coordinator<P> {
 
     /// Forgets every cached block; refused (false) while any block is in use.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        // Read before the reset (and kept only if it happens): the keys it drops left the cache.
-        let cached = self.pool.cached_blocks();
-        let reset = self.pool.reset_prefix_cache();
+        // The keys a reset drops left the cache.
+        let reset = (self.pool).reset_prefix_cache_noting(&mut self.evicted_scratch);
+        self.evicted_keys.insert_all(&mut self.evicted_scratch);
         if reset {
-            for (_, key) in cached {
-                self.evicted_keys.insert(key.group, key.hash);
-            }
             self.prefix_index.clear();
             if let Some(tails) = &mut self.tails {
                 tails.clear();
