@@ -76,3 +76,25 @@ def test_request_ids_and_counts_past_one_digit_are_read_exactly():
     coordinator.append_token_ids_batch([big_id, small_id], [2**30, 0])
     assert coordinator.num_tokens(big_id) == 13
     assert coordinator.num_tokens(small_id) == 9
+
+
+def test_a_prompt_read_into_a_freed_requests_storage_hashes_as_on_a_fresh_coordinator():
+    long_prompt = list(range(1000, 1041))
+    short_prompt = [5, 2**30 + 1, 7, 8, 9, 10, 11, 12, 13]
+    coordinator = Coordinator(64, [GroupSpec("full", BLOCK)], 2, 256, 64)
+    coordinator.add_request(1, long_prompt)
+    assert coordinator.allocate(1, 0, len(long_prompt))
+    coordinator.free_request(1)
+    first = set(coordinator.cached_blocks())
+    # A refused prompt (a bad id at its end) read into the freed storage leaves nothing behind.
+    with pytest.raises(errors.InvalidArgumentError):
+        coordinator.add_request(2, [*short_prompt, -1])
+    coordinator.add_request(2, short_prompt)
+    assert coordinator.num_tokens(2) == len(short_prompt)
+    assert coordinator.find_cache_hit(2) == 0
+    assert coordinator.allocate(2, 0, len(short_prompt))
+    coordinator.free_request(2)
+    added = sorted((group, h) for _, group, h in set(coordinator.cached_blocks()) - first)
+    assert added == cached_hashes(short_prompt)
+    coordinator.add_request(3, long_prompt)
+    assert coordinator.find_cache_hit(3) == 40

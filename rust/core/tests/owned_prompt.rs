@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{add, allocate, full_and_window};
+use common::{add, allocate, full_and_window, tokens};
 use hybrid_cache_core::{Coordinator, CoreError, ExtraKeys};
 
 #[test]
@@ -70,4 +70,40 @@ fn token_capacity_has_room_for_every_token_and_the_last_sampled_one() {
     assert_eq!(C::token_capacity(10, None), 11);
     assert_eq!(C::token_capacity(10, Some(30)), 31);
     assert_eq!(C::token_capacity(10, Some(4)), 11, "never below the prompt");
+}
+
+#[test]
+fn a_request_added_after_a_free_reuses_its_storage_and_nothing_of_its_contents() {
+    let mut c = full_and_window(8, 64);
+    add(&mut c, 1, &tokens(1, 40));
+    assert!(allocate(&mut c, 1, 0, 40));
+    c.append_token_ids(1, &[3, 4]).unwrap();
+    c.free_request(1).unwrap();
+    // Request 2 takes request 1's vectors: none of its tokens, hashes or blocks come along.
+    add(&mut c, 2, &tokens(500, 24));
+    assert_eq!(c.num_tokens(2).unwrap(), 24);
+    assert_eq!(
+        c.find_cache_hit(2).unwrap(),
+        0,
+        "no hash of request 1 is left"
+    );
+    assert!(allocate(&mut c, 2, 0, 24));
+    for group in 0..2 {
+        let row = c.request_blocks(2, group).unwrap();
+        assert_eq!(
+            row.len(),
+            6,
+            "a row of its own 6 blocks, nothing of request 1's"
+        );
+    }
+    c.free_request(2).unwrap();
+    // Both prompts hit what their own computation cached.
+    add(&mut c, 3, &tokens(500, 24));
+    assert_eq!(c.find_cache_hit(3).unwrap(), 20);
+    add(&mut c, 4, &tokens(1, 40));
+    assert_eq!(c.find_cache_hit(4).unwrap(), 36);
+    // A caller converting a prompt gets a freed request's storage, empty.
+    c.free_request(3).unwrap();
+    let storage = c.token_storage(10);
+    assert!(storage.is_empty() && storage.capacity() >= 24);
 }

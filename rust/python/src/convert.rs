@@ -27,7 +27,7 @@ pub fn request_id(value: i64) -> PyResult<u64> {
 pub fn int64s(name: &str, values: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     // Lists and tuples first: asking them for a buffer would build a TypeError each call.
     if let Ok(list) = values.cast::<PyList>() {
-        return match exact_ints::<i64>(list, |len| len) {
+        return match exact_ints::<i64>(list, Vec::with_capacity) {
             Some(ints) => Ok(ints),
             None => ints_by_item(name, list.iter()),
         };
@@ -79,15 +79,16 @@ fn prefetch(item: *const pyo3::ffi::PyObject) {
 /// A list whose items are all exactly `int` and fit in a `T` (read as `i64`), read without a
 /// reference count change per item, in one pass; `None` (the caller converts item by item,
 /// with its errors) for any other list.
-/// The result has room for `capacity(len)` items.
+/// The items are written into `storage(len)`, an empty vector (room for `len` items is made
+/// if it lacks it).
 fn exact_ints<T: TryFrom<i64>>(
     list: &Bound<'_, PyList>,
-    capacity: impl Fn(usize) -> usize,
+    storage: impl FnOnce(usize) -> Vec<T>,
 ) -> Option<Vec<T>> {
     let len = list.len();
     if len == 0 {
         // An empty list may have no item array at all (`ob_item` null).
-        return Some(Vec::with_capacity(capacity(0)));
+        return Some(storage(0));
     }
     // SAFETY: a non-empty list's `ob_item` points at its `len` items; the GIL is held and no
     // Python code runs while the slice is read (the list keeps its items: borrowed references).
@@ -96,7 +97,10 @@ fn exact_ints<T: TryFrom<i64>>(
         std::slice::from_raw_parts((*list).ob_item, len)
     };
     // The layout read once, each one's loop compiled on its own.
-    let mut ints = Vec::with_capacity(capacity(items.len()).max(items.len()));
+    let mut ints = storage(items.len());
+    debug_assert!(ints.is_empty(), "storage hands out empty vectors");
+    ints.clear();
+    ints.reserve(items.len());
     let read = match ints::current() {
         Layout::SignedSize => read_items(Layout::SignedSize, items, &mut ints),
         Layout::Tag => read_items(Layout::Tag, items, &mut ints),
@@ -178,22 +182,24 @@ pub fn int_rows<const N: usize, T>(
 /// Token ids: ints in `0..2^32`. A list of ints in range is read in one pass into the result
 /// (no `i64` copy first).
 pub fn token_ids(values: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    token_ids_with_room(values, |len| len)
+    token_ids_into(values, Vec::with_capacity)
 }
 
-/// `token_ids` into a vector with room for `capacity(len)` ids (at least `len`): storage the
-/// caller keeps growing without a copy.
-pub fn token_ids_with_room(
+/// `token_ids` written into `storage(len)`, an empty vector the caller provides for `len`
+/// ids (room is made if it lacks it): storage it keeps growing without a copy, or reuses.
+pub fn token_ids_into(
     values: &Bound<'_, PyAny>,
-    capacity: impl Fn(usize) -> usize,
+    mut storage: impl FnMut(usize) -> Vec<u32>,
 ) -> PyResult<Vec<u32>> {
     if let Ok(list) = values.cast::<PyList>() {
-        if let Some(tokens) = exact_ints::<u32>(list, &capacity) {
+        if let Some(tokens) = exact_ints::<u32>(list, &mut storage) {
             return Ok(tokens);
         }
     }
     let ids = int64s("token ids", values)?;
-    let mut tokens = Vec::with_capacity(capacity(ids.len()).max(ids.len()));
+    let mut tokens = storage(ids.len());
+    tokens.clear();
+    tokens.reserve(ids.len());
     for id in ids {
         tokens.push(token_id(id)?);
     }

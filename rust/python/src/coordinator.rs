@@ -11,9 +11,7 @@ use hybrid_cache_core::{
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::convert::{
-    hash128, int64s, size, token_ids, token_ids_with_room, ListTokens, ReadError,
-};
+use crate::convert::{hash128, int64s, size, token_ids, token_ids_into, ListTokens, ReadError};
 use crate::errors::{invalid_argument, to_py};
 use crate::table_view::TableView;
 
@@ -291,9 +289,12 @@ impl PyCoordinator {
         let max_total_tokens = max_total_tokens
             .map(|tokens| size("max_total_tokens", tokens))
             .transpose()?;
-        // Converted straight into the request's own storage (room for every token it may reach).
-        let capacity = |len| <Coordinator>::token_capacity(len, max_total_tokens);
-        let tokens = token_ids_with_room(prompt_token_ids, capacity)?;
+        // Converted straight into the request's own storage (room for every token it may
+        // reach), a finished request's when one is kept.
+        let inner = &mut self.inner;
+        let storage =
+            |len| inner.token_storage(<Coordinator>::token_capacity(len, max_total_tokens));
+        let tokens = token_ids_into(prompt_token_ids, storage)?;
         let extra = extra_keys(lora_id, cache_salt, mm_hashes)?;
         self.inner
             .add_request_owned(request_id, tokens, max_total_tokens, extra)

@@ -7,12 +7,15 @@ use crate::allocator::{BlockAllocator, FreeTier};
 use crate::error::CoreError;
 
 impl<P: BlockAllocator> Coordinator<P> {
-    /// Frees every block of the request and releases its row. The blocks are freed in the
-    /// order their tokens end, last first, across groups (see `eviction_order`), so the
-    /// request's chain is evicted from its tail backwards in every group at once and stays
-    /// hittable, if shorter, as it goes.
+    /// Frees every block of the request and releases its row; its emptied vectors are kept
+    /// for the next requests (`spares`). The blocks are freed in the order their tokens end,
+    /// last first, across groups (see `eviction_order`), so the request's chain is evicted
+    /// from its tail backwards in every group at once and stays hittable, if shorter, as it
+    /// goes.
     pub fn free_request(&mut self, request_id: u64) -> Result<(), CoreError> {
-        self.release_request(request_id).map(drop)
+        let state = self.release_request(request_id)?;
+        self.spares.keep(state);
+        Ok(())
     }
 
     /// `free_request`, returning the request's state (its blocks gone) to the caller.

@@ -48,6 +48,7 @@ mod protect;
 mod quiet;
 mod request;
 mod slab;
+mod spares;
 mod table;
 mod tails;
 
@@ -62,7 +63,7 @@ use self::quiet::QuietBounds;
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::hashing::{BlockHasher, ExtraKeys};
-use crate::manager::{AdmissionLimits, AttentionManager, GroupBlocks};
+use crate::manager::{AdmissionLimits, AttentionManager};
 use crate::types::{BlockHash, BlockId, CacheKey, PoolStats};
 use crate::DefaultPool;
 use hit_stats::EvictedKeys;
@@ -165,6 +166,8 @@ pub struct Coordinator<P: BlockAllocator = DefaultPool> {
     parked: request::ParkedRequests,
     /// Blocks of requests' hash chains hashed so far (`CoordinatorStats::hashed_blocks`).
     num_hashed: u64,
+    /// Freed requests' emptied vectors, for the next requests (`spares`).
+    spares: spares::Spares,
 }
 
 /// A cached full block one of whose keys a hit may end at (see `Coordinator::prefix_index`).
@@ -223,6 +226,7 @@ impl<P: BlockAllocator> Coordinator<P> {
         // Preempted requests kept at most: at least 16, so a configuration with few rows still
         // keeps some.
         let parked_limit = 4 * config.max_num_reqs.max(4);
+        let max_num_reqs = config.max_num_reqs;
         let table = BlockTable::new(
             config.groups.len(),
             config.max_num_reqs,
@@ -261,6 +265,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             protected: None,
             parked: request::ParkedRequests::new(parked_limit),
             num_hashed: 0,
+            spares: spares::Spares::new(max_num_reqs),
         })
     }
 
@@ -307,9 +312,18 @@ impl<P: BlockAllocator> Coordinator<P> {
         let prompt = request.prompt_token_ids;
         let max_total = request.max_total_tokens;
         self.check_new(request.request_id, prompt, max_total, &request.extra)?;
-        let mut tokens = Vec::with_capacity(Self::token_capacity(prompt.len(), max_total));
+        let mut tokens = self
+            .spares
+            .tokens(Self::token_capacity(prompt.len(), max_total));
         tokens.extend_from_slice(prompt);
         Ok(self.add_checked(request.request_id, tokens, max_total, request.extra))
+    }
+
+    /// An empty token vector with room for `capacity` tokens: a freed request's storage when
+    /// one is kept (`spares`), else a new one. A caller converting a prompt for
+    /// `add_request_owned` fills it, so the request reuses memory a finished one left warm.
+    pub fn token_storage(&mut self, capacity: usize) -> Vec<u32> {
+        self.spares.tokens(capacity)
     }
 
     /// `add_request` keeping `prompt`'s storage as the request's: no copy when it has room for
@@ -347,9 +361,9 @@ impl<P: BlockAllocator> Coordinator<P> {
         self.parked.take(request_id);
         // Room for every block hash too.
         let max_len = max_total_tokens.unwrap_or(tokens.len());
-        let chains = (self.keys.chain_block_sizes.iter())
-            .map(|&size| Vec::with_capacity(max_len / size))
-            .collect();
+        let chains = self
+            .spares
+            .hash_chains(&self.keys.chain_block_sizes, max_len);
         self.insert_request(request_id, tokens, extra, chains)
     }
 
@@ -465,7 +479,7 @@ impl<P: BlockAllocator> Coordinator<P> {
             num_computed: 0,
             num_allocated: 0,
             hash_chains,
-            groups: vec![GroupBlocks::default(); self.num_groups()],
+            groups: self.spares.groups(self.managers.len()),
             pending_hit: None,
             hit_tokens: 0,
             last_batch: 0,
