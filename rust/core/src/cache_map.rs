@@ -13,9 +13,6 @@
 //! +-------------+-------+----------------+   EMPTY = 0, TOMBSTONE = only the spare bit
 //! ```
 //!
-//! Beside it, one byte per slot says whether the slot is EMPTY (`sync_occupied`): a lookup whose
-//! home slot is EMPTY, most misses, reads that small array only.
-//!
 //! The key itself is not stored: an entry names its block, whose key slots hold the key
 //! (`block_state`), and `tag` (31 bits of the key's hash) skips most other keys without reading
 //! a block. The pool writes a block's key slots before inserting its entry (Release CAS) and
@@ -47,7 +44,7 @@
 //!   that entry unreachable by probes until its block removes it: lookups of that key miss.
 
 #[cfg(not(loom))]
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::types::{BlockId, CacheKey};
 
@@ -75,10 +72,6 @@ pub(crate) enum Copy {
 #[cfg(not(loom))]
 pub(crate) struct CacheMap {
     slots: Box<[AtomicU64]>,
-    /// One byte per slot, 0 exactly when the slot is EMPTY once its writers are done
-    /// (`sync_occupied`): a lookup whose home slot is EMPTY (most misses) reads this small
-    /// array only, not the slot.
-    occupied: Box<[AtomicU8]>,
     /// `slots.len() - 1` (a power of two minus one).
     mask: usize,
     /// `64 - log2(slots.len())`: the home slot is the top bits of the mixed hash.
@@ -107,13 +100,8 @@ impl CacheMap {
         for slot in slots.iter().step_by(512) {
             slot.store(EMPTY, Ordering::Relaxed);
         }
-        let occupied: Box<[AtomicU8]> = (0..len).map(|_| AtomicU8::new(0)).collect();
-        for byte in occupied.iter().step_by(4096) {
-            byte.store(0, Ordering::Relaxed);
-        }
         CacheMap {
             slots,
-            occupied,
             mask: len - 1,
             shift: 64 - len.trailing_zeros(),
         }
@@ -139,11 +127,10 @@ impl CacheMap {
         word & BLOCK_MASK != 0 && word >> TAG_SHIFT == tag && key_of(block_of(word)) == key
     }
 
-    /// Starts loading the key's home slot (and its occupied byte) into the cache: a caller
+    /// Starts loading the key's home slot into the cache: a caller
     /// about to look up or insert several keys prefetches the next ones while it works.
     pub(crate) fn prefetch(&self, key: CacheKey) {
         let (home, _) = self.place(key);
-        crate::primitive::prefetch(&self.occupied[home]);
         crate::primitive::prefetch(&self.slots[home]);
     }
 
@@ -154,10 +141,6 @@ impl CacheMap {
         key_of: impl Fn(BlockId) -> CacheKey,
     ) -> Option<BlockId> {
         let (mut index, tag) = self.place(key);
-        // SeqCst: see `sync_occupied`.
-        if self.occupied[index].load(Ordering::SeqCst) == 0 {
-            return None;
-        }
         let mut spare = None;
         for _ in 0..self.slots.len() {
             // Acquire: pairs with the Release CAS of `insert`, so the block's key slots written
@@ -225,7 +208,6 @@ impl CacheMap {
                 )
                 .is_ok()
             {
-                self.sync_occupied(at);
                 return Some((copy, at));
             }
         }
@@ -264,24 +246,7 @@ impl CacheMap {
             {
                 return;
             }
-            self.sync_occupied(index);
             index = (index + self.mask) & self.mask;
-        }
-    }
-
-    /// Makes `occupied[index]` say whether slot `index` is EMPTY, after a CAS that changed
-    /// the slot between EMPTY and non-EMPTY. Each writer stores what it reads and then checks
-    /// the slot again, storing anew while they disagree; with every access SeqCst, the last
-    /// store to the byte is followed by its writer's check of the slot's latest value, so
-    /// once the writers return the byte is right (in between, a lookup may miss an entry
-    /// being inserted, or probe a slot just emptied: both harmless).
-    fn sync_occupied(&self, index: usize) {
-        loop {
-            let occupied = self.slots[index].load(Ordering::SeqCst) != EMPTY;
-            self.occupied[index].store(u8::from(occupied), Ordering::SeqCst);
-            if (self.slots[index].load(Ordering::SeqCst) != EMPTY) == occupied {
-                return;
-            }
         }
     }
 
@@ -436,12 +401,6 @@ mod tests {
                 assert_eq!(copy, Copy::First);
                 model.insert(new, (block, slot));
                 held.insert(block, (new, slot));
-            }
-            if model.len().is_multiple_of(64) {
-                for (slot, byte) in map.slots.iter().zip(map.occupied.iter()) {
-                    let empty = slot.load(Ordering::Relaxed) == EMPTY;
-                    assert_eq!(byte.load(Ordering::Relaxed) == 0, empty);
-                }
             }
             let probe = key((next() % 2) as u32, u128::from(next() % 4096));
             assert_eq!(
