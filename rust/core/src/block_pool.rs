@@ -2,9 +2,9 @@
 //!
 //! # Structure
 //!
-//! - `blocks`: one `BlockSlot` per block (state word + cache key in atomics, see
-//!   `block_state`). Block 0, the null block, has a slot that is never queued, claimed, touched,
-//!   cached or freed.
+//! - `blocks`: each block's state word and cache key in atomics, in two arrays (`BlockSlots`,
+//!   see `block_state`). Block 0, the null block, has a slot that is never queued, claimed,
+//!   touched, cached or freed.
 //! - `free_queue`: the LRU free queues (keyless, `Low`, `Normal`, `High`: evicted in that
 //!   order) with lazy deletion and the reservation counter (see `free_queue`).
 //! - `cache`: the lock-free map `CacheKey -> BlockId` (`cache_map`) of each key's first copy
@@ -76,7 +76,7 @@
 use std::fmt;
 
 use crate::allocator::{BlockAllocator, FreeTier};
-use crate::block_state::{BlockSlot, Claim, NotHeld, Release, Touch};
+use crate::block_state::{BlockSlot, BlockSlots, Claim, NotHeld, Release, Touch};
 use crate::cache_map::{CacheMap, Copy};
 use crate::error::CoreError;
 use crate::free_queue::{Entry, FreeQueue};
@@ -112,8 +112,9 @@ impl Default for QueueBatch {
 
 /// The lock-free block pool. See the module docs.
 pub struct BlockPool {
-    /// One slot per block, index = block id; slot 0 (the null block) is never used.
-    blocks: Box<[BlockSlot]>,
+    /// Each block's state word and key slots, index = block id; slot 0 (the null block) is
+    /// never used.
+    blocks: BlockSlots,
     /// Free blocks in eviction order (lazily deleted) and the count allocators reserve from.
     free_queue: FreeQueue,
     /// `key -> block` for each key's first copy and its spare (`cached_block` falls back to the
@@ -140,20 +141,13 @@ impl BlockPool {
     /// A pool of `num_blocks` blocks, block 0 being the null block. Needs at least 2.
     pub fn new(num_blocks: usize) -> Result<Self, CoreError> {
         crate::validate_num_blocks(num_blocks)?;
-        let blocks: Box<[BlockSlot]> = (0..num_blocks).map(|_| BlockSlot::new()).collect();
+        let blocks = BlockSlots::new(num_blocks);
         // Compact once stale entries outnumber the blocks: the FIFO stays O(num_blocks).
         let free_queue = FreeQueue::new(num_blocks);
-        // One write per page (a slot is 32 bytes): see `BlockSlot::prefault`.
-        for slot in blocks
-            .iter()
-            .step_by(4096 / std::mem::size_of::<BlockSlot>().max(1))
-        {
-            slot.prefault();
-        }
         let entries: Vec<Entry> = (1..num_blocks as BlockId)
             .map(|block| Entry {
                 block,
-                generation: blocks[block as usize].load().generation(),
+                generation: blocks.slot(block as usize).load().generation(),
             })
             .collect();
         free_queue.push_uncounted(&entries, FreeTier::Normal.queue(false));
@@ -168,7 +162,7 @@ impl BlockPool {
         })
     }
 
-    fn check_block(&self, block: BlockId) -> Result<&BlockSlot, CoreError> {
+    fn check_block(&self, block: BlockId) -> Result<BlockSlot<'_>, CoreError> {
         if block == NULL_BLOCK {
             return Err(CoreError::InvalidBlock(
                 "the null block (id 0) is never allocated and cannot be freed or cached".into(),
@@ -197,7 +191,7 @@ impl BlockPool {
     /// a block its writer does not hold.
     fn drop_key(&self, block: BlockId) -> CacheKey {
         // The claimer holds the block and the cached bit is clear, so nobody rewrites the slots.
-        let slot = &self.blocks[block as usize];
+        let slot = self.blocks.slot(block as usize);
         let key = slot.key();
         self.remove_entry(slot, key, block);
         // Relaxed: statistics only.
@@ -206,7 +200,7 @@ impl BlockPool {
     }
 
     /// Removes the map entry of `block` (held by this thread) for `key`, if it has one.
-    fn remove_entry(&self, slot: &BlockSlot, key: CacheKey, block: BlockId) {
+    fn remove_entry(&self, slot: BlockSlot<'_>, key: CacheKey, block: BlockId) {
         if self.cache.remove(slot.map_slot(), key, block) == Some(Copy::Spare) {
             // Relaxed: statistics only.
             self.num_spares.fetch_sub(1, Ordering::Relaxed);
@@ -244,7 +238,7 @@ impl BlockPool {
     /// Inserts the cache map entry of `block` (its key slots already hold `key`) as the key's
     /// first copy or its spare, and records the slot with the block; false (nothing changed)
     /// when the key has both copies.
-    fn insert_entry(&self, slot: &BlockSlot, key: CacheKey, block: BlockId) -> bool {
+    fn insert_entry(&self, slot: BlockSlot<'_>, key: CacheKey, block: BlockId) -> bool {
         let Some((copy, at)) = self.cache.insert(key, block, |block| self.key_of(block)) else {
             return false;
         };
@@ -262,7 +256,7 @@ impl BlockPool {
     /// two), the common case: a request caching the blocks it just computed.
     fn cache_alone(
         &self,
-        slot: &BlockSlot,
+        slot: BlockSlot<'_>,
         alone: crate::block_state::State,
         block: BlockId,
         key: CacheKey,
@@ -280,21 +274,20 @@ impl BlockPool {
 
     /// Starts loading `block`'s state word into the cache (a hint; ids out of range are ignored).
     fn prefetch_state(&self, block: BlockId) {
-        if let Some(slot) = self.blocks.get(block as usize) {
-            crate::primitive::prefetch(slot);
-        }
+        self.blocks.prefetch_state(block as usize);
     }
 
     /// The key slots of `block`, as the cache map reads them.
     fn key_of(&self, block: BlockId) -> CacheKey {
-        self.blocks[block as usize].key()
+        self.blocks.slot(block as usize).key()
     }
 
     /// The queue entry of a block just taken out of the free state by a touch or a take is
     /// stale now: counted so the queue compacts when stale entries pile up.
     fn left_free_queue(&self) {
         self.free_queue.made_stale(|entry| {
-            self.blocks[entry.block as usize]
+            self.blocks
+                .slot(entry.block as usize)
                 .load()
                 .is_free_with(entry.generation)
         });
@@ -356,12 +349,19 @@ impl BlockAllocator for BlockPool {
             // At most the units still reserved: every valid entry popped is claimed below.
             let batch = (count - taken).min(QUEUE_BATCH);
             let num_popped = self.free_queue.pop_into(&mut popped[..batch]);
-            // The batch's state words are prefetched first, so their cache misses overlap.
+            // The batch's state words and key slots are prefetched first, so their cache misses
+            // overlap: a claim reads the word, an eviction the key slots, and a block claimed
+            // for a prefill has its key written soon after.
             for entry in &popped[..num_popped] {
                 self.prefetch_state(entry.block);
+                self.blocks.prefetch_keys(entry.block as usize);
             }
             for entry in &popped[..num_popped] {
-                match self.blocks[entry.block as usize].claim(entry.generation) {
+                match self
+                    .blocks
+                    .slot(entry.block as usize)
+                    .claim(entry.generation)
+                {
                     Claim::Claimed { was_cached } => {
                         if was_cached {
                             evicted.push(self.evict(entry.block));
@@ -392,6 +392,7 @@ impl BlockAllocator for BlockPool {
         for &block in &blocks[..blocks.len().min(RELEASE_PREFETCH_AHEAD)] {
             self.prefetch_state(block);
         }
+
         for (index, &block) in blocks.iter().enumerate() {
             // The state words of the blocks a few ahead are prefetched: a request's blocks lie
             // anywhere in the pool, and their cache misses overlap.
@@ -551,7 +552,8 @@ impl BlockAllocator for BlockPool {
     fn free_queue_order(&self) -> Vec<BlockId> {
         self.free_queue
             .valid_entries(|entry| {
-                self.blocks[entry.block as usize]
+                self.blocks
+                    .slot(entry.block as usize)
                     .load()
                     .is_free_with(entry.generation)
             })

@@ -1,5 +1,7 @@
 //! Per-block atomic state: one 64-bit word (reference count, cached bit, caching-in-progress bit,
-//! generation) plus the block's cache key, stored in atomics so no lock is ever taken.
+//! generation) plus the block's cache key, stored in atomics so no lock is ever taken. The words
+//! of all blocks form one array and their keys another (`BlockSlots`): what a release or a claim
+//! reads is packed 8 blocks to a cache line.
 //!
 //! # The state word
 //!
@@ -138,42 +140,118 @@ pub(crate) enum Touch {
     Miss,
 }
 
-/// One block's synchronisation state.
+/// The key slots of one block, kept apart from the state words (`BlockSlots`).
 #[derive(Debug)]
-pub(crate) struct BlockSlot {
-    /// The state word described in the module docs. Only modified by CAS (or `fetch_*` that
-    /// preserve the other fields).
-    state: AtomicU64,
-    /// Group of the cached key. Meaningful only while `cached` is set; written only while
-    /// `pending` is set by the holder that set it.
-    key_group: AtomicU32,
-    /// High 64 bits of the cached key's hash; same rule as `key_group`.
+struct KeySlots {
+    /// High 64 bits of the cached key's hash. Meaningful only while `cached` is set; written
+    /// only while `pending` is set by the holder that set it (or by a sole holder, see
+    /// `write_key_alone`).
     key_hash_high: AtomicU64,
-    /// Low 64 bits of the cached key's hash; same rule as `key_group`.
+    /// Low 64 bits of the cached key's hash; same rule as `key_hash_high`.
     key_hash_low: AtomicU64,
+    /// Group of the cached key; same rule as `key_hash_high`.
+    key_group: AtomicU32,
     /// The cache map slot of the block's entry (`cache_map`); written and read only by the
     /// block's holder (ordered by the state word's CASes), so a std atomic even under loom.
     map_slot: std::sync::atomic::AtomicU32,
 }
 
-impl BlockSlot {
-    pub(crate) fn new() -> Self {
-        BlockSlot {
-            state: AtomicU64::new(State::INITIAL.0),
-            key_group: AtomicU32::new(0),
+impl KeySlots {
+    fn new() -> Self {
+        KeySlots {
             key_hash_high: AtomicU64::new(0),
             key_hash_low: AtomicU64::new(0),
+            key_group: AtomicU32::new(0),
             map_slot: std::sync::atomic::AtomicU32::new(0),
         }
     }
+}
 
-    /// Writes the block's initial state again (a block just built, not yet shared): the pool
-    /// calls it so memory the allocator mapped lazily is faulted in at construction, not by
+/// Every block's state word and key slots, in two arrays indexed by block id. The state words
+/// lie 8 to a cache line, apart from the 24-byte key slots: a release or a claim reads the word
+/// alone, so freeing a request whose blocks are neighbours touches a quarter of the lines a
+/// combined 32-byte slot would, and the words of scattered blocks lie in a quarter of the pages.
+#[derive(Debug)]
+pub(crate) struct BlockSlots {
+    states: Box<[AtomicU64]>,
+    keys: Box<[KeySlots]>,
+}
+
+impl BlockSlots {
+    /// `num_blocks` free, uncached blocks of generation 0. One word per page of each array is
+    /// written now, so memory the allocator mapped lazily is faulted in at construction, not by
     /// the first steps.
-    pub(crate) fn prefault(&self) {
-        self.state.store(State::INITIAL.0, Ordering::Relaxed);
+    pub(crate) fn new(num_blocks: usize) -> Self {
+        let states: Box<[AtomicU64]> = (0..num_blocks)
+            .map(|_| AtomicU64::new(State::INITIAL.0))
+            .collect();
+        let keys: Box<[KeySlots]> = (0..num_blocks).map(|_| KeySlots::new()).collect();
+        for state in states
+            .iter()
+            .step_by(4096 / std::mem::size_of::<AtomicU64>())
+        {
+            state.store(State::INITIAL.0, Ordering::Relaxed);
+        }
+        for slots in keys.iter().step_by(4096 / std::mem::size_of::<KeySlots>()) {
+            slots.key_group.store(0, Ordering::Relaxed);
+        }
+        BlockSlots { states, keys }
     }
 
+    /// Blocks, the null block included.
+    pub(crate) fn len(&self) -> usize {
+        self.states.len()
+    }
+
+    /// Block `block`'s slot, `None` out of range.
+    pub(crate) fn get(&self, block: usize) -> Option<BlockSlot<'_>> {
+        Some(BlockSlot {
+            state: self.states.get(block)?,
+            keys: self.keys.get(block)?,
+        })
+    }
+
+    /// Block `block`'s slot; panics out of range (ids the pool itself handed out or queued).
+    pub(crate) fn slot(&self, block: usize) -> BlockSlot<'_> {
+        BlockSlot {
+            state: &self.states[block],
+            keys: &self.keys[block],
+        }
+    }
+
+    /// Every block's slot, by id.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = BlockSlot<'_>> {
+        self.states
+            .iter()
+            .zip(self.keys.iter())
+            .map(|(state, keys)| BlockSlot { state, keys })
+    }
+
+    /// Starts loading `block`'s state word into the cache (a hint; ignored out of range).
+    pub(crate) fn prefetch_state(&self, block: usize) {
+        if let Some(state) = self.states.get(block) {
+            crate::primitive::prefetch(state);
+        }
+    }
+
+    /// Starts loading `block`'s key slots into the cache (a hint; ignored out of range).
+    pub(crate) fn prefetch_keys(&self, block: usize) {
+        if let Some(keys) = self.keys.get(block) {
+            crate::primitive::prefetch(keys);
+        }
+    }
+}
+
+/// One block's synchronisation state: its state word and its key slots (`BlockSlots`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockSlot<'a> {
+    /// The state word described in the module docs. Only modified by CAS (or `fetch_*` that
+    /// preserve the other fields).
+    state: &'a AtomicU64,
+    keys: &'a KeySlots,
+}
+
+impl BlockSlot<'_> {
     /// A snapshot of the state word.
     pub(crate) fn load(&self) -> State {
         // Acquire: pairs with the Release CASes below so what a releasing holder wrote (the key
@@ -186,9 +264,9 @@ impl BlockSlot {
         // Acquire: pairs with the Release stores in `write_key`; a toucher that reads a key newer
         // than its state snapshot thereby also sees the generation bump that preceded it, so
         // its CAS from the old snapshot fails (see `touch`).
-        let group = self.key_group.load(Ordering::Acquire);
-        let high = self.key_hash_high.load(Ordering::Acquire);
-        let low = self.key_hash_low.load(Ordering::Acquire);
+        let group = self.keys.key_group.load(Ordering::Acquire);
+        let high = self.keys.key_hash_high.load(Ordering::Acquire);
+        let low = self.keys.key_hash_low.load(Ordering::Acquire);
         CacheKey {
             group,
             hash: BlockHash(((high as u128) << 64) | low as u128),
@@ -198,14 +276,17 @@ impl BlockSlot {
     /// The cache map slot recorded by `set_map_slot`.
     pub(crate) fn map_slot(&self) -> usize {
         // Relaxed: only the block's holder reads it, after the CASes that made it the holder.
-        self.map_slot.load(std::sync::atomic::Ordering::Relaxed) as usize
+        self.keys
+            .map_slot
+            .load(std::sync::atomic::Ordering::Relaxed) as usize
     }
 
     /// Records the cache map slot of the block's entry (the holder, while caching it).
     pub(crate) fn set_map_slot(&self, slot: usize) {
         // Relaxed: see `map_slot`.
         let slot = u32::try_from(slot).expect("the cache map has at most 2^32 slots");
-        self.map_slot
+        self.keys
+            .map_slot
             .store(slot, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -219,10 +300,12 @@ impl BlockSlot {
 
     fn write_key(&self, key: CacheKey) {
         // Release: see `key`.
-        self.key_group.store(key.group, Ordering::Release);
-        self.key_hash_high
+        self.keys.key_group.store(key.group, Ordering::Release);
+        self.keys
+            .key_hash_high
             .store((key.hash.0 >> 64) as u64, Ordering::Release);
-        self.key_hash_low
+        self.keys
+            .key_hash_low
             .store(key.hash.0 as u64, Ordering::Release);
     }
 
@@ -467,7 +550,8 @@ mod tests {
 
     #[test]
     fn claim_touch_release_cycle() {
-        let slot = BlockSlot::new();
+        let slots = BlockSlots::new(2);
+        let slot = slots.slot(1);
         assert_eq!(slot.claim(0), Claim::Claimed { was_cached: false });
         assert_eq!(slot.claim(0), Claim::Stale);
         let generation = slot.begin_caching().unwrap().unwrap();
@@ -502,7 +586,8 @@ mod tests {
 
     #[test]
     fn touch_of_free_block_needs_a_reservation() {
-        let slot = BlockSlot::new();
+        let slots = BlockSlots::new(2);
+        let slot = slots.slot(1);
         slot.claim(0);
         let generation = slot.begin_caching().unwrap().unwrap();
         assert!(slot.finish_caching(generation, key(1)));
