@@ -168,7 +168,12 @@ pub trait AttentionManager: Send + Sync + Debug {
     fn can_be_hit(&self, index: usize, hit_alignment: usize) -> bool {
         let block_size = self.block_size();
         let block_end = (index + 1) * block_size;
-        let smallest_hit = block_end.div_ceil(hit_alignment) * hit_alignment;
+        // Hits aligned to the block size (one block size in the model) need no rounding.
+        let smallest_hit = if hit_alignment == block_size {
+            block_end
+        } else {
+            block_end.div_ceil(hit_alignment) * hit_alignment
+        };
         self.num_released_blocks(smallest_hit) <= index
     }
 }
@@ -215,6 +220,9 @@ pub fn cache_full_blocks(
     // The keys a few blocks on are prefetched, so the cache map's misses overlap: the first
     // `PREFETCH_AHEAD` before the loop, then one per block.
     let prefetch = |index| context.pool.prefetch_key((context.key_of)(index));
+    // A group that never skips a token (full attention) can be hit at every block: no test
+    // per block.
+    let every_block = manager.first_skipping(1) == usize::MAX;
     (blocks.num_cached..end.min(blocks.num_cached + PREFETCH_AHEAD)).for_each(prefetch);
     // Handed to the pool in batches (its counters move once per batch).
     let mut batch = [(NULL_BLOCK, NO_KEY); CACHE_BATCH];
@@ -224,7 +232,9 @@ pub fn cache_full_blocks(
             prefetch(ahead);
         }
         let block = blocks.blocks[index];
-        if block == NULL_BLOCK || !manager.can_be_hit(index, context.hit_alignment) {
+        if block == NULL_BLOCK
+            || (!every_block && !manager.can_be_hit(index, context.hit_alignment))
+        {
             continue;
         }
         batch[len] = (block, (context.key_of)(index));

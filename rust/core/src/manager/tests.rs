@@ -161,6 +161,11 @@ fn only_blocks_a_hit_can_use_are_cacheable() {
     assert!((0..8).all(|i| window.can_be_hit(i, 2)));
     let full = FullAttentionManager::new(2);
     assert!((0..8).all(|i| full.can_be_hit(i, 8)));
+    // What `cache_full_blocks` asks before skipping the test per block: only a group that
+    // never skips a token answers that no count skips one.
+    assert_eq!(full.first_skipping(1), usize::MAX);
+    assert_ne!(window.first_skipping(1), usize::MAX);
+    assert_ne!(ChunkedLocalManager::new(2, 4).first_skipping(1), usize::MAX);
 }
 
 #[test]
