@@ -160,5 +160,64 @@ fn release_320(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, alloc_free_one, cache_hit, threads, release_320);
+/// Allocations of `RELEASE_BLOCKS` blocks that each evict a cached block: the pool full of
+/// cached free blocks in shuffled order (a prefix cache at capacity), time per request.
+fn evicting_alloc_320(c: &mut Criterion) {
+    let num_blocks = 131072;
+    let pool = BlockPool::new(num_blocks).unwrap();
+    let mut all = Vec::new();
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next_key = 0u128;
+    let mut held: Vec<Vec<u32>> = (0..RELEASE_REQUESTS)
+        .map(|_| Vec::with_capacity(RELEASE_BLOCKS))
+        .collect();
+    c.bench_function("evicting_alloc_320", |b| {
+        b.iter_custom(|iters| {
+            let mut spent = Duration::ZERO;
+            for _ in 0..iters.div_ceil(RELEASE_REQUESTS as u64) {
+                // Untimed: every block cached under a new key and freed, in shuffled order.
+                all.clear();
+                pool.get_new_blocks(num_blocks - 1, &mut all).unwrap();
+                for i in (1..all.len()).rev() {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    all.swap(i, (state % (i as u64 + 1)) as usize);
+                }
+                for &block in &all {
+                    next_key += 1;
+                    let key = CacheKey {
+                        group: 0,
+                        hash: BlockHash(next_key.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+                    };
+                    assert!(pool.cache_block(block, key).unwrap());
+                }
+                pool.free_blocks(&all).unwrap();
+                let start = Instant::now();
+                for blocks in held.iter_mut() {
+                    blocks.clear();
+                    pool.get_new_blocks(RELEASE_BLOCKS, black_box(blocks))
+                        .unwrap();
+                }
+                spent += start.elapsed();
+                for blocks in &held {
+                    pool.free_blocks(blocks).unwrap();
+                }
+            }
+            spent.mul_f64(
+                iters as f64
+                    / (iters.div_ceil(RELEASE_REQUESTS as u64) as f64 * RELEASE_REQUESTS as f64),
+            )
+        })
+    });
+}
+
+criterion_group!(
+    benches,
+    alloc_free_one,
+    cache_hit,
+    threads,
+    release_320,
+    evicting_alloc_320
+);
 criterion_main!(benches);

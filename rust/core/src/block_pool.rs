@@ -349,13 +349,14 @@ impl BlockAllocator for BlockPool {
             // At most the units still reserved: every valid entry popped is claimed below.
             let batch = (count - taken).min(QUEUE_BATCH);
             let num_popped = self.free_queue.pop_into(&mut popped[..batch]);
-            // The batch's state words and key slots are prefetched first, so their cache misses
-            // overlap: a claim reads the word, an eviction the key slots, and a block claimed
-            // for a prefill has its key written soon after.
+            // The batch's state words are prefetched first, so their cache misses overlap.
             for entry in &popped[..num_popped] {
                 self.prefetch_state(entry.block);
-                self.blocks.prefetch_keys(entry.block as usize);
             }
+            // Claimed blocks that were cached are evicted after the claims, their key slots and
+            // then their map entries prefetched a step ahead, so those misses overlap too.
+            let mut cached = [NULL_BLOCK; QUEUE_BATCH];
+            let mut num_cached = 0;
             for entry in &popped[..num_popped] {
                 match self
                     .blocks
@@ -364,13 +365,22 @@ impl BlockAllocator for BlockPool {
                 {
                     Claim::Claimed { was_cached } => {
                         if was_cached {
-                            evicted.push(self.evict(entry.block));
+                            self.blocks.prefetch_keys(entry.block as usize);
+                            cached[num_cached] = entry.block;
+                            num_cached += 1;
                         }
                         out.push(entry.block);
                         taken += 1;
                     }
                     Claim::Stale => self.free_queue.dropped_stale(),
                 }
+            }
+            for &block in &cached[..num_cached] {
+                self.cache
+                    .prefetch_slot(self.blocks.slot(block as usize).map_slot());
+            }
+            for &block in &cached[..num_cached] {
+                evicted.push(self.evict(block));
             }
         }
         Ok(())

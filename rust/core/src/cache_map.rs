@@ -134,6 +134,14 @@ impl CacheMap {
         crate::primitive::prefetch(&self.slots[home]);
     }
 
+    /// Starts loading slot `slot` into the cache (a hint; ignored out of range): a caller about
+    /// to remove the entries several blocks recorded prefetches them first.
+    pub(crate) fn prefetch_slot(&self, slot: usize) {
+        if let Some(word) = self.slots.get(slot) {
+            crate::primitive::prefetch(word);
+        }
+    }
+
     /// The key's first copy, else its spare. `key_of` reads a block's key slots.
     pub(crate) fn get(
         &self,
@@ -311,6 +319,8 @@ impl CacheMap {
     }
 
     pub(crate) fn prefetch(&self, _key: CacheKey) {}
+
+    pub(crate) fn prefetch_slot(&self, _slot: usize) {}
 
     pub(crate) fn remove(&self, _slot: usize, key: CacheKey, block: BlockId) -> Option<Copy> {
         let mut map = self.0.lock().unwrap();
