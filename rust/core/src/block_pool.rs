@@ -18,7 +18,7 @@
 //! - `get_new_blocks(k)`: reserve `k` units from the free counter (all or nothing), then pop
 //!   entries and claim each valid one by CAS `(0, g, c) -> (1, g+1, 0)`, skipping stale entries.
 //!   A claimed block that was cached loses its key: its entry in `cache` (first copy or
-//!   spare) is removed; an eviction is counted.
+//!   spare) is removed, once the popped batch's claims are done; an eviction is counted.
 //! - `free_blocks_to(tier)`: validate every id against a snapshot, then release each; the
 //!   release that reaches 0 pushes `(block, g)` at the tail of the keyless queue when the state
 //!   word had no cached bit, else of `tier`'s queue, and then adds one unit to the counter.
