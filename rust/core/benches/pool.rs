@@ -9,6 +9,9 @@
 //!   cached; the figure is per request. `cold`: the caches are flushed (64 MiB written) between
 //!   the allocation and the release, as a request's blocks are when it ends; `warm`: released
 //!   right after allocation. Lock-free pool only.
+//! - `evicting_alloc_320`: allocating 256 requests of 320 blocks each from a pool of 131072
+//!   blocks that are all cached and free in shuffled order, so every claim evicts (a prefix
+//!   cache at capacity); the figure is per request. Lock-free pool only.
 
 use std::hint::black_box;
 use std::sync::Barrier;
