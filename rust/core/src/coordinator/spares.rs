@@ -56,9 +56,12 @@ impl Spares {
         }
         if self.groups.len() < self.limit {
             for group in &mut groups {
-                group.blocks.clear();
-                group.num_released = 0;
-                group.num_cached = 0;
+                let mut blocks = std::mem::take(&mut group.blocks);
+                blocks.clear();
+                *group = GroupBlocks {
+                    blocks,
+                    ..GroupBlocks::default()
+                };
             }
             self.groups.push(groups);
         }
