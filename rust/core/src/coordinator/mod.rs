@@ -59,7 +59,6 @@ pub use table::{BlockTable, RowRef};
 
 use std::collections::HashMap;
 
-use self::quiet::QuietBounds;
 use crate::allocator::BlockAllocator;
 use crate::error::CoreError;
 use crate::hashing::{BlockHasher, ExtraKeys};
@@ -472,22 +471,8 @@ impl<P: BlockAllocator> Coordinator<P> {
         hash_chains: Vec<Vec<BlockHash>>,
     ) -> usize {
         let row = self.free_rows.pop().expect("checked by check_new");
-        let state = RequestState {
-            row,
-            tokens,
-            extra,
-            num_computed: 0,
-            num_allocated: 0,
-            hash_chains,
-            groups: self.spares.groups(self.managers.len()),
-            pending_hit: None,
-            hit_tokens: 0,
-            last_batch: 0,
-            copy_sources: Vec::new(),
-            replay_frontier: 0,
-            pending_lookup: None,
-            quiet: QuietBounds::default(),
-        };
+        let groups = self.spares.groups(self.managers.len());
+        let state = RequestState::new(row, tokens, extra, hash_chains, groups);
         self.requests.insert(request_id, state);
         row
     }

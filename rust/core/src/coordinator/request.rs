@@ -42,6 +42,34 @@ pub struct RequestState {
     pub quiet: QuietBounds,
 }
 
+impl RequestState {
+    /// A request just added in `row`: nothing computed, allocated or looked up yet.
+    pub fn new(
+        row: usize,
+        tokens: Vec<u32>,
+        extra: ExtraKeys,
+        hash_chains: Vec<Vec<BlockHash>>,
+        groups: Vec<GroupBlocks>,
+    ) -> Self {
+        RequestState {
+            row,
+            tokens,
+            extra,
+            num_computed: 0,
+            num_allocated: 0,
+            hash_chains,
+            groups,
+            pending_hit: None,
+            hit_tokens: 0,
+            last_batch: 0,
+            copy_sources: Vec::new(),
+            replay_frontier: 0,
+            pending_lookup: None,
+            quiet: QuietBounds::default(),
+        }
+    }
+}
+
 /// A cache hit found but not yet taken.
 #[derive(Debug, Clone)]
 pub struct PendingHit {

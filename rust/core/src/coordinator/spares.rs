@@ -115,33 +115,17 @@ impl Spares {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinator::quiet::QuietBounds;
     use crate::hashing::ExtraKeys;
 
     fn state(tokens: usize, hashes: usize, blocks: usize) -> RequestState {
-        RequestState {
-            row: 0,
-            tokens: vec![7; tokens],
-            extra: ExtraKeys::default(),
-            num_computed: tokens,
-            num_allocated: tokens,
-            hash_chains: vec![vec![BlockHash(9); hashes]],
-            groups: vec![
-                GroupBlocks {
-                    blocks: vec![3; blocks],
-                    num_released: 1,
-                    num_cached: 2,
-                };
-                2
-            ],
-            pending_hit: None,
-            hit_tokens: 0,
-            last_batch: 0,
-            copy_sources: Vec::new(),
-            replay_frontier: 0,
-            pending_lookup: None,
-            quiet: QuietBounds::default(),
-        }
+        let row = GroupBlocks {
+            blocks: vec![3; blocks],
+            num_released: 1,
+            num_cached: 2,
+        };
+        let chains = vec![vec![BlockHash(9); hashes]];
+        let extra = ExtraKeys::default();
+        RequestState::new(0, vec![7; tokens], extra, chains, vec![row; 2])
     }
 
     #[test]
