@@ -98,3 +98,21 @@ def test_a_prompt_read_into_a_freed_requests_storage_hashes_as_on_a_fresh_coordi
     assert added == cached_hashes(short_prompt)
     coordinator.add_request(3, long_prompt)
     assert coordinator.find_cache_hit(3) == 40
+
+
+def test_a_prompt_the_in_place_read_declines_still_lands_whole_in_a_freed_requests_storage():
+    long_prompt = list(range(1000, 1041))
+    # An int subclass midway: the in-place read stops there and hands the storage back.
+    mixed = [5, 6, Token.SEVEN, 8, 9, 10, 11, 12, 13]
+    plain = [int(token) for token in mixed]
+    coordinator = Coordinator(64, [GroupSpec("full", BLOCK)], 2, 256, 64)
+    coordinator.add_request(1, long_prompt)
+    assert coordinator.allocate(1, 0, len(long_prompt))
+    coordinator.free_request(1)
+    first = set(coordinator.cached_blocks())
+    coordinator.add_request(2, mixed)
+    assert coordinator.num_tokens(2) == len(plain)
+    assert coordinator.allocate(2, 0, len(plain))
+    coordinator.free_request(2)
+    added = sorted((group, h) for _, group, h in set(coordinator.cached_blocks()) - first)
+    assert added == cached_hashes(plain)

@@ -320,6 +320,50 @@ def test_a_workers_traceback_reaches_rank_0(monkeypatch) -> None:
     assert worker.exitcode == 1
 
 
+def delay_worker_start(monkeypatch, tmp_path, code: str) -> None:
+    """Runs `code` in every process spawned from here on before anything else it imports (a
+    `sitecustomize` module first on its path)."""
+    (tmp_path / "sitecustomize.py").write_text(code)
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + ("" if not path else os.pathsep + path))
+
+
+def test_workers_slower_to_start_than_the_collective_timeout_still_join(
+    monkeypatch, tmp_path
+) -> None:
+    """The rendezvous waits for the workers' imports, not the collective timeout."""
+    delay_worker_start(monkeypatch, tmp_path, "import time\ntime.sleep(3.0)\n")
+    started = time.monotonic()
+    with LLM(
+        "tiny-llama",
+        tensor_parallel_size=2,
+        kv_cache_memory="2MiB",
+        max_model_len=64,
+        distributed_timeout=1.0,
+    ) as llm:
+        assert time.monotonic() - started > 3.0  # the delay was there
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        (output,) = llm.generate([[1, 2, 3, 4]], params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 4
+
+
+def test_a_worker_that_exits_while_starting_fails_the_start_naming_it(
+    monkeypatch, tmp_path
+) -> None:
+    delay_worker_start(monkeypatch, tmp_path, "import os\nos._exit(3)\n")
+    with pytest.raises(
+        WorkerFailedError, match="rank 1 exited with code 3 while starting"
+    ) as error:
+        LLM(
+            "tiny-llama",
+            tensor_parallel_size=2,
+            kv_cache_memory="2MiB",
+            max_model_len=64,
+            distributed_timeout=1.0,
+        )
+    assert error.value.rank == 1
+
+
 DRIVER_SCRIPT = """
 import time
 from hybrid_cache.engine import LLM

@@ -28,8 +28,8 @@ pub fn int64s(name: &str, values: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     // Lists and tuples first: asking them for a buffer would build a TypeError each call.
     if let Ok(list) = values.cast::<PyList>() {
         return match exact_ints::<i64>(list, Vec::with_capacity) {
-            Some(ints) => Ok(ints),
-            None => ints_by_item(name, list.iter()),
+            Ok(ints) => Ok(ints),
+            Err(_) => ints_by_item(name, list.iter()),
         };
     }
     if let Ok(tuple) = values.cast::<PyTuple>() {
@@ -77,18 +77,18 @@ fn prefetch(item: *const pyo3::ffi::PyObject) {
 }
 
 /// A list whose items are all exactly `int` and fit in a `T` (read as `i64`), read without a
-/// reference count change per item, in one pass; `None` (the caller converts item by item,
-/// with its errors) for any other list.
+/// reference count change per item, in one pass; for any other list `Err` with the storage
+/// emptied again (the caller converts item by item, with its errors, and may reuse it).
 /// The items are written into `storage(len)`, an empty vector (room for `len` items is made
 /// if it lacks it).
 fn exact_ints<T: TryFrom<i64>>(
     list: &Bound<'_, PyList>,
     storage: impl FnOnce(usize) -> Vec<T>,
-) -> Option<Vec<T>> {
+) -> Result<Vec<T>, Vec<T>> {
     let len = list.len();
     if len == 0 {
         // An empty list may have no item array at all (`ob_item` null).
-        return Some(storage(0));
+        return Ok(storage(0));
     }
     // SAFETY: a non-empty list's `ob_item` points at its `len` items; the GIL is held and no
     // Python code runs while the slice is read (the list keeps its items: borrowed references).
@@ -106,7 +106,11 @@ fn exact_ints<T: TryFrom<i64>>(
         Layout::Tag => read_items(Layout::Tag, items, &mut ints),
         Layout::Call => read_items(Layout::Call, items, &mut ints),
     };
-    read.then_some(ints)
+    if read {
+        Ok(ints)
+    } else {
+        Err(ints)
+    }
 }
 
 /// `exact_ints` over a list's items under one int layout, written straight into `ints` (empty,
@@ -191,13 +195,19 @@ pub fn token_ids_into(
     values: &Bound<'_, PyAny>,
     mut storage: impl FnMut(usize) -> Vec<u32>,
 ) -> PyResult<Vec<u32>> {
+    let mut declined = None;
     if let Ok(list) = values.cast::<PyList>() {
-        if let Some(tokens) = exact_ints::<u32>(list, &mut storage) {
-            return Ok(tokens);
+        match exact_ints::<u32>(list, &mut storage) {
+            Ok(tokens) => return Ok(tokens),
+            // The storage comes back (emptied) for the item-by-item read below.
+            Err(kept) => declined = Some(kept),
         }
     }
     let ids = int64s("token ids", values)?;
-    let mut tokens = storage(ids.len());
+    let mut tokens = match declined {
+        Some(kept) => kept,
+        None => storage(ids.len()),
+    };
     tokens.clear();
     tokens.reserve(ids.len());
     for id in ids {

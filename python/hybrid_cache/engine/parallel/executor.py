@@ -71,6 +71,8 @@ STOP_GRACE_S = 5.0
 DEATH_WAIT_S = 0.5
 # How often a setup wait (which lasts as long as the slowest rank's loading) checks the workers.
 SETUP_POLL_S = 0.05
+# How often the start checks that the spawned workers reached their entry point.
+START_POLL_S = 0.01
 
 
 class TensorParallelExecutor:
@@ -136,6 +138,7 @@ class TensorParallelExecutor:
             torch.set_num_threads(max(1, threads // size))
         context = mp.get_context("spawn")
         entered = torch.zeros(size, dtype=torch.int64).share_memory_()
+        started = torch.zeros(size, dtype=torch.int64).share_memory_()
         clock = torch.zeros(size, dtype=torch.float64).share_memory_()
         errors = context.SimpleQueue()
         processes = []
@@ -146,6 +149,7 @@ class TensorParallelExecutor:
                     rendezvous,
                     rank,
                     entered,
+                    started,
                     clock,
                     errors,
                     os.getpid(),
@@ -156,6 +160,9 @@ class TensorParallelExecutor:
                 )
                 process.start()
                 processes.append(process)
+            # The rendezvous is bounded by the collective timeout: it starts once every worker
+            # has imported its modules (seconds on a busy host), so a short timeout still holds.
+            _wait_started(processes, started.numpy())
             groups = join(rendezvous, 0)
         except BaseException:
             _Shutdown(processes, path, threads).run(None)
@@ -366,6 +373,23 @@ class _Shutdown:
                 os.unlink(self.rendezvous_file)
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
+
+
+def _wait_started(processes: list[Any], started: Any) -> None:
+    """Waits until every spawned worker runs its entry point (`started[rank]` set), as long as
+    that takes while each lives; one that exits first ends the start with `WorkerFailedError`
+    (what it printed is on this process's stderr: it had not reached its error report yet)."""
+    while not started[1:].all():
+        for rank, process in enumerate(processes, start=1):
+            code = process.exitcode
+            if code is not None and not started[rank]:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                raise WorkerFailedError(
+                    f"tensor-parallel rank {rank} {how} while starting, before its entry point "
+                    "(its output above says why: an import failing in a spawned process?)",
+                    rank,
+                )
+        time.sleep(START_POLL_S)
 
 
 def is_torchrun_worker() -> bool:

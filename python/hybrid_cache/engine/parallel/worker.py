@@ -78,6 +78,7 @@ class WorkerArgs:
     rendezvous: Rendezvous
     rank: int
     entered: Optional[torch.Tensor]  # shared [N] int64: collectives entered per rank
+    started: Optional[torch.Tensor]  # shared [N] int64: set by each worker on entry
     clock: Optional[torch.Tensor]  # shared [N] float64: `StepSender`'s and `StepReceiver`'s
     errors: Any  # a multiprocessing SimpleQueue of (rank, traceback text)
     parent_pid: int
@@ -198,6 +199,8 @@ def worker_main(args: WorkerArgs) -> None:
     """The entry point of a spawned worker process."""
     torch.set_num_threads(args.num_threads)
     _watch_parent(args.parent_pid)
+    if args.started is not None:
+        args.started[args.rank] = 1  # imports done: the driver joins the rendezvous now
     entered = None if args.entered is None else args.entered.numpy()
     clock = None if args.clock is None else args.clock.numpy()
 
