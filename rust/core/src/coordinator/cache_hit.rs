@@ -50,9 +50,7 @@ const PROBE_GROWTH: usize = 8;
 impl<P: BlockAllocator> Coordinator<P> {
     /// Longest prefix (tokens) every group can hit, stored on the request as its pending hit
     /// (applied by the next `allocate`); nothing in the pool is touched. 0 when prefix caching
-    /// is off. Only valid before the request's first `allocate`. The prompt is hashed only as
-    /// far as a hit can reach (`hash_lookup_prefix`); `allocate` hashes the rest as it is
-    /// scheduled.
+    /// is off. Only valid before the request's first `allocate`.
     pub fn find_cache_hit(&mut self, request_id: u64) -> Result<usize, CoreError> {
         self.find_cache_hit_within(request_id, None)
     }

@@ -16,9 +16,7 @@
 //! ```
 //!
 //! Per group: `alone` sums `a_g`, `shortened` sums `a_g - h` (the hit this group lost to the
-//! others). A lookup hashes the prompt only as far as a hit can reach (to the block after the
-//! full-attention groups' cached run; the whole prompt without full attention), and `a_g` is
-//! looked up within that prefix: a windowed group's cached blocks past it are not counted. A tail replay's hit `h` is where it starts the windowed groups over; `replays`
+//! others). A tail replay's hit `h` is where it starts the windowed groups over; `replays`
 //! counts those lookups, `replay_tokens` sums what they recompute below the full-attention hit
 //! point (`F - h`) and `replay_gain` the tokens they hit beyond the plain hit. A token-tail hit
 //! (`tails`) may end past `h_max`, inside a block: `h_max` is then taken as the hit, each group
