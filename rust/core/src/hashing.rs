@@ -97,14 +97,6 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// One chain `BlockHasher::extend_chain_pair` extends: a request's known tokens, its extra
-/// keys and its chain so far.
-pub struct ChainToExtend<'a> {
-    pub tokens: &'a [u32],
-    pub extra: &'a ExtraKeys,
-    pub hashes: &'a mut Vec<BlockHash>,
-}
-
 /// Computes chained block hashes for one algorithm and seed.
 #[derive(Clone, Debug)]
 pub struct BlockHasher {
@@ -145,38 +137,6 @@ impl BlockHasher {
             SCRATCH.with_borrow_mut(|buffer| {
                 self.extend_chain_in(tokens, block_size, extra, hashes, buffer)
             });
-        }
-    }
-
-    /// `extend_chain` of two chains of `block_size` blocks (two requests'): where both are in
-    /// the one-compression case (sha256, blocks of 16, no adapter or multimodal item) their
-    /// blocks are hashed two at a time (`sha256_packed::extend_pair`), the rest one at a time.
-    /// The same hashes as two `extend_chain` calls.
-    pub fn extend_chain_pair(&self, block_size: usize, chains: [ChainToExtend<'_>; 2]) {
-        let packed = |chain: &ChainToExtend<'_>| {
-            self.algo == HashAlgo::Sha256
-                && block_size == sha256_packed::TOKENS
-                && chain.extra.lora_id.is_none()
-                && chain.extra.mm_items.is_empty()
-                // The salt changes block 0 alone.
-                && (!chain.hashes.is_empty() || chain.extra.cache_salt.is_none())
-        };
-        let [first, second] = chains;
-        // The whole blocks not hashed yet.
-        fn unhashed<'a>(chain: &ChainToExtend<'a>, block_size: usize) -> &'a [u32] {
-            let tokens: &'a [u32] = chain.tokens;
-            let end = tokens.len() / block_size * block_size;
-            &tokens[(chain.hashes.len() * block_size).min(end)..end]
-        }
-        if packed(&first) && packed(&second) {
-            let tokens = [unhashed(&first, block_size), unhashed(&second, block_size)];
-            if tokens.iter().all(|tokens| !tokens.is_empty()) {
-                let hashes = [&mut *first.hashes, &mut *second.hashes];
-                sha256_packed::extend_pair(LAYOUT_PACKED, self.root.0, tokens, hashes);
-            }
-        }
-        for chain in [first, second] {
-            self.extend_chain(chain.tokens, block_size, chain.extra, chain.hashes);
         }
     }
 

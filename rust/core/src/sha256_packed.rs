@@ -114,32 +114,6 @@ pub(crate) fn extend(tag: u8, root: u128, tokens: &[u32], hashes: &mut Vec<Block
     extend_portable(tag, root, tokens, hashes)
 }
 
-/// `extend` over two chains at once, block by block, for as many blocks as both have (whole
-/// 16-token blocks each): a chain is bound by the latency of its compressions, so the SHA unit
-/// runs a second chain's beside it for little more. Stops both before the first pair with a
-/// token id of 18 bits or more in either block and returns how many blocks each got (equal);
-/// the caller hashes the rest of each chain with `extend`.
-pub(crate) fn extend_pair(
-    tag: u8,
-    root: u128,
-    tokens: [&[u32]; 2],
-    hashes: [&mut Vec<BlockHash>; 2],
-) -> usize {
-    debug_assert!(tokens.iter().all(|tokens| tokens.len() % TOKENS == 0));
-    #[cfg(target_arch = "x86_64")]
-    if shani::available() {
-        // SAFETY: the CPU has the features `shani::extend_pair` is compiled for.
-        return unsafe { shani::extend_pair(tag, root, tokens, hashes) };
-    }
-    let blocks = tokens[0].len().min(tokens[1].len()) / TOKENS;
-    let [first, second] = hashes;
-    let done = extend_portable(tag, root, &tokens[0][..blocks * TOKENS], first);
-    let other = extend_portable(tag, root, &tokens[1][..done * TOKENS], second);
-    // The first chain may go further than the second: both stop at the same block.
-    first.truncate(first.len() - (done - other));
-    other
-}
-
 /// `extend` through `sha2`'s compression function, one block at a time.
 fn extend_portable(tag: u8, root: u128, tokens: &[u32], hashes: &mut Vec<BlockHash>) -> usize {
     let mut parent = hashes.last().map_or(root, |hash| hash.0);
@@ -249,72 +223,38 @@ mod shani {
         _mm_set_epi64x(high as i64, low as i64)
     }
 
-    /// sha256 of one 64-byte block from the initial state in each of `L` lanes, message words
-    /// `w[lane]` (four per vector, the first word in lane 0), the lanes' rounds interleaved (each
-    /// lane's chain of rounds waits on the instruction's latency; the others fill the gaps);
-    /// returns each digest's first 16 bytes as a vector.
+    /// sha256 of one 64-byte block from the initial state, message words `w` (four per vector,
+    /// the first word in lane 0); returns the digest's first 16 bytes as a vector.
     #[inline(always)]
-    unsafe fn compress<const L: usize>(w: [[__m128i; 4]; L]) -> [__m128i; L] {
+    unsafe fn compress(w: [__m128i; 4]) -> __m128i {
         // The state as the instructions want it: lanes (F, E, B, A) and (H, G, D, C).
         let [a, b, c, d, e, f, g, h] = SHA256_INIT.map(|word| word as i32);
         let abef_init = _mm_set_epi32(a, b, e, f);
         let cdgh_init = _mm_set_epi32(c, d, g, h);
-        let (mut abef, mut cdgh) = ([abef_init; L], [cdgh_init; L]);
+        let (mut abef, mut cdgh) = (abef_init, cdgh_init);
         let mut w = w;
         macro_rules! rounds {
             ($($group:literal)*) => {$(
-                let k = _mm_loadu_si128(K.as_ptr().add(4 * $group).cast());
-                for lane in 0..L {
-                    let w = &mut w[lane];
-                    if $group >= 4 {
-                        // w[i..i+4] from w[i-16..i-12], w[i-12], w[i-7..i-3] and w[i-4..i].
-                        let next = _mm_add_epi32(
-                            _mm_sha256msg1_epu32(w[$group % 4], w[($group + 1) % 4]),
-                            _mm_alignr_epi8(w[($group + 3) % 4], w[($group + 2) % 4], 4),
-                        );
-                        w[$group % 4] = _mm_sha256msg2_epu32(next, w[($group + 3) % 4]);
-                    }
-                    let sum = _mm_add_epi32(w[$group % 4], k);
-                    cdgh[lane] = _mm_sha256rnds2_epu32(cdgh[lane], abef[lane], sum);
-                    abef[lane] =
-                        _mm_sha256rnds2_epu32(abef[lane], cdgh[lane], _mm_shuffle_epi32(sum, 0x0e));
+                if $group >= 4 {
+                    // w[i..i+4] from w[i-16..i-12], w[i-12], w[i-7..i-3] and w[i-4..i].
+                    let next = _mm_add_epi32(
+                        _mm_sha256msg1_epu32(w[$group % 4], w[($group + 1) % 4]),
+                        _mm_alignr_epi8(w[($group + 3) % 4], w[($group + 2) % 4], 4),
+                    );
+                    w[$group % 4] = _mm_sha256msg2_epu32(next, w[($group + 3) % 4]);
                 }
+                let k = _mm_loadu_si128(K.as_ptr().add(4 * $group).cast());
+                let sum = _mm_add_epi32(w[$group % 4], k);
+                cdgh = _mm_sha256rnds2_epu32(cdgh, abef, sum);
+                abef = _mm_sha256rnds2_epu32(abef, cdgh, _mm_shuffle_epi32(sum, 0x0e));
             )*};
         }
         rounds!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
-        let mut digests = [abef_init; L];
-        for (lane, digest) in digests.iter_mut().enumerate() {
-            let abef = _mm_add_epi32(abef[lane], abef_init);
-            let cdgh = _mm_add_epi32(cdgh[lane], cdgh_init);
-            // (A, B, C, D), each word's bytes reversed: the digest's first 16 bytes in order.
-            let abcd =
-                _mm_unpacklo_epi64(_mm_shuffle_epi32(abef, 0x1b), _mm_shuffle_epi32(cdgh, 0x1b));
-            *digest = _mm_shuffle_epi8(abcd, bswap_mask());
-        }
-        digests
-    }
-
-    /// A block's message words: bytes 0..16 are the tag, then parent bytes 0..15; bytes
-    /// 16..32 parent byte 15, then the tokens' words.
-    #[inline(always)]
-    unsafe fn message(tag: __m128i, parent: __m128i, words: &[u64; 6]) -> [__m128i; 4] {
-        let bswap = bswap_mask();
-        let lane0 = _mm_or_si128(_mm_slli_si128(parent, 1), tag);
-        let lane1 = _mm_or_si128(_mm_srli_si128(parent, 15), pair(words[0], words[1]));
-        [
-            _mm_shuffle_epi8(lane0, bswap),
-            _mm_shuffle_epi8(lane1, bswap),
-            _mm_shuffle_epi8(pair(words[2], words[3]), bswap),
-            _mm_shuffle_epi8(pair(words[4], words[5]), bswap),
-        ]
-    }
-
-    /// A digest vector as a block hash.
-    #[inline(always)]
-    unsafe fn hash_of(digest: __m128i) -> BlockHash {
-        let mut hash = 0u128;
-        _mm_storeu_si128((&mut hash as *mut u128).cast(), digest);
-        BlockHash(hash)
+        abef = _mm_add_epi32(abef, abef_init);
+        cdgh = _mm_add_epi32(cdgh, cdgh_init);
+        // (A, B, C, D), each word's bytes reversed: the digest's first 16 bytes in order.
+        let abcd = _mm_unpacklo_epi64(_mm_shuffle_epi32(abef, 0x1b), _mm_shuffle_epi32(cdgh, 0x1b));
+        _mm_shuffle_epi8(abcd, bswap_mask())
     }
 
     /// `super::extend` on the SHA extensions.
@@ -325,6 +265,7 @@ mod shani {
         tokens: &[u32],
         hashes: &mut Vec<BlockHash>,
     ) -> usize {
+        let bswap = bswap_mask();
         let parent_of = |hash: u128| _mm_loadu_si128((&hash as *const u128).cast());
         let mut parent = parent_of(hashes.last().map_or(root, |hash| hash.0));
         let tag = _mm_cvtsi32_si128(i32::from(tag));
@@ -333,42 +274,19 @@ mod shani {
             let Some(words) = token_words(block.try_into().expect("16 tokens")) else {
                 break;
             };
-            [parent] = compress([message(tag, parent, &words)]);
-            hashes.push(hash_of(parent));
-            done += 1;
-        }
-        done
-    }
-
-    /// `super::extend_pair` on the SHA extensions.
-    #[target_feature(enable = "sha,sse2,ssse3,sse4.1")]
-    pub(super) unsafe fn extend_pair(
-        tag: u8,
-        root: u128,
-        tokens: [&[u32]; 2],
-        hashes: [&mut Vec<BlockHash>; 2],
-    ) -> usize {
-        let parent_of = |hashes: &Vec<BlockHash>| {
-            let hash = hashes.last().map_or(root, |hash| hash.0);
-            _mm_loadu_si128((&hash as *const u128).cast())
-        };
-        let [first, second] = hashes;
-        let mut parents = [parent_of(first), parent_of(second)];
-        let tag = _mm_cvtsi32_si128(i32::from(tag));
-        let mut done = 0;
-        for (a, b) in tokens[0]
-            .chunks_exact(TOKENS)
-            .zip(tokens[1].chunks_exact(TOKENS))
-        {
-            let (Some(a), Some(b)) = (
-                token_words(a.try_into().expect("16 tokens")),
-                token_words(b.try_into().expect("16 tokens")),
-            ) else {
-                break;
-            };
-            parents = compress([message(tag, parents[0], &a), message(tag, parents[1], &b)]);
-            first.push(hash_of(parents[0]));
-            second.push(hash_of(parents[1]));
+            // Bytes 0..16: tag, then parent bytes 0..15; bytes 16..32: parent byte 15, then
+            // the tokens' words.
+            let lane0 = _mm_or_si128(_mm_slli_si128(parent, 1), tag);
+            let lane1 = _mm_or_si128(_mm_srli_si128(parent, 15), pair(words[0], words[1]));
+            parent = compress([
+                _mm_shuffle_epi8(lane0, bswap),
+                _mm_shuffle_epi8(lane1, bswap),
+                _mm_shuffle_epi8(pair(words[2], words[3]), bswap),
+                _mm_shuffle_epi8(pair(words[4], words[5]), bswap),
+            ]);
+            let mut hash = 0u128;
+            _mm_storeu_si128((&mut hash as *mut u128).cast(), parent);
+            hashes.push(BlockHash(hash));
             done += 1;
         }
         done
@@ -468,60 +386,6 @@ mod tests {
             assert_eq!(
                 hash_portable(1, parent, &words),
                 reference(1, parent, &tokens)
-            );
-        }
-    }
-
-    #[test]
-    fn a_pair_of_chains_equals_each_chain_alone() {
-        let mut rng = crate::test_rng::XorShift(0x9a1);
-        for round in 0..20 {
-            let root = u128::from(rng.next()) << 64 | u128::from(rng.next());
-            let (blocks_a, blocks_b) = (1 + round % 7, 1 + round * 3 % 5);
-            let a = random_tokens(&mut rng, blocks_a);
-            let b = random_tokens(&mut rng, blocks_b);
-            // The second chain continues one already started.
-            let mut chains = [Vec::new(), vec![BlockHash(root ^ 1)]];
-            let [first, second] = &mut chains;
-            let done = extend_pair(2, root, [&a, &b], [first, second]);
-            assert_eq!(done, blocks_a.min(blocks_b), "round {round}");
-            assert_eq!(
-                values(&chains[0]),
-                reference_chain(2, root, &a[..done * TOKENS])
-            );
-            assert_eq!(
-                values(&chains[1][1..]),
-                reference_chain(2, root ^ 1, &b[..done * TOKENS])
-            );
-            let mut portable = [Vec::new(), vec![BlockHash(root ^ 1)]];
-            let expected = chains.clone();
-            let [first, second] = &mut portable;
-            // The portable path, as `extend_pair` runs it where the extensions are missing.
-            let other = extend_portable(2, root, &a[..done * TOKENS], first);
-            assert_eq!(extend_portable(2, root, &b[..other * TOKENS], second), done);
-            assert_eq!(portable, expected);
-        }
-    }
-
-    #[test]
-    fn a_wide_token_in_either_block_stops_the_pair_before_it() {
-        let mut rng = crate::test_rng::XorShift(5);
-        for wide in 0..2 {
-            let mut tokens = [random_tokens(&mut rng, 4), random_tokens(&mut rng, 3)];
-            tokens[wide][TOKENS + 3] = 1 << BITS;
-            let mut chains = [Vec::new(), Vec::new()];
-            let [first, second] = &mut chains;
-            assert_eq!(
-                extend_pair(1, 9, [&tokens[0], &tokens[1]], [first, second]),
-                1
-            );
-            assert_eq!(
-                values(&chains[0]),
-                reference_chain(1, 9, &tokens[0][..TOKENS])
-            );
-            assert_eq!(
-                values(&chains[1]),
-                reference_chain(1, 9, &tokens[1][..TOKENS])
             );
         }
     }

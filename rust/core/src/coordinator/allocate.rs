@@ -26,7 +26,6 @@ use super::{AttentionKind, CoordinatorConfig};
 use super::{BlockCopy, Coordinator, PrefixEntry, RowRef};
 use crate::allocator::{BlockAllocator, FreeTier};
 use crate::error::CoreError;
-use crate::hashing::ChainToExtend;
 use crate::manager::{
     cache_full_blocks, pending_release, release_nulls, AttentionManager, CacheContext, GroupBlocks,
 };
@@ -36,8 +35,6 @@ use crate::types::{BlockId, CacheKey, NULL_BLOCK};
 /// (`prepare_caching`), and how many of its blocks at most.
 const PREPARE_AHEAD: usize = 4;
 const PREPARED_BLOCKS: usize = 2;
-/// Fewest blocks a step must have left to hash for `hash_in_pairs` to pair it.
-const PAIRED_BLOCKS: usize = 2;
 
 /// One `allocate` call's arguments.
 #[derive(Clone, Copy, Debug)]
@@ -136,9 +133,6 @@ impl<P: BlockAllocator> Coordinator<P> {
             }
             state.last_batch = batch_number;
         }
-        if self.config.enable_prefix_caching {
-            self.hash_in_pairs(steps, rows);
-        }
         for (step, &row) in steps.iter().zip(rows).take(PREPARE_AHEAD) {
             self.prepare_caching(row, step);
         }
@@ -169,54 +163,6 @@ impl<P: BlockAllocator> Coordinator<P> {
             }
         }
         Ok(steps.len())
-    }
-
-    /// Hashes the blocks the batch's validated steps fill that their chains lack, two requests
-    /// at a time (`BlockHasher::extend_chain_pair`: a chain waits on each compression's latency,
-    /// so a second one runs beside it for little more): the prefill chunks of several requests,
-    /// which their steps would otherwise hash one chain after another. Each step then finds its
-    /// blocks hashed. A step with fewer than `PAIRED_BLOCKS` blocks to hash, or fewer new tokens
-    /// than a block (a decode step), is left to itself.
-    fn hash_in_pairs(&mut self, steps: &[AllocateStep], rows: &[usize]) {
-        let requests = &mut self.requests;
-        for (chain, &block_size) in self.keys.chain_block_sizes.iter().enumerate() {
-            let mut waiting: Option<(usize, usize)> = None;
-            for (step, &row) in steps.iter().zip(rows) {
-                if step.num_new_tokens < block_size {
-                    // A decode step's (told without reading the request).
-                    continue;
-                }
-                let state = requests.at(row);
-                let total = step.num_computed_tokens + step.num_new_tokens;
-                let num_known = total.min(state.tokens.len());
-                if num_known / block_size < state.hash_chains[chain].len() + PAIRED_BLOCKS {
-                    continue;
-                }
-                let Some((first_row, first_known)) = waiting.take() else {
-                    waiting = Some((row, num_known));
-                    continue;
-                };
-                let [first, second] = requests.pair_mut(first_row, row);
-                let before = first.hash_chains[chain].len() + second.hash_chains[chain].len();
-                self.hasher.extend_chain_pair(
-                    block_size,
-                    [
-                        ChainToExtend {
-                            tokens: &first.tokens[..first_known],
-                            extra: &first.extra,
-                            hashes: &mut first.hash_chains[chain],
-                        },
-                        ChainToExtend {
-                            tokens: &second.tokens[..num_known],
-                            extra: &second.extra,
-                            hashes: &mut second.hash_chains[chain],
-                        },
-                    ],
-                );
-                let after = first.hash_chains[chain].len() + second.hash_chains[chain].len();
-                self.num_hashed += (after - before) as u64;
-            }
-        }
     }
 
     /// `allocate` of a validated step for the request in `row`.

@@ -78,31 +78,22 @@ impl<P: BlockAllocator> Coordinator<P> {
         if !self.config.enable_prefix_caching {
             return Ok(0);
         }
+        self.num_hashed += Self::extend_hashes(&self.hasher, &self.keys.chain_block_sizes, state);
         let num_tokens = state.tokens.len();
         // Lent out while the lookup reads the coordinator; given back below.
-        let mut chains = std::mem::take(&mut state.hash_chains);
-        let hashed_before: usize = chains.iter().map(Vec::len).sum();
+        let chains = std::mem::take(&mut state.hash_chains);
         let limit = max_tokens.map_or(num_tokens - 1, |max| max.min(num_tokens - 1));
+        let common = self.common_hit(&chains, limit + 1);
         let state = self.requests.get(&request_id).expect("checked above");
-        // Hashed only as far as a hit can reach; the rest as it is scheduled (`allocate`).
-        let prefix = self
-            .hash_lookup_prefix(&mut &state.tokens[..], &state.extra, &mut chains)
-            .expect("a slice reads without error");
-        let searched = prefix.min(limit + 1);
-        let mut common = self.common_hit(&chains, searched);
-        // The statistics' bound is the whole prompt's (no hit reaches past `searched`).
-        common.max_hit = limit / self.hit_alignment * self.hit_alignment;
         let plain = common.tokens();
         let tail = self.tail_hit(
             &chains,
-            &state.tokens[..searched],
+            &state.tokens,
             &state.extra,
             &common.alone,
-            searched - 1,
+            limit,
             plain,
         );
-        let hashed_after: usize = chains.iter().map(Vec::len).sum();
-        self.num_hashed += (hashed_after - hashed_before) as u64;
         if let Some(tail) = tail {
             let state = self.requests.get_mut(&request_id).expect("checked above");
             state.hash_chains = chains;
@@ -203,27 +194,8 @@ impl<P: BlockAllocator> Coordinator<P> {
         if !self.config.enable_prefix_caching {
             return Ok(0);
         }
-        let mut chains = vec![Vec::new(); self.keys.chain_block_sizes.len()];
-        let prefix = self.hash_lookup_prefix(tokens, extra, &mut chains)?;
-        let prompt = tokens.prefix(prefix)?;
-        let common = self.common_hit(&chains, prefix);
-        let plain = common.tokens();
-        let tail = self.tail_hit(&chains, prompt, extra, &common.alone, prefix - 1, plain);
-        Ok(tail.map_or(plain, |tail| tail.num_tokens))
-    }
-
-    /// Extends `chains` over growing prefixes of a prompt (`PROBE_FIRST_BLOCKS` of the longest
-    /// chain's blocks, `PROBE_GROWTH` times longer each round) until no hit can reach past the
-    /// prefix hashed (`full_run_ends_before`), or over the whole prompt; returns that prefix's
-    /// length. Chains already longer (a second lookup's) are kept as they are.
-    fn hash_lookup_prefix<T: PromptPrefix>(
-        &self,
-        tokens: &mut T,
-        extra: &ExtraKeys,
-        chains: &mut [Vec<BlockHash>],
-    ) -> Result<usize, T::Error> {
-        let len = tokens.len();
         let sizes = &self.keys.chain_block_sizes;
+        let mut chains = vec![Vec::new(); sizes.len()];
         let full_groups = &self.full_groups;
         let first = PROBE_FIRST_BLOCKS * sizes.iter().copied().max().unwrap_or(1);
         let mut prefix = if full_groups.is_empty() {
@@ -232,9 +204,13 @@ impl<P: BlockAllocator> Coordinator<P> {
             first.max(self.hit_alignment + 1).min(len)
         };
         loop {
-            extend_chains(&self.hasher, sizes, tokens.prefix(prefix)?, extra, chains);
-            if prefix == len || self.full_run_ends_before(full_groups, chains, prefix) {
-                return Ok(prefix);
+            let prompt = tokens.prefix(prefix)?;
+            extend_chains(&self.hasher, sizes, prompt, extra, &mut chains);
+            if prefix == len || self.full_run_ends_before(full_groups, &chains, prefix) {
+                let common = self.common_hit(&chains, prefix);
+                let plain = common.tokens();
+                let tail = self.tail_hit(&chains, prompt, extra, &common.alone, prefix - 1, plain);
+                return Ok(tail.map_or(plain, |tail| tail.num_tokens));
             }
             prefix = (PROBE_GROWTH * prefix).min(len);
         }

@@ -714,8 +714,17 @@ impl<P: BlockAllocator> Coordinator<P> {
             .ok_or(CoreError::UnknownRequest { request_id })
     }
 
-    /// Extends the request's hash chains to every full block of its first `limit` tokens;
-    /// returns how many blocks it hashed.
+    /// Extends the request's hash chains to every full block of its known tokens; returns how
+    /// many blocks it hashed.
+    fn extend_hashes(
+        hasher: &BlockHasher,
+        chain_block_sizes: &[usize],
+        state: &mut RequestState,
+    ) -> u64 {
+        Self::extend_hashes_within(hasher, chain_block_sizes, state, usize::MAX)
+    }
+
+    /// `extend_hashes` over the first `limit` tokens only.
     fn extend_hashes_within(
         hasher: &BlockHasher,
         chain_block_sizes: &[usize],

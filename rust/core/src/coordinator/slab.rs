@@ -61,30 +61,6 @@ impl RequestSlab {
             .expect("a row of a present request")
     }
 
-    /// The request in `row` (one `rows_of` returned).
-    pub fn at(&self, row: usize) -> &RequestState {
-        self.states[row]
-            .as_ref()
-            .expect("a row of a present request")
-    }
-
-    /// The requests in two different rows (both `rows_of` returned).
-    pub fn pair_mut(&mut self, first: usize, second: usize) -> [&mut RequestState; 2] {
-        assert_ne!(first, second, "two different rows");
-        let (low, high) = (first.min(second), first.max(second));
-        let (left, right) = self.states.split_at_mut(high);
-        let present = "a row of a present request";
-        let (low, high) = (
-            left[low].as_mut().expect(present),
-            right[0].as_mut().expect(present),
-        );
-        if first < second {
-            [low, high]
-        } else {
-            [high, low]
-        }
-    }
-
     /// Adds a request in its row (`state.row`, which must be free).
     pub fn insert(&mut self, request_id: u64, state: RequestState) {
         let row = state.row;
