@@ -90,6 +90,9 @@ def busy():
         (lambda c: c.append_token_ids_batch([1, 4], [5, 5]), errors.UnknownRequestError),
         (lambda c: c.append_token_ids_batch([1], [5, 5]), errors.InvalidArgumentError),
         (lambda c: c.append_token_ids_batch([1], [-5]), errors.InvalidArgumentError),
+        (lambda c: c.append_token_ids_batch([-1], [5]), errors.InvalidArgumentError),
+        (lambda c: c.append_token_ids_batch(["1"], [5]), errors.InvalidArgumentError),
+        (lambda c: c.allocate_batch([-1], [6], [1]), errors.InvalidArgumentError),
         (lambda c: c.request_blocks(1, -1), errors.InvalidArgumentError),
     ],
 )

@@ -21,6 +21,10 @@ class Token(enum.IntEnum):
     SEVEN = 7
 
 
+class RequestId(int):
+    """An int subclass for ids: never read in place."""
+
+
 def test_the_layout_read_in_place_is_the_one_this_interpreter_has():
     free_threaded = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
     digits = (sys.int_info.bits_per_digit, sys.int_info.sizeof_digit)
@@ -76,6 +80,10 @@ def test_request_ids_and_counts_past_one_digit_are_read_exactly():
     coordinator.append_token_ids_batch([big_id, small_id], [2**30, 0])
     assert coordinator.num_tokens(big_id) == 13
     assert coordinator.num_tokens(small_id) == 9
+    # Ids the in-place read declines (a subclass, a numpy int, an array) take the other path.
+    coordinator.append_token_ids_batch([np.int64(big_id), RequestId(small_id)], [1, 2])
+    coordinator.append_token_ids_batch(np.array([big_id, small_id]), [3, 4])
+    assert (coordinator.num_tokens(big_id), coordinator.num_tokens(small_id)) == (15, 11)
 
 
 def test_a_prompt_read_into_a_freed_requests_storage_hashes_as_on_a_fresh_coordinator():

@@ -153,13 +153,16 @@ unsafe fn list_int(list: *mut pyo3::ffi::PyObject, index: usize, len: usize) -> 
     exact_int(unsafe { pyo3::ffi::PyList_GET_ITEM(list, index as isize) })
 }
 
-/// Reads `N` lists of one length together, item `i` of each list handed to `row` as one array;
-/// the items must all be exactly `int` and fit in an `i64`, and `row` must accept each array.
-/// `None` for anything else (the caller converts list by list, with its errors).
+/// Reads `N` lists of one length together into `rows` (emptied first, storage the caller
+/// keeps), item `i` of each list handed to `row` as one array; the items must all be exactly
+/// `int` and fit in an `i64`, and `row` must accept each array. `None` for anything else (the
+/// caller converts list by list, with its errors).
 pub fn int_rows<const N: usize, T>(
     lists: [&Bound<'_, PyAny>; N],
     row: impl Fn([i64; N]) -> Option<T>,
-) -> Option<Vec<T>> {
+    rows: &mut Vec<T>,
+) -> Option<()> {
+    rows.clear();
     let mut pointers = [std::ptr::null_mut(); N];
     let mut len = None;
     for (pointer, list) in pointers.iter_mut().zip(lists) {
@@ -170,17 +173,48 @@ pub fn int_rows<const N: usize, T>(
         *pointer = list.as_ptr();
     }
     let len = len.unwrap_or(0);
-    let mut rows = Vec::with_capacity(len);
+    // The layout read once, each one's loop compiled on its own.
+    match ints::current() {
+        Layout::SignedSize => read_rows(Layout::SignedSize, pointers, len, row, rows),
+        Layout::Tag => read_rows(Layout::Tag, pointers, len, row, rows),
+        Layout::Call => read_rows(Layout::Call, pointers, len, row, rows),
+    }
+}
+
+/// `int_rows` over lists of `len` items under one int layout.
+#[inline(always)]
+fn read_rows<const N: usize, T>(
+    layout: Layout,
+    lists: [*mut pyo3::ffi::PyObject; N],
+    len: usize,
+    row: impl Fn([i64; N]) -> Option<T>,
+    rows: &mut Vec<T>,
+) -> Option<()> {
+    rows.reserve(len);
     for index in 0..len {
         let mut values = [0; N];
-        for (value, &list) in values.iter_mut().zip(&pointers) {
+        for (value, &list) in values.iter_mut().zip(&lists) {
             // SAFETY: each list has `len > index` items and is held by the caller; the GIL is
             // held with no Python code running in between (borrowed items stay valid).
-            *value = exact_int(unsafe { pyo3::ffi::PyList_GET_ITEM(list, index as isize) })?;
+            let item = unsafe { pyo3::ffi::PyList_GET_ITEM(list, index as isize) };
+            *value = ints::exact_int_in(layout, item)?;
         }
         rows.push(row(values)?);
     }
-    Some(rows)
+    Some(())
+}
+
+/// Request ids: non-negative ints. A list of ints in range is read in one pass.
+pub fn request_ids(values: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    if let Ok(list) = values.cast::<PyList>() {
+        if let Ok(ids) = exact_ints::<u64>(list, Vec::with_capacity) {
+            return Ok(ids);
+        }
+    }
+    int64s("request_ids", values)?
+        .into_iter()
+        .map(request_id)
+        .collect()
 }
 
 /// Token ids: ints in `0..2^32`. A list of ints in range is read in one pass into the result

@@ -162,6 +162,8 @@ pub fn worst_case_live_tokens(
 #[pyclass(name = "Coordinator", module = "hybrid_cache._core")]
 pub struct PyCoordinator {
     inner: Coordinator,
+    /// A batch's steps as `allocate_batch` converts them (kept: no allocation per call).
+    steps: Vec<AllocateStep>,
 }
 
 #[pymethods]
@@ -215,7 +217,10 @@ impl PyCoordinator {
             .map(|blocks| size("protected_blocks", blocks))
             .transpose()?;
         inner.set_protected_blocks(protected);
-        Ok(PyCoordinator { inner })
+        Ok(PyCoordinator {
+            inner,
+            steps: Vec::new(),
+        })
     }
 
     #[getter]
@@ -314,10 +319,7 @@ impl PyCoordinator {
         request_ids: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let ids = int64s("request_ids", request_ids)?
-            .into_iter()
-            .map(crate::convert::request_id)
-            .collect::<PyResult<Vec<u64>>>()?;
+        let ids = crate::convert::request_ids(request_ids)?;
         let tokens = crate::convert::token_ids(token_ids)?;
         self.inner
             .append_token_ids_batch(&ids, &tokens)
@@ -370,15 +372,15 @@ impl PyCoordinator {
     ) -> PyResult<usize> {
         // Lists of non-negative ints (a decode step's): one pass, no copies in between.
         let lists = [request_ids, num_computed_tokens, num_new_tokens];
-        let steps = crate::convert::int_rows(lists, |[id, computed, new]| {
+        let step = |[id, computed, new]: [i64; 3]| {
             Some(AllocateStep {
                 request_id: u64::try_from(id).ok()?,
                 num_computed_tokens: usize::try_from(computed).ok()?,
                 num_new_tokens: usize::try_from(new).ok()?,
             })
-        });
-        if let Some(steps) = steps {
-            return self.inner.allocate_batch(&steps).map_err(to_py);
+        };
+        if crate::convert::int_rows(lists, step, &mut self.steps).is_some() {
+            return self.inner.allocate_batch(&self.steps).map_err(to_py);
         }
         let ids = int64s("request_ids", request_ids)?;
         let computed = int64s("num_computed_tokens", num_computed_tokens)?;
