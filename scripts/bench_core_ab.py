@@ -9,6 +9,9 @@ runs in separate processes. Workloads, through the binding on Python lists as th
 
 - lookup: `add_request` + `find_cache_hit` of 64 prompts of `--tokens` tokens (random ids below
   32000), the prompts cached by the round before (every block hits), per request;
+- read: `add_request` of 64 prompts of `--tokens` tokens built afresh every round (their int
+  objects out of the caches, as a new prompt's are), prefix caching off: the list's conversion
+  alone, per request;
 - prefill: 64 requests of 8192 tokens allocated in 512-token chunks (`allocate_batch`), then freed
   (`free_request`), per round;
 - T1, T2: the scheduler traces of `scripts/bench_vllm_replay.py` (our side only, a new
@@ -17,7 +20,7 @@ runs in separate processes. Workloads, through the binding on Python lists as th
 A build's `_core` comes from its wheel (`maturin build --release -o DIR`, then unzip the wheel's
 `hybrid_cache/_core*.so`); this checkout's Python package is imported around it.
 
-    python scripts/bench_core_ab.py OLD.so,NEW.so [--workload lookup|prefill] [--tokens 2048]
+    python scripts/bench_core_ab.py OLD.so,NEW.so [--workload lookup|read|prefill] [--tokens 2048]
         [--rounds 40]
     python scripts/bench_core_ab.py OLD.so,NEW.so --workload T2 --rounds 20
 """
@@ -73,6 +76,17 @@ def lookup(c, prompts: list[list[int]], round_: int) -> dict[str, float]:
     return {"lookup us/request": spent / len(prompts) * 1e6}
 
 
+def read(core, tokens: int, round_: int) -> dict[str, float]:
+    rng = random.Random(round_)
+    prompts = [[rng.randrange(32000) for _ in range(tokens)] for _ in range(NUM_REQS)]
+    groups = [core.GroupSpec("full", 16)]
+    c = core.Coordinator(131072, groups, NUM_REQS, tokens + 600, 512, enable_prefix_caching=False)
+    start = clock()
+    for i, prompt in enumerate(prompts):
+        c.add_request(i, prompt)
+    return {"read us/request": (clock() - start) / len(prompts) * 1e6}
+
+
 def prefill(c, prompts: list[list[int]], round_: int) -> dict[str, float]:
     ids = [round_ * NUM_REQS + i for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
@@ -105,8 +119,10 @@ def replay(name: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("builds", help="comma-separated paths of _core shared objects")
-    parser.add_argument("--workload", choices=["lookup", "prefill", "T1", "T2"], default="lookup")
-    parser.add_argument("--tokens", type=int, default=2048, help="prompt length (lookup)")
+    parser.add_argument(
+        "--workload", choices=["lookup", "read", "prefill", "T1", "T2"], default="lookup"
+    )
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt length (lookup, read)")
     parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args()
     paths = args.builds.split(",")
@@ -115,6 +131,13 @@ def main() -> None:
     if args.workload in ("T1", "T2"):
         work, prompts = replay(args.workload), []
         # A new coordinator every round: each build's slot holds its module.
+        coordinators = [load(path) for path in paths]
+    elif args.workload == "read":
+        prompts = []
+
+        def work(core, prompts, round_: int) -> dict[str, float]:
+            return read(core, args.tokens, round_)
+
         coordinators = [load(path) for path in paths]
     else:
         tokens = args.tokens if args.workload == "lookup" else 8192

@@ -60,8 +60,10 @@ fn ints_by_item<'py>(
 }
 
 /// How many items ahead of the one being read a list's item object is prefetched: a long prompt's
-/// int objects (32 bytes each) are rarely in the caches when it is added.
-const PREFETCH_AHEAD: usize = 16;
+/// int objects (32 bytes each) are rarely in the caches when it is added, and reading them is
+/// bound by memory (an 8192-token list: about 26 us cold, 8 us hot); 64 ahead reads it 0.93-0.95x
+/// the time 16 ahead took (2048 and 128 tokens: 0.97x).
+const PREFETCH_AHEAD: usize = 64;
 
 /// Asks the CPU to start loading the object at `item` (a hint: reads nothing, cannot fault).
 #[inline(always)]
