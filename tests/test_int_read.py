@@ -124,3 +124,36 @@ def test_a_prompt_the_in_place_read_declines_still_lands_whole_in_a_freed_reques
     coordinator.free_request(2)
     added = sorted((group, h) for _, group, h in set(coordinator.cached_blocks()) - first)
     assert added == cached_hashes(plain)
+
+
+class Shrinking:
+    """An item whose conversion empties the list being read."""
+
+    def __init__(self, tokens: list) -> None:
+        self.tokens = tokens
+
+    def __index__(self) -> int:
+        self.tokens.clear()
+        return 5
+
+
+def test_a_list_read_in_pieces_refuses_a_list_that_changes_and_a_bad_item_past_the_first_piece():
+    coordinator = Coordinator(64, [GroupSpec("full", BLOCK)], 2, 256, 64)
+    prompt = list(range(100, 164))
+    prompt[52] = Shrinking(prompt)
+    with pytest.raises(errors.InvalidArgumentError, match="changed while read"):
+        coordinator.add_request(1, prompt)
+    bad = list(range(100, 164))
+    bad[56] = -3  # past the first piece (48 tokens), after its blocks were hashed
+    with pytest.raises(errors.InvalidArgumentError, match="token id -3 is outside"):
+        coordinator.add_request(1, bad)
+    with pytest.raises(errors.UnknownRequestError):
+        coordinator.num_tokens(1)  # nothing was added
+    good = list(range(100, 164))
+    coordinator.add_request(1, good)  # the id and the row are free
+    assert coordinator.find_cache_hit(1) == 0
+    assert coordinator.allocate(1, 0, len(good))
+    coordinator.free_request(1)
+    assert sorted(h for _, _, h in coordinator.cached_blocks()) == sorted(
+        h for _, h in cached_hashes(good)
+    )

@@ -29,7 +29,7 @@ pub use coordinator::{
 pub use error::CoreError;
 pub use hashing::{ExtraKeys, HashAlgo, MultimodalItem};
 pub use mutex_pool::MutexPool;
-pub use prompt::PromptPrefix;
+pub use prompt::{PromptPrefix, PromptReader};
 pub use types::{BlockHash, BlockId, CacheKey, GroupId, PoolStats, NULL_BLOCK};
 
 /// The pool the coordinator and the Python binding use.

@@ -63,11 +63,11 @@ fn ints_by_item<'py>(
 /// int objects (32 bytes each) are rarely in the caches when it is added, and reading them is
 /// bound by memory (an 8192-token list: about 26 us cold, 8 us hot); 64 ahead reads it 0.93-0.95x
 /// the time 16 ahead took (2048 and 128 tokens: 0.97x).
-const PREFETCH_AHEAD: usize = 64;
+pub(crate) const PREFETCH_AHEAD: usize = 64;
 
 /// Asks the CPU to start loading the object at `item` (a hint: reads nothing, cannot fault).
 #[inline(always)]
-fn prefetch(item: *const pyo3::ffi::PyObject) {
+pub(crate) fn prefetch(item: *const pyo3::ffi::PyObject) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch reads nothing and cannot fault, whatever the address.
     unsafe {
@@ -276,30 +276,33 @@ impl<'a, 'py> ListTokens<'a, 'py> {
         }
     }
 
-    /// Item `index` as a token id: an exact int read in place, anything else through
-    /// `extract` (which may run Python code: the list's length is read again each item).
     fn token(&self, index: usize) -> Result<u32, ReadError> {
-        let list = self.list.as_ptr();
-        // SAFETY: the GIL is held; a list's size is a plain field.
-        let current = unsafe { pyo3::ffi::PyList_GET_SIZE(list) } as usize;
-        if index < current {
-            // SAFETY: `index` is below the list's size read just above, the GIL held.
-            let value = unsafe { list_int(list, index, current) };
-            if let Some(token) = value.and_then(|value| u32::try_from(value).ok()) {
-                return Ok(token);
-            }
-        }
-        let item = self
-            .list
-            .get_item(index)
-            .map_err(|_| ReadError(invalid_argument("the token ids changed while read".into())))?;
-        let token = item.extract::<i64>().map_err(|_| {
-            ReadError(invalid_argument(
-                "token ids must be a 1-d sequence of ints".into(),
-            ))
-        })?;
-        token_id(token).map_err(ReadError)
+        list_token(self.list, index)
     }
+}
+
+/// Item `index` of `list` as a token id: an exact int read in place, anything else through
+/// `extract` (which may run Python code: the list's length is read again each item).
+pub(crate) fn list_token(list: &Bound<'_, PyList>, index: usize) -> Result<u32, ReadError> {
+    let pointer = list.as_ptr();
+    // SAFETY: the GIL is held; a list's size is a plain field.
+    let current = unsafe { pyo3::ffi::PyList_GET_SIZE(pointer) } as usize;
+    if index < current {
+        // SAFETY: `index` is below the list's size read just above, the GIL held.
+        let value = unsafe { list_int(pointer, index, current) };
+        if let Some(token) = value.and_then(|value| u32::try_from(value).ok()) {
+            return Ok(token);
+        }
+    }
+    let item = list
+        .get_item(index)
+        .map_err(|_| ReadError(invalid_argument("the token ids changed while read".into())))?;
+    let token = item.extract::<i64>().map_err(|_| {
+        ReadError(invalid_argument(
+            "token ids must be a 1-d sequence of ints".into(),
+        ))
+    })?;
+    token_id(token).map_err(ReadError)
 }
 
 /// Why reading a prompt failed: a conversion (the Python error) or the core.

@@ -13,6 +13,7 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::convert::{hash128, int64s, size, token_ids, token_ids_into, ListTokens, ReadError};
 use crate::errors::{invalid_argument, to_py};
+use crate::list_reader::ListReader;
 use crate::table_view::TableView;
 
 /// One KV-cache group, as in `_core.pyi`.
@@ -294,13 +295,22 @@ impl PyCoordinator {
         let max_total_tokens = max_total_tokens
             .map(|tokens| size("max_total_tokens", tokens))
             .transpose()?;
+        let extra = extra_keys(lora_id, cache_salt, mm_hashes)?;
+        if let Ok(list) = prompt_token_ids.cast::<PyList>() {
+            // Read into the request's own storage a piece at a time, each piece hashed as it
+            // lands (the core's `add_request_read`).
+            let mut reader = ListReader::new(list);
+            return self
+                .inner
+                .add_request_read(request_id, &mut reader, max_total_tokens, extra)
+                .map_err(|ReadError(error)| error);
+        }
         // Converted straight into the request's own storage (room for every token it may
         // reach), a finished request's when one is kept.
         let inner = &mut self.inner;
         let storage =
             |len| inner.token_storage(<Coordinator>::token_capacity(len, max_total_tokens));
         let tokens = token_ids_into(prompt_token_ids, storage)?;
-        let extra = extra_keys(lora_id, cache_salt, mm_hashes)?;
         self.inner
             .add_request_owned(request_id, tokens, max_total_tokens, extra)
             .map_err(to_py)

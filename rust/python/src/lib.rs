@@ -9,6 +9,7 @@ mod coordinator;
 mod elementwise;
 mod errors;
 mod ints;
+mod list_reader;
 mod pool;
 mod sampling;
 mod step_tables;

@@ -46,6 +46,7 @@ mod hit_stats;
 mod keys;
 mod protect;
 mod quiet;
+mod read_prompt;
 mod request;
 mod slab;
 mod spares;
@@ -310,7 +311,7 @@ impl<P: BlockAllocator> Coordinator<P> {
     pub fn add_request(&mut self, request: NewRequest<'_>) -> Result<usize, CoreError> {
         let prompt = request.prompt_token_ids;
         let max_total = request.max_total_tokens;
-        self.check_new(request.request_id, prompt, max_total, &request.extra)?;
+        self.check_new(request.request_id, prompt.len(), max_total, &request.extra)?;
         let mut tokens = self
             .spares
             .tokens(Self::token_capacity(prompt.len(), max_total));
@@ -335,7 +336,7 @@ impl<P: BlockAllocator> Coordinator<P> {
         max_total_tokens: Option<usize>,
         extra: ExtraKeys,
     ) -> Result<usize, CoreError> {
-        self.check_new(request_id, &prompt, max_total_tokens, &extra)?;
+        self.check_new(request_id, prompt.len(), max_total_tokens, &extra)?;
         let mut tokens = prompt;
         let capacity = Self::token_capacity(tokens.len(), max_total_tokens);
         tokens.reserve_exact(capacity - tokens.len());
@@ -404,7 +405,12 @@ impl<P: BlockAllocator> Coordinator<P> {
                 parked.tokens.len()
             )));
         }
-        self.check_new(request_id, &parked.tokens, max_total_tokens, &parked.extra)?;
+        self.check_new(
+            request_id,
+            parked.tokens.len(),
+            max_total_tokens,
+            &parked.extra,
+        )?;
         let parked = self.parked.take(request_id).expect("checked above");
         Ok(self.insert_request(request_id, parked.tokens, parked.extra, parked.hash_chains))
     }
@@ -419,11 +425,10 @@ impl<P: BlockAllocator> Coordinator<P> {
     fn check_new(
         &self,
         request_id: u64,
-        tokens: &[u32],
+        prompt_len: usize,
         max_total_tokens: Option<usize>,
         extra: &ExtraKeys,
     ) -> Result<(), CoreError> {
-        let prompt_len = tokens.len();
         if prompt_len == 0 {
             return Err(CoreError::InvalidArgument(
                 "the prompt must have at least one token".into(),

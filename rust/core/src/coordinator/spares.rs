@@ -41,19 +41,12 @@ impl Spares {
     /// Keeps the vectors of a freed request (its blocks already released), emptied.
     pub(super) fn keep(&mut self, state: RequestState) {
         let RequestState {
-            mut tokens,
-            mut hash_chains,
+            tokens,
+            hash_chains,
             mut groups,
             ..
         } = state;
-        if self.tokens.len() < self.limit {
-            tokens.clear();
-            self.tokens.push(tokens);
-        }
-        if self.hash_chains.len() < self.limit {
-            hash_chains.iter_mut().for_each(Vec::clear);
-            self.hash_chains.push(hash_chains);
-        }
+        self.keep_storage(tokens, hash_chains);
         if self.groups.len() < self.limit {
             for group in &mut groups {
                 let mut blocks = std::mem::take(&mut group.blocks);
@@ -64,6 +57,23 @@ impl Spares {
                 };
             }
             self.groups.push(groups);
+        }
+    }
+
+    /// Keeps a token vector and hash chains (a freed request's, or those of a request whose
+    /// add failed while its prompt was read), emptied.
+    pub(super) fn keep_storage(
+        &mut self,
+        mut tokens: Vec<u32>,
+        mut hash_chains: Vec<Vec<BlockHash>>,
+    ) {
+        if self.tokens.len() < self.limit {
+            tokens.clear();
+            self.tokens.push(tokens);
+        }
+        if self.hash_chains.len() < self.limit {
+            hash_chains.iter_mut().for_each(Vec::clear);
+            self.hash_chains.push(hash_chains);
         }
     }
 
