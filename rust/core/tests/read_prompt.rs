@@ -40,7 +40,11 @@ fn a_prompt_read_in_pieces_is_the_request_a_whole_add_makes() {
         .unwrap();
     assert_eq!(read.stats().hashed_blocks, 203 / 4, "hashed while read");
     assert_eq!(read.find_cache_hit(1).unwrap(), 0);
-    assert_eq!(read.stats().hashed_blocks, whole.stats().hashed_blocks, "not again");
+    assert_eq!(
+        read.stats().hashed_blocks,
+        whole.stats().hashed_blocks,
+        "not again"
+    );
     assert_eq!(read.num_tokens(1).unwrap(), 203);
     for c in [&mut whole, &mut read] {
         assert!(allocate(c, 1, 0, 64));
@@ -73,7 +77,11 @@ fn a_reader_that_fails_adds_nothing_and_the_checks_come_first() {
     let error = c.add_request_read(5, &mut failing, None, ExtraKeys::default());
     assert!(matches!(error, Err(CoreError::InvalidArgument(_))));
     assert!(c.num_tokens(5).is_err(), "no request was added");
-    assert_eq!(c.stats().hashed_blocks, 48 / 4, "the pieces before the failure");
+    assert_eq!(
+        c.stats().hashed_blocks,
+        48 / 4,
+        "the pieces before the failure"
+    );
     assert_eq!(c.pool().num_free_blocks(), free);
     // A length the coordinator refuses is refused before anything is read.
     let mut never = Failing {
@@ -81,7 +89,10 @@ fn a_reader_that_fails_adds_nothing_and_the_checks_come_first() {
         good: 0,
     };
     let error = c.add_request_read(6, &mut never, None, ExtraKeys::default());
-    assert!(matches!(error, Err(CoreError::RequestTooLarge(_))), "{error:?}");
+    assert!(
+        matches!(error, Err(CoreError::RequestTooLarge(_))),
+        "{error:?}"
+    );
     // The id is free and the row too.
     c.add_request_read(5, &mut &prompt[..], None, ExtraKeys::default())
         .unwrap();
