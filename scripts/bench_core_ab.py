@@ -12,6 +12,9 @@ runs in separate processes. Workloads, through the binding on Python lists as th
 - read: `add_request` of 64 prompts of `--tokens` tokens built afresh every round (their int
   objects out of the caches, as a new prompt's are), prefix caching off: the list's conversion
   alone, per request;
+- decode: 64 requests of 100 tokens decoding 2000 steps, each step's `allocate_batch` and
+  `append_token_ids_batch` timed apart (the counts' update between them untimed), per request
+  and step;
 - prefill: 64 requests of 8192 tokens allocated in 512-token chunks (`allocate_batch`), then freed
   (`free_request`), per round;
 - T1, T2: the scheduler traces of `scripts/bench_vllm_replay.py` (our side only, a new
@@ -20,7 +23,7 @@ runs in separate processes. Workloads, through the binding on Python lists as th
 A build's `_core` comes from its wheel (`maturin build --release -o DIR`, then unzip the wheel's
 `hybrid_cache/_core*.so`); this checkout's Python package is imported around it.
 
-    python scripts/bench_core_ab.py OLD.so,NEW.so [--workload lookup|read|prefill] [--tokens 2048]
+    python scripts/bench_core_ab.py OLD.so,NEW.so [--workload lookup|read|decode|prefill] [--tokens 2048]
         [--rounds 40]
     python scripts/bench_core_ab.py OLD.so,NEW.so --workload T2 --rounds 20
 """
@@ -87,6 +90,34 @@ def read(core, tokens: int, round_: int) -> dict[str, float]:
     return {"read us/request": (clock() - start) / len(prompts) * 1e6}
 
 
+def decode(core, steps: int = 2000) -> dict[str, float]:
+    groups = [core.GroupSpec("full", 16), core.GroupSpec("sliding_window", 16, window=4096)]
+    c = core.Coordinator(131072, groups, NUM_REQS, 8192, 512, hash_algo="sha256")
+    rng = random.Random(1)
+    ids = list(range(NUM_REQS))
+    for i in ids:
+        c.add_request(i, [rng.randrange(32000) for _ in range(100)], max_total_tokens=4100)
+        c.find_cache_hit(i)
+        assert c.allocate(i, 0, 100)
+        c.append_token_ids_batch([i], [5])
+    computed, ones = [100] * NUM_REQS, [1] * NUM_REQS
+    sampled = [[rng.randrange(32000) for _ in ids] for _ in range(64)]
+    allocating = appending = 0.0
+    for step in range(steps):
+        start = clock()
+        assert c.allocate_batch(ids, computed, ones) == NUM_REQS
+        allocating += clock() - start
+        computed = [count + 1 for count in computed]
+        start = clock()
+        c.append_token_ids_batch(ids, sampled[step % 64])
+        appending += clock() - start
+    per = 1e9 / (steps * NUM_REQS)
+    return {
+        "allocate_batch ns/request-step": allocating * per,
+        "append_token_ids_batch ns/request-step": appending * per,
+    }
+
+
 def prefill(c, prompts: list[list[int]], round_: int) -> dict[str, float]:
     ids = [round_ * NUM_REQS + i for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
@@ -120,7 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("builds", help="comma-separated paths of _core shared objects")
     parser.add_argument(
-        "--workload", choices=["lookup", "read", "prefill", "T1", "T2"], default="lookup"
+        "--workload", choices=["lookup", "read", "decode", "prefill", "T1", "T2"], default="lookup"
     )
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length (lookup, read)")
     parser.add_argument("--rounds", type=int, default=40)
@@ -131,6 +162,13 @@ def main() -> None:
     if args.workload in ("T1", "T2"):
         work, prompts = replay(args.workload), []
         # A new coordinator every round: each build's slot holds its module.
+        coordinators = [load(path) for path in paths]
+    elif args.workload == "decode":
+        prompts = []
+
+        def work(core, prompts, round_: int) -> dict[str, float]:
+            return decode(core)
+
         coordinators = [load(path) for path in paths]
     elif args.workload == "read":
         prompts = []
