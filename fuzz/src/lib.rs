@@ -480,8 +480,9 @@ impl<P: BlockAllocator> Harness<P> {
         self.add_or_resume(id, tokens, extra, max_total, false)
     }
 
-    /// `add_request`, or with `resume` `resume_request` of a request `preempt_request` kept
-    /// with these tokens and keys: the same checks and outcomes either way.
+    /// `add_request` (`add_request_read` for odd ids), or with `resume` `resume_request` of a
+    /// request `preempt_request` kept with these tokens and keys: the same checks and outcomes
+    /// every way.
     fn add_or_resume(
         &mut self,
         id: u64,
@@ -494,6 +495,11 @@ impl<P: BlockAllocator> Harness<P> {
         let result = if resume {
             self.coordinator
                 .resume_request(id, Some(max_total), Some(tokens.len()))
+        } else if id % 2 == 1 {
+            // Read a piece at a time, hashed as read: the same checks and outcomes.
+            let mut prompt = &tokens[..];
+            self.coordinator
+                .add_request_read(id, &mut prompt, Some(max_total), extra.clone())
         } else {
             self.coordinator.add_request(NewRequest {
                 request_id: id,
