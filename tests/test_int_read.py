@@ -157,3 +157,26 @@ def test_a_list_read_in_pieces_refuses_a_list_that_changes_and_a_bad_item_past_t
     assert sorted(h for _, _, h in coordinator.cached_blocks()) == sorted(
         h for _, h in cached_hashes(good)
     )
+
+
+@pytest.mark.parametrize("length", [47, 48, 49, 95, 96, 97, 150, 257])
+def test_a_list_read_in_pieces_hashes_as_the_same_ids_from_an_array(length):
+    """Around and across the reader's pieces (48 tokens), with every edge value and an int
+    subclass at random positions: the list's blocks are those of the same ids as an array."""
+    rng = np.random.default_rng(length)
+    values = rng.choice(np.array(EDGES, dtype=np.int64), size=length)
+    as_list = [int(value) for value in values]
+    as_list[length // 2] = Token.SEVEN
+    values[length // 2] = 7
+
+    def cached(prompt):
+        coordinator = Coordinator(512, [GroupSpec("full", BLOCK)], 2, 512, 512)
+        coordinator.add_request(1, prompt)
+        assert coordinator.find_cache_hit(1) == 0
+        assert coordinator.allocate(1, 0, length)
+        hashed = coordinator.stats()["hashed_blocks"]
+        coordinator.free_request(1)
+        return hashed, sorted(h for _, _, h in coordinator.cached_blocks())
+
+    assert cached(as_list) == cached(values)
+    assert cached(as_list)[0] == length // BLOCK

@@ -141,7 +141,9 @@ class Coordinator:
         """Adds a request and returns its block-table row. Raises RequestTooLargeError when
         `max_total_tokens` (default: len(prompt)) can never fit; room for that many tokens (and
         the last sampled one) is allocated up front. `mm_hashes` are
-        (start_token, num_tokens, item_hash) triples mixed into the blocks they overlap."""
+        (start_token, num_tokens, item_hash) triples mixed into the blocks they overlap. With
+        prefix caching on, a list prompt's blocks are hashed as it is read (other sequences and
+        arrays at `find_cache_hit`)."""
     def append_token_ids(self, request_id: int, token_ids: Sequence[int]) -> None: ...
     def append_token_ids_batch(
         self,
