@@ -91,8 +91,7 @@ def read(core, tokens: int, round_: int) -> dict[str, float]:
 
 
 def decode(core, steps: int = 2000) -> dict[str, float]:
-    groups = [core.GroupSpec("full", 16), core.GroupSpec("sliding_window", 16, window=4096)]
-    c = core.Coordinator(131072, groups, NUM_REQS, 8192, 512, hash_algo="sha256")
+    c = coordinator(core, 4100)
     rng = random.Random(1)
     ids = list(range(NUM_REQS))
     for i in ids:

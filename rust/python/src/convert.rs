@@ -63,11 +63,11 @@ fn ints_by_item<'py>(
 /// int objects (32 bytes each) are rarely in the caches when it is added, and reading them is
 /// bound by memory (an 8192-token list: about 26 us cold, 8 us hot); 64 ahead reads it 0.93-0.95x
 /// the time 16 ahead took (2048 and 128 tokens: 0.97x).
-pub(crate) const PREFETCH_AHEAD: usize = 64;
+const PREFETCH_AHEAD: usize = 64;
 
 /// Asks the CPU to start loading the object at `item` (a hint: reads nothing, cannot fault).
 #[inline(always)]
-pub(crate) fn prefetch(item: *const pyo3::ffi::PyObject) {
+fn prefetch(item: *const pyo3::ffi::PyObject) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch reads nothing and cannot fault, whatever the address.
     unsafe {
@@ -87,55 +87,67 @@ fn exact_ints<T: TryFrom<i64>>(
     list: &Bound<'_, PyList>,
     storage: impl FnOnce(usize) -> Vec<T>,
 ) -> Result<Vec<T>, Vec<T>> {
-    let len = list.len();
-    if len == 0 {
-        // An empty list may have no item array at all (`ob_item` null).
-        return Ok(storage(0));
-    }
-    // SAFETY: a non-empty list's `ob_item` points at its `len` items; the GIL is held and no
-    // Python code runs while the slice is read (the list keeps its items: borrowed references).
-    let items = unsafe {
-        let list = list.as_ptr().cast::<pyo3::ffi::PyListObject>();
-        std::slice::from_raw_parts((*list).ob_item, len)
-    };
-    // The layout read once, each one's loop compiled on its own.
+    let items = list_items(list);
     let mut ints = storage(items.len());
     debug_assert!(ints.is_empty(), "storage hands out empty vectors");
     ints.clear();
-    ints.reserve(items.len());
-    let read = match ints::current() {
-        Layout::SignedSize => read_items(Layout::SignedSize, items, &mut ints),
-        Layout::Tag => read_items(Layout::Tag, items, &mut ints),
-        Layout::Call => read_items(Layout::Call, items, &mut ints),
-    };
-    if read {
+    read_exact_ints(items, &mut ints, items.len());
+    if ints.len() == items.len() {
         Ok(ints)
     } else {
+        ints.clear();
         Err(ints)
     }
 }
 
-/// `exact_ints` over a list's items under one int layout, written straight into `ints` (empty,
-/// with room for them); false when one is not an int that fits a `T` (`ints` left empty).
+/// A list's items as a slice (borrowed references: valid while the list holds them, that is
+/// while no Python code runs and the GIL is held).
+pub(crate) fn list_items<'a>(list: &'a Bound<'_, PyList>) -> &'a [*mut pyo3::ffi::PyObject] {
+    let len = list.len();
+    if len == 0 {
+        return &[]; // an empty list may have no item array at all (`ob_item` null)
+    }
+    // SAFETY: a non-empty list's `ob_item` points at its `len` items; the GIL is held (the
+    // `Bound`), and the caller runs no Python code while it uses the slice.
+    unsafe {
+        let list = list.as_ptr().cast::<pyo3::ffi::PyListObject>();
+        std::slice::from_raw_parts((*list).ob_item, len)
+    }
+}
+
+/// Appends `items[ints.len()..end]` to `ints` while each is exactly an `int` that fits a `T`,
+/// stopping before the first that is not; items further on are prefetched ahead. The int
+/// layout is read once, each one's loop compiled on its own.
+pub(crate) fn read_exact_ints<T: TryFrom<i64>>(
+    items: &[*mut pyo3::ffi::PyObject],
+    ints: &mut Vec<T>,
+    end: usize,
+) {
+    ints.reserve(end.saturating_sub(ints.len()));
+    match ints::current() {
+        Layout::SignedSize => read_run(Layout::SignedSize, items, ints, end),
+        Layout::Tag => read_run(Layout::Tag, items, ints, end),
+        Layout::Call => read_run(Layout::Call, items, ints, end),
+    }
+}
+
+/// `read_exact_ints` under one int layout.
 #[inline(always)]
-fn read_items<T: TryFrom<i64>>(
+fn read_run<T: TryFrom<i64>>(
     layout: Layout,
     items: &[*mut pyo3::ffi::PyObject],
     ints: &mut Vec<T>,
-) -> bool {
-    let slots = &mut ints.spare_capacity_mut()[..items.len()];
-    for (index, (slot, &item)) in slots.iter_mut().zip(items).enumerate() {
+    end: usize,
+) {
+    for index in ints.len()..end {
         if let Some(&ahead) = items.get(index + PREFETCH_AHEAD) {
             prefetch(ahead);
         }
-        match ints::exact_int_in(layout, item).and_then(|value| T::try_from(value).ok()) {
-            Some(value) => slot.write(value),
-            None => return false,
-        };
+        match ints::exact_int_in(layout, items[index]).and_then(|value| T::try_from(value).ok()) {
+            Some(value) => ints.push(value),
+            None => return,
+        }
     }
-    // SAFETY: every one of the first `items.len()` slots was written above.
-    unsafe { ints.set_len(items.len()) };
-    true
 }
 
 /// Item `index` of `list` if it is exactly an `int` fitting an `i64` (`exact_int`), the item

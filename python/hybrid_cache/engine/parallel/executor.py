@@ -255,8 +255,7 @@ class TensorParallelExecutor:
         return None
 
     def _died(self, rank: int) -> WorkerFailedError:
-        code = self.processes[rank - 1].exitcode
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        how = _how_it_ended(self.processes[rank - 1].exitcode)
         return WorkerFailedError(
             f"tensor-parallel rank {rank} {how}; the engine is shut down: build a new LLM"
             f"{self._traceback(rank)}",
@@ -375,15 +374,19 @@ class _Shutdown:
             torch.set_num_threads(self.num_threads)
 
 
+def _how_it_ended(exitcode: int) -> str:
+    """A dead process's end, as the errors word it."""
+    return f"was killed by signal {-exitcode}" if exitcode < 0 else f"exited with code {exitcode}"
+
+
 def _wait_started(processes: list[Any], started: Any) -> None:
     """Waits until every spawned worker runs its entry point (`started[rank]` set), as long as
     that takes while each lives; one that exits first ends the start with `WorkerFailedError`
     (what it printed is on this process's stderr: it had not reached its error report yet)."""
     while not started[1:].all():
         for rank, process in enumerate(processes, start=1):
-            code = process.exitcode
-            if code is not None and not started[rank]:
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            if process.exitcode is not None and not started[rank]:
+                how = _how_it_ended(process.exitcode)
                 raise WorkerFailedError(
                     f"tensor-parallel rank {rank} {how} while starting, before its entry point "
                     "(its output above says why: an import failing in a spawned process?)",
