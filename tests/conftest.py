@@ -2,13 +2,23 @@
 module: TRITON_INTERPRET=1 is set here, before any test module is imported. Modules that set it
 themselves were too late whenever another module had imported triton first (the interpreter is
 chosen at import), e.g. test_attention_backends.py after test_torch_batched.py. The serving
-tests share one saved tiny model folder (`serve_model_folder`)."""
+tests share one saved tiny model folder (`serve_model_folder`).
+
+The repository root comes off `sys.path` here (`python -m pytest` puts the working directory
+there): its `kernels/` folder would shadow Hugging Face's `kernels` package, which transformers
+imports when it is installed (transformers 5.x requires it), and our kernels are imported as
+`hybrid_cache.kernels` anyway."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ["TRITON_INTERPRET"] = "1"
+
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or os.getcwd()).resolve() != _ROOT]
 
 
 @pytest.fixture(scope="session")
