@@ -4,10 +4,10 @@ themselves were too late whenever another module had imported triton first (the 
 chosen at import), e.g. test_attention_backends.py after test_torch_batched.py. The serving
 tests share one saved tiny model folder (`serve_model_folder`).
 
-The repository root comes off `sys.path` here (`python -m pytest` puts the working directory
-there): its `kernels/` folder would shadow Hugging Face's `kernels` package, which transformers
-imports when it is installed (transformers 5.x requires it), and our kernels are imported as
-`hybrid_cache.kernels` anyway."""
+The repository root goes to the end of `sys.path` here (`python -m pytest` puts the working
+directory first): at the front, its `kernels/` folder would shadow Hugging Face's `kernels`
+package, which transformers imports when it is installed (transformers 5.x requires it). Our
+kernels are imported as `hybrid_cache.kernels`; the root stays on the path for `tests.*` imports."""
 
 import os
 import sys
@@ -18,7 +18,8 @@ import pytest
 os.environ["TRITON_INTERPRET"] = "1"
 
 _ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [entry for entry in sys.path if Path(entry or os.getcwd()).resolve() != _ROOT]
+_AT_ROOT = [entry for entry in sys.path if Path(entry or os.getcwd()).resolve() == _ROOT]
+sys.path[:] = [entry for entry in sys.path if entry not in _AT_ROOT] + [str(_ROOT)]
 
 
 @pytest.fixture(scope="session")
