@@ -17,13 +17,17 @@ runs in separate processes. Workloads, through the binding on Python lists as th
   and step;
 - prefill: 64 requests of 8192 tokens allocated in 512-token chunks (`allocate_batch`), then freed
   (`free_request`), per round;
+- evict: as prefill, but with 64 new prompts every round on the same coordinator, so once the
+  pool has gone round (the second round on) every block allocated evicts a cached one: the
+  steady state of a server whose pool is full of cached blocks, per block allocated;
 - T1, T2: the scheduler traces of `scripts/bench_vllm_replay.py` (our side only, a new
   coordinator every round), per phase as that script reports them.
 
 A build's `_core` comes from its wheel (`maturin build --release -o DIR`, then unzip the wheel's
 `hybrid_cache/_core*.so`); this checkout's Python package is imported around it.
 
-    python scripts/bench_core_ab.py OLD.so,NEW.so [--workload lookup|read|decode|prefill] [--tokens 2048]
+    python scripts/bench_core_ab.py OLD.so,NEW.so [--workload lookup|read|decode|prefill|evict]
+        [--tokens 2048]
         [--rounds 40]
     python scripts/bench_core_ab.py OLD.so,NEW.so --workload T2 --rounds 20
 """
@@ -133,6 +137,27 @@ def prefill(c, prompts: list[list[int]], round_: int) -> dict[str, float]:
     return {"prefill ms": spent * 1e3, "free ms": (clock() - start) * 1e3}
 
 
+def evict(c, round_: int) -> dict[str, float]:
+    rng = random.Random(1000 + round_)
+    prompts = [[rng.randrange(32000) for _ in range(8192)] for _ in range(NUM_REQS)]
+    ids = [round_ * NUM_REQS + i for i in range(NUM_REQS)]
+    for request_id, prompt in zip(ids, prompts):
+        c.add_request(request_id, prompt, max_total_tokens=len(prompt) + 200)
+        assert c.find_cache_hit(request_id) == 0
+    free_before = c.num_free_blocks
+    spent, taken = 0.0, 0
+    for chunk in range(0, 8192, 512):
+        before = c.num_free_blocks
+        start = clock()
+        assert c.allocate_batch(ids, [chunk] * len(ids), [512] * len(ids)) == len(ids)
+        spent += clock() - start
+        taken += before - c.num_free_blocks
+    assert taken == free_before - c.num_free_blocks
+    for request_id in ids:
+        c.free_request(request_id)
+    return {"evicting prefill ns/block": spent / taken * 1e9}
+
+
 def replay(name: str):
     """A workload running one round of trace `name` of `bench_vllm_replay.py` on a build."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -150,7 +175,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("builds", help="comma-separated paths of _core shared objects")
     parser.add_argument(
-        "--workload", choices=["lookup", "read", "decode", "prefill", "T1", "T2"], default="lookup"
+        "--workload", choices=["lookup", "read", "decode", "prefill", "evict", "T1", "T2"], default="lookup"
     )
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length (lookup, read)")
     parser.add_argument("--rounds", type=int, default=40)
@@ -169,6 +194,13 @@ def main() -> None:
             return decode(core)
 
         coordinators = [load(path) for path in paths]
+    elif args.workload == "evict":
+        prompts = []
+
+        def work(c, prompts, round_: int) -> dict[str, float]:
+            return evict(c, round_)
+
+        coordinators = [coordinator(load(path), 8192) for path in paths]
     elif args.workload == "read":
         prompts = []
 

@@ -146,4 +146,10 @@ pub trait BlockAllocator: Send + Sync {
 
     /// Counters; see [`PoolStats`].
     fn stats(&self) -> PoolStats;
+
+    /// Housekeeping that needs the pool to itself: `BlockPool` rebuilds its cache map once the
+    /// entries removed from it (evictions) have left too many tombstones in its probes. Cheap
+    /// when there is nothing to do; the coordinator calls it before each allocation. A pool
+    /// shared by threads needs its owner to call it now and then, between their calls.
+    fn tidy(&mut self) {}
 }

@@ -584,6 +584,17 @@ impl BlockAllocator for BlockPool {
             num_evictions: self.num_evictions.load(Ordering::Relaxed),
         }
     }
+
+    fn tidy(&mut self) {
+        if !self.cache.needs_rebuild() {
+            return;
+        }
+        let blocks = &self.blocks;
+        self.cache.rebuild(
+            |block| blocks.slot(block as usize).key(),
+            |block, at| blocks.slot(block as usize).set_map_slot(at),
+        );
+    }
 }
 
 // The behaviour `BlockPool` shares with `MutexPool` (the `BlockAllocator` contract) is tested on
@@ -617,5 +628,47 @@ mod tests {
             // Valid entries (7 free blocks) plus at most `stale_limit` (8) stale ones.
             assert!(pool.free_queue.len() <= 7 + 8, "{}", pool.free_queue.len());
         }
+    }
+
+    /// Every block cached, evicted and cached again in turn, `tidy` before each allocation as
+    /// the coordinator calls it: the cache map is rebuilt whenever its TOMBSTONEs pass their
+    /// share, and after every round it holds exactly one entry per cached block (an entry left
+    /// behind by a rebuild that lost track of a moved one would stay), each found. The `tidy`
+    /// contract on both pools is in `tests/pool_contract.rs`.
+    #[test]
+    fn tidy_rebuilds_the_map_and_keeps_one_entry_per_cached_block() {
+        const BLOCKS: usize = 513;
+        let rounds = if cfg!(miri) { 4 } else { 30 };
+        let mut pool = BlockPool::new(BLOCKS).unwrap();
+        let (mut out, mut keys, mut rebuilds, mut next) = (Vec::new(), Vec::new(), 0, 0u128);
+        for _ in 0..rounds {
+            keys.clear();
+            for _ in 0..(BLOCKS - 1) / 32 {
+                if pool.cache.needs_rebuild() {
+                    rebuilds += 1;
+                }
+                pool.tidy();
+                assert!(!pool.cache.needs_rebuild());
+                out.clear();
+                pool.get_new_blocks(32, &mut out).unwrap();
+                for &block in &out {
+                    next += 1;
+                    let key = CacheKey {
+                        group: (next % 3) as u32,
+                        hash: BlockHash(next.wrapping_mul(0x9e37_79b9_7f4a_7c15) << 17),
+                    };
+                    assert!(pool.cache_block(block, key).unwrap());
+                    keys.push((key, block));
+                }
+                pool.free_blocks(&out).unwrap();
+            }
+            assert_eq!(pool.cache.num_live(), pool.stats().num_cached_blocks);
+            assert_eq!(pool.cache.counted_tombstones(), pool.cache.num_tombstones());
+            for &(key, block) in &keys {
+                assert_eq!(pool.cached_block(key), Some(block));
+            }
+        }
+        assert!(rebuilds > 0, "the workload must pile up tombstones");
+        assert!(pool.cache.num_tombstones() <= pool.cache.num_slots() / 8 + 32);
     }
 }

@@ -287,6 +287,51 @@ fn a_batch_caches_as_one_call_per_block_and_counts_what_it_cached<P: Pool>() {
     assert_eq!(pool.stats().num_cached_blocks, 5);
 }
 
+/// A pool whose every block is cached, then evicted and cached again under a new key, over and
+/// over (a full pool under steady load), with `tidy` between the calls as the coordinator does:
+/// every key cached in the last round is found on its block, the blocks come back in LRU order
+/// and every eviction is counted and drops its key. (`BlockPool` rebuilds its cache
+/// map here; `MutexPool` has nothing to tidy.)
+fn evicting_every_block_in_turn_with_tidy_keeps_every_key<P: Pool>() {
+    const BLOCKS: usize = 257;
+    let rounds = if cfg!(miri) { 4 } else { 24 };
+    let mut pool = P::with_blocks(BLOCKS);
+    let mut next_key = 0u128;
+    let mut out = Vec::new();
+    let mut round_keys = Vec::new();
+    for round in 0..rounds {
+        round_keys.clear();
+        for _ in 0..(BLOCKS - 1) / 16 {
+            pool.tidy();
+            out.clear();
+            pool.get_new_blocks(16, &mut out).unwrap();
+            for &block in &out {
+                next_key += 1;
+                let key = key((next_key % 2) as u32, next_key * 0x9e37_79b9);
+                assert!(pool.cache_block(block, key).unwrap());
+                round_keys.push((key, block));
+            }
+            pool.free_blocks(&out).unwrap();
+        }
+        pool.tidy();
+        for &(key, block) in &round_keys {
+            assert_eq!(pool.cached_block(key), Some(block), "round {round}");
+        }
+        let stats = pool.stats();
+        assert_eq!(stats.num_cached_blocks, BLOCKS - 1);
+        assert_eq!(stats.num_evictions, (round * (BLOCKS - 1)) as u64);
+    }
+    // The queue's order is the caching order: the oldest first.
+    let order: Vec<_> = round_keys.iter().map(|&(_, block)| block).collect();
+    assert_eq!(pool.free_queue_order(), order);
+    // The oldest block goes first, and its key with it.
+    let (oldest_key, oldest) = round_keys[0];
+    out.clear();
+    pool.get_new_blocks(1, &mut out).unwrap();
+    assert_eq!(out, vec![oldest]);
+    assert_eq!(pool.cached_block(oldest_key), None);
+}
+
 /// `contract_tests!([behaviour, ...] for module => Pool, ...)`: a module per pool with one
 /// `#[test]` per behaviour, each running the generic function of that name on that pool.
 macro_rules! contract_tests {
@@ -325,6 +370,7 @@ contract_tests!(
         hit_only_workload_keeps_lru_order,
         take_claims_a_free_cached_block_and_drops_its_key,
         a_batch_caches_as_one_call_per_block_and_counts_what_it_cached,
+        evicting_every_block_in_turn_with_tidy_keeps_every_key,
     ] for
     block_pool => BlockPool,
     mutex_pool => MutexPool,

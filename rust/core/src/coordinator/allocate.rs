@@ -69,6 +69,7 @@ impl<P: BlockAllocator> Coordinator<P> {
         step: AllocateStep,
         reserve: usize,
     ) -> Result<bool, CoreError> {
+        self.pool.tidy();
         self.shorten_pending_hit(&step)?;
         let state = self.request(step.request_id)?;
         check_step(&self.config, state, &step)?;
@@ -104,6 +105,7 @@ impl<P: BlockAllocator> Coordinator<P> {
     /// returns how many were allocated. Every step is validated before any is applied, so an
     /// error changes nothing.
     pub fn allocate_batch(&mut self, steps: &[AllocateStep]) -> Result<usize, CoreError> {
+        self.pool.tidy();
         let mut rows = std::mem::take(&mut self.rows_scratch);
         let ids = steps.iter().map(|step| step.request_id);
         let result = match self.requests.rows_of(ids, &mut rows) {
