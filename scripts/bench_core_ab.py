@@ -27,8 +27,7 @@ A build's `_core` comes from its wheel (`maturin build --release -o DIR`, then u
 `hybrid_cache/_core*.so`); this checkout's Python package is imported around it.
 
     python scripts/bench_core_ab.py OLD.so,NEW.so [--workload lookup|read|decode|prefill|evict]
-        [--tokens 2048]
-        [--rounds 40]
+        [--tokens 2048] [--rounds 40] [--per-round]
     python scripts/bench_core_ab.py OLD.so,NEW.so --workload T2 --rounds 20
 """
 
@@ -175,10 +174,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("builds", help="comma-separated paths of _core shared objects")
     parser.add_argument(
-        "--workload", choices=["lookup", "read", "decode", "prefill", "evict", "T1", "T2"], default="lookup"
+        "--workload",
+        choices=["lookup", "read", "decode", "prefill", "evict", "T1", "T2"],
+        default="lookup",
     )
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length (lookup, read)")
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument(
+        "--per-round", action="store_true", help="also print every round's figures per build"
+    )
     args = parser.parse_args()
     paths = args.builds.split(",")
     if len(paths) < 2:
@@ -219,6 +223,12 @@ def main() -> None:
         order = range(len(paths)) if round_ % 2 == 0 else reversed(range(len(paths)))
         for k in order:
             results[k].append(work(coordinators[k], prompts, round_))
+    if args.per_round:
+        for key in results[0][0]:
+            print(f"{key}, per round: " + ", ".join(paths))
+            for round_ in range(args.rounds):
+                row = "  ".join(f"{results[k][round_][key]:9.2f}" for k in range(len(paths)))
+                print(f"  {round_:3d}  {row}")
     for key in results[0][0]:
         print(f"{key}: {paths[0]} median {statistics.median(r[key] for r in results[0]):.2f}")
         for k in range(1, len(paths)):

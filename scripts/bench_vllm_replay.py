@@ -8,7 +8,10 @@ prefix caching on, sha256 block hashes on both sides):
 - T1: 256 requests of 2048 tokens (every other one starts with the same 1024 tokens), each
   admitted and prefilled whole, then 512 decode steps of all of them, then all freed;
 - T2: 64 requests of 8192 unique tokens prefilled in 512-token chunks (all advance together),
-  then 256 decode steps, then all freed.
+  then 256 decode steps, then all freed;
+- T3: T2's shape with 64 decode steps, three waves of new prompts on one manager: the pool keeps
+  every wave's blocks cached, so from the third wave on every block allocated evicts a cached
+  one (a server's steady state); only the last wave is timed.
 
 vLLM's side calls `KVCacheManager` as its scheduler does (`get_computed_blocks`,
 `allocate_slots`, `new_step_starts` once per step, `free`) and records each sampled token on its
@@ -52,12 +55,13 @@ VOCAB = 32000
 TRACES = {
     "T1": dict(num_reqs=256, prompt_len=2048, shared=1024, chunk=None, steps=512),
     "T2": dict(num_reqs=64, prompt_len=8192, shared=0, chunk=512, steps=256),
+    "T3": dict(num_reqs=64, prompt_len=8192, shared=0, chunk=512, steps=64, waves=3),
 }
 clock = time.perf_counter
 
 
-def prompts_of(trace: dict) -> list[list[int]]:
-    rng = random.Random(7)
+def prompts_of(trace: dict, wave: int = 0) -> list[list[int]]:
+    rng = random.Random(7 + 1000 * wave)
     shared = [rng.randrange(VOCAB) for _ in range(trace["shared"])]
     out = []
     for index in range(trace["num_reqs"]):
@@ -111,7 +115,6 @@ def time_free(phases: Phases, free: Callable, requests: list, used: Callable[[],
 
 def run_vllm(trace: dict) -> Phases:
     import torch
-    from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -121,7 +124,6 @@ def run_vllm(trace: dict) -> Phases:
         KVCacheGroupSpec,
         SlidingWindowSpec,
     )
-    from vllm.v1.request import Request, RequestStatus
 
     shape = dict(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     config = KVCacheConfig(
@@ -143,9 +145,24 @@ def run_vllm(trace: dict) -> Phases:
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(BLOCK, hash_fn)
-    prompts, sampled = prompts_of(trace), sampled_of(trace)
     pool = manager.block_pool
     usable = NUM_BLOCKS - 1
+
+    def used() -> int:
+        return usable - pool.get_num_free_blocks()
+
+    for wave in range(trace.get("waves", 1)):
+        phases = vllm_wave(trace, manager, hasher, wave, used)
+    return phases
+
+
+def vllm_wave(trace: dict, manager, hasher, wave: int, used: Callable[[], int]) -> Phases:
+    """One wave of requests on vLLM's manager (request ids `w{wave}r{index}`)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    max_tokens = trace["steps"] + 1
+    prompts, sampled = prompts_of(trace, wave), sampled_of(trace)
     phases = Phases()
     params = []
     for _ in prompts:
@@ -155,9 +172,6 @@ def run_vllm(trace: dict) -> Phases:
     gc.collect()
     gc.freeze()
 
-    def used() -> int:
-        return usable - pool.get_num_free_blocks()
-
     requests: list = []
     chunk = trace["chunk"] or trace["prompt_len"]
     manager.new_step_starts()
@@ -165,7 +179,7 @@ def run_vllm(trace: dict) -> Phases:
         # The request object is built untimed; its prompt is hashed in the lookup's time, as
         # `Request(..., block_hasher=...)` would hash it.
         request = Request(
-            request_id=f"r{index}",
+            request_id=f"w{wave}r{index}",
             prompt_token_ids=prompt,
             sampling_params=params[index],
             pooling_params=None,
@@ -238,38 +252,50 @@ def run_ours(trace: dict, core=None) -> Phases:
         max_num_batched_tokens=chunk,
         hash_algo="sha256",
     )
-    prompts, sampled = prompts_of(trace), sampled_of(trace)
     usable = NUM_BLOCKS - 1
-    phases = Phases()
-    gc.collect()
-    gc.freeze()
 
     def used() -> int:
         return usable - coordinator.num_free_blocks
 
-    ids = list(range(trace["num_reqs"]))
+    for wave in range(trace.get("waves", 1)):
+        phases = ours_wave(trace, coordinator, wave, used)
+    return phases
+
+
+def ours_wave(trace: dict, coordinator, wave: int, used: Callable[[], int]) -> Phases:
+    """One wave of requests on our coordinator (request ids from `wave * num_reqs` on)."""
+    max_tokens = trace["steps"] + 1
+    chunk = trace["chunk"] or trace["prompt_len"]
+    prompts, sampled = prompts_of(trace, wave), sampled_of(trace)
+    base = wave * trace["num_reqs"]
+    phases = Phases()
+    gc.collect()
+    gc.freeze()
+    ids = [base + i for i in range(trace["num_reqs"])]
     computed = [0] * trace["num_reqs"]
     for index, prompt in enumerate(prompts):
+        request_id = base + index
         start = clock()
-        coordinator.add_request(index, prompt, max_total_tokens=len(prompt) + max_tokens - 1)
-        hit = coordinator.find_cache_hit(index)
+        coordinator.add_request(request_id, prompt, max_total_tokens=len(prompt) + max_tokens - 1)
+        hit = coordinator.find_cache_hit(request_id)
         looked_up = clock()
         before = used()
         new = min(chunk, len(prompt) - hit)
-        assert coordinator.allocate(index, hit, new)
+        assert coordinator.allocate(request_id, hit, new)
         phases.seconds["prefill"] += clock() - looked_up
         phases.seconds["lookup"] += looked_up - start
         phases.prefill_blocks += used() - before
         phases.hit_tokens += hit
         computed[index] = hit + new
         if computed[index] == len(prompt):
-            coordinator.append_token_ids_batch([index], [sampled[0][index]])
-    pending = [i for i in ids if computed[i] < len(prompts[i])]
+            coordinator.append_token_ids_batch([request_id], [sampled[0][index]])
+    pending = [i for i in range(trace["num_reqs"]) if computed[i] < len(prompts[i])]
     while pending:
         news = [min(chunk, len(prompts[i]) - computed[i]) for i in pending]
+        pending_ids = [base + i for i in pending]
         before = used()
         start = clock()
-        assert coordinator.allocate_batch(pending, [computed[i] for i in pending], news) == len(
+        assert coordinator.allocate_batch(pending_ids, [computed[i] for i in pending], news) == len(
             pending
         )
         phases.seconds["prefill"] += clock() - start
@@ -278,7 +304,9 @@ def run_ours(trace: dict, core=None) -> Phases:
             computed[i] += new
         done = [i for i in pending if computed[i] == len(prompts[i])]
         if done:
-            coordinator.append_token_ids_batch(done, [sampled[0][i] for i in done])
+            coordinator.append_token_ids_batch(
+                [base + i for i in done], [sampled[0][i] for i in done]
+            )
         pending = [i for i in pending if computed[i] < len(prompts[i])]
     phases.peak_used = used()
     ones = [1] * trace["num_reqs"]

@@ -30,6 +30,7 @@ def test_two_builds_alternate_and_each_phase_gets_a_ratio(tmp_path):
     for workload, keys in (
         ("lookup", ["lookup us/request"]),
         ("prefill", ["prefill ms", "free ms"]),
+        ("evict", ["evicting prefill ns/block"]),
         (
             "T2",
             [
@@ -47,6 +48,28 @@ def test_two_builds_alternate_and_each_phase_gets_a_ratio(tmp_path):
         lines = result.stdout.splitlines()
         assert [line.split(":")[0] for line in lines[::2]] == keys
         assert all(re.fullmatch(ratio, line) for line in lines[1::2]), lines
+
+
+def test_per_round_prints_a_row_per_round_with_a_figure_per_build(tmp_path):
+    copy = tmp_path / Path(core.__file__).name
+    shutil.copy(core.__file__, copy)
+    result = run(
+        f"{core.__file__},{copy}",
+        "--workload",
+        "lookup",
+        "--tokens",
+        "64",
+        "--rounds",
+        "3",
+        "--per-round",
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"lookup us/request, per round: {core.__file__}, {copy}"
+    rows = [line.split() for line in lines[1:4]]
+    assert [row[0] for row in rows] == ["0", "1", "2"]
+    assert all(len(row) == 3 and all(float(x) > 0 for x in row[1:]) for row in rows), rows
+    assert lines[4].startswith("lookup us/request: ")
 
 
 def test_one_build_is_refused():
