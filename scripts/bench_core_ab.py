@@ -20,7 +20,7 @@ runs in separate processes. Workloads, through the binding on Python lists as th
 - evict: as prefill, but with 64 new prompts every round on the same coordinator, so once the
   pool has gone round (the second round on) every block allocated evicts a cached one: the
   steady state of a server whose pool is full of cached blocks, per block allocated;
-- T1, T2: the scheduler traces of `scripts/bench_vllm_replay.py` (our side only, a new
+- T1, T2, T3: the scheduler traces of `scripts/bench_vllm_replay.py` (our side only, a new
   coordinator every round), per phase as that script reports them.
 
 A build's `_core` comes from its wheel (`maturin build --release -o DIR`, then unzip the wheel's
@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("builds", help="comma-separated paths of _core shared objects")
     parser.add_argument(
         "--workload",
-        choices=["lookup", "read", "decode", "prefill", "evict", "T1", "T2"],
+        choices=["lookup", "read", "decode", "prefill", "evict", "T1", "T2", "T3"],
         default="lookup",
     )
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length (lookup, read)")
@@ -187,7 +187,7 @@ def main() -> None:
     paths = args.builds.split(",")
     if len(paths) < 2:
         parser.error("give at least two builds")
-    if args.workload in ("T1", "T2"):
+    if args.workload in ("T1", "T2", "T3"):
         work, prompts = replay(args.workload), []
         # A new coordinator every round: each build's slot holds its module.
         coordinators = [load(path) for path in paths]

@@ -592,6 +592,7 @@ impl BlockAllocator for BlockPool {
         let blocks = &self.blocks;
         self.cache.rebuild(
             |block| blocks.slot(block as usize).key(),
+            |block| blocks.prefetch_keys(block as usize),
             |block, at| blocks.slot(block as usize).set_map_slot(at),
         );
     }
