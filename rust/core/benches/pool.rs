@@ -12,6 +12,9 @@
 //! - `evicting_alloc_320`: allocating 256 requests of 320 blocks each from a pool of 131072
 //!   blocks that are all cached and free in shuffled order, so every claim evicts (a prefix
 //!   cache at capacity); the figure is per request. Lock-free pool only.
+//! - `tidy_rebuild`: `tidy` of a pool of 131072 blocks, every block cached, whose blocks were
+//!   evicted and cached again in turn (512 at a time, oldest first) until its cache map's
+//!   TOMBSTONEs passed their share (`needs_tidy`): one rebuild of the map, per rebuild.
 
 use std::hint::black_box;
 use std::sync::Barrier;
@@ -215,12 +218,50 @@ fn evicting_alloc_320(c: &mut Criterion) {
     });
 }
 
+/// One cache map rebuild of a full pool whose blocks were evicted in turn until it needed one.
+fn tidy_rebuild(c: &mut Criterion) {
+    let num_blocks = 131072;
+    let mut pool = BlockPool::new(num_blocks).unwrap();
+    let mut out = Vec::new();
+    let mut next_key = 0u128;
+    let mut group = c.benchmark_group("tidy_rebuild");
+    group.sample_size(10);
+    group.bench_function("131072", |b| {
+        b.iter_custom(|iters| {
+            let mut spent = Duration::ZERO;
+            for _ in 0..iters {
+                // Untimed: evict and cache again, oldest first, until the map needs a rebuild.
+                while !pool.needs_tidy() {
+                    out.clear();
+                    pool.get_new_blocks(512, &mut out).unwrap();
+                    for &block in &out {
+                        next_key += 1;
+                        let key = CacheKey {
+                            group: 0,
+                            hash: BlockHash(next_key.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+                        };
+                        assert!(pool.cache_block(block, key).unwrap());
+                    }
+                    pool.free_blocks(&out).unwrap();
+                }
+                let start = Instant::now();
+                pool.tidy();
+                spent += start.elapsed();
+                assert!(!pool.needs_tidy());
+            }
+            spent
+        })
+    });
+    group.finish();
+}
+
 criterion_group!(
     benches,
     alloc_free_one,
     cache_hit,
     threads,
     release_320,
-    evicting_alloc_320
+    evicting_alloc_320,
+    tidy_rebuild
 );
 criterion_main!(benches);

@@ -140,6 +140,12 @@ impl fmt::Debug for BlockPool {
 }
 
 impl BlockPool {
+    /// Whether `tidy` has work to do: the cache map's TOMBSTONEs have passed their share (an
+    /// owner that shares the pool among threads can check this before pausing them to tidy).
+    pub fn needs_tidy(&self) -> bool {
+        self.cache.needs_rebuild()
+    }
+
     /// A pool of `num_blocks` blocks, block 0 being the null block. Needs at least 2.
     pub fn new(num_blocks: usize) -> Result<Self, CoreError> {
         crate::validate_num_blocks(num_blocks)?;
