@@ -166,6 +166,18 @@ fn release_320(c: &mut Criterion) {
     group.finish();
 }
 
+/// Caches each of `blocks` (held) under a key not used before (`next_key` counts them).
+fn cache_under_new_keys(pool: &BlockPool, blocks: &[u32], next_key: &mut u128) {
+    for &block in blocks {
+        *next_key += 1;
+        let key = CacheKey {
+            group: 0,
+            hash: BlockHash(next_key.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+        };
+        assert!(pool.cache_block(block, key).unwrap());
+    }
+}
+
 /// Allocations of `RELEASE_BLOCKS` blocks that each evict a cached block: the pool full of
 /// cached free blocks in shuffled order (a prefix cache at capacity), time per request.
 fn evicting_alloc_320(c: &mut Criterion) {
@@ -190,14 +202,7 @@ fn evicting_alloc_320(c: &mut Criterion) {
                     state ^= state << 17;
                     all.swap(i, (state % (i as u64 + 1)) as usize);
                 }
-                for &block in &all {
-                    next_key += 1;
-                    let key = CacheKey {
-                        group: 0,
-                        hash: BlockHash(next_key.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
-                    };
-                    assert!(pool.cache_block(block, key).unwrap());
-                }
+                cache_under_new_keys(&pool, &all, &mut next_key);
                 pool.free_blocks(&all).unwrap();
                 let start = Instant::now();
                 for blocks in held.iter_mut() {
@@ -234,14 +239,7 @@ fn tidy_rebuild(c: &mut Criterion) {
                 while !pool.needs_tidy() {
                     out.clear();
                     pool.get_new_blocks(512, &mut out).unwrap();
-                    for &block in &out {
-                        next_key += 1;
-                        let key = CacheKey {
-                            group: 0,
-                            hash: BlockHash(next_key.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
-                        };
-                        assert!(pool.cache_block(block, key).unwrap());
-                    }
+                    cache_under_new_keys(&pool, &out, &mut next_key);
                     pool.free_blocks(&out).unwrap();
                 }
                 let start = Instant::now();
