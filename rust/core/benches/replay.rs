@@ -1,4 +1,4 @@
-//! The allocator's phases on two scheduler traces, the way the engine calls the coordinator:
+//! The allocator's phases on three scheduler traces, the way the engine calls the coordinator:
 //! what `scripts/bench_vllm_replay.py` compares against vLLM's manager, here in Rust alone so the
 //! figures reproduce without vLLM or Python.
 //!
@@ -7,14 +7,17 @@
 //! - T1: 256 requests of 2048 tokens (every other one starts with the same 1024 tokens), each
 //!   admitted and prefilled whole, then 512 decode steps of all of them, then all freed;
 //! - T2: 64 requests of 8192 unique tokens prefilled in 512-token chunks (all advance together),
-//!   then 256 decode steps, then all freed.
+//!   then 256 decode steps, then all freed;
+//! - T3: T2's shape with 64 decode steps, in three waves of new prompts on one coordinator: from
+//!   the third wave on every block allocated evicts a cached one (a server's steady state); the
+//!   last wave is timed.
 //!
 //! Per phase (median of the rounds): lookup (adding the request, hashing its prompt and finding
 //! its hit) per request, prefill allocation per call and per block, decode per request-step
 //! (`allocate_batch` plus the step's `append_token_ids_batch`), free per request and per block.
 //!
 //! Run: `cargo bench -p hybrid-cache-core --bench replay [-- --rounds N --hash sha256|xxh3
-//! --trace T1|T2]`.
+//! --trace T1|T2|T3]`.
 
 use std::time::Instant;
 
@@ -40,9 +43,11 @@ struct Trace {
     /// Prefill chunk; `None`: the whole prompt in one step.
     chunk: Option<usize>,
     decode_steps: usize,
+    /// Waves of new prompts on one coordinator; the last is timed.
+    waves: usize,
 }
 
-const TRACES: [Trace; 2] = [
+const TRACES: [Trace; 3] = [
     Trace {
         name: "T1",
         num_reqs: 256,
@@ -50,6 +55,7 @@ const TRACES: [Trace; 2] = [
         shared_prefix_len: 1024,
         chunk: None,
         decode_steps: 512,
+        waves: 1,
     },
     Trace {
         name: "T2",
@@ -58,6 +64,16 @@ const TRACES: [Trace; 2] = [
         shared_prefix_len: 0,
         chunk: Some(512),
         decode_steps: 256,
+        waves: 1,
+    },
+    Trace {
+        name: "T3",
+        num_reqs: 64,
+        prompt_len: 8192,
+        shared_prefix_len: 0,
+        chunk: Some(512),
+        decode_steps: 64,
+        waves: 3,
     },
 ];
 
@@ -74,8 +90,8 @@ impl Tokens {
     }
 }
 
-fn prompts(trace: &Trace) -> Vec<Vec<u32>> {
-    let mut rng = Tokens(7);
+fn prompts(trace: &Trace, wave: usize) -> Vec<Vec<u32>> {
+    let mut rng = Tokens(7 + 1000 * wave as u64);
     let shared: Vec<u32> = (0..trace.shared_prefix_len).map(|_| rng.next()).collect();
     (0..trace.num_reqs)
         .map(|index| {
@@ -106,7 +122,6 @@ struct Phases {
 }
 
 fn run(trace: &Trace, hash: HashAlgo) -> Phases {
-    let prompts = prompts(trace);
     let max_tokens = trace.decode_steps + 1;
     let config = CoordinatorConfig {
         max_num_batched_tokens: trace.chunk.unwrap_or(trace.prompt_len),
@@ -118,16 +133,28 @@ fn run(trace: &Trace, hash: HashAlgo) -> Phases {
         )
     };
     let mut coordinator = Coordinator::new(config).unwrap();
+    let mut phases = Phases::default();
+    for wave in 0..trace.waves {
+        phases = run_wave(trace, &mut coordinator, wave);
+    }
+    phases
+}
+
+/// One wave of the trace's requests (ids from `wave * num_reqs` on) on `coordinator`.
+fn run_wave(trace: &Trace, coordinator: &mut Coordinator, wave: usize) -> Phases {
+    let prompts = prompts(trace, wave);
+    let max_tokens = trace.decode_steps + 1;
     let usable = NUM_BLOCKS - 1;
     let mut phases = Phases::default();
     let mut rng = Tokens(11);
-    let ids: Vec<u64> = (0..trace.num_reqs as u64).collect();
+    let base = (wave * trace.num_reqs) as u64;
+    let ids: Vec<u64> = (base..base + trace.num_reqs as u64).collect();
     let mut computed = vec![0usize; trace.num_reqs];
     let chunk = trace.chunk.unwrap_or(trace.prompt_len);
 
     // Admission and the first chunk, one request at a time.
     for (index, prompt) in prompts.iter().enumerate() {
-        let request_id = index as u64;
+        let request_id = base + index as u64;
         let start = Instant::now();
         coordinator
             .add_request(NewRequest {
@@ -167,7 +194,7 @@ fn run(trace: &Trace, hash: HashAlgo) -> Phases {
         for (index, prompt) in prompts.iter().enumerate() {
             if computed[index] < prompt.len() {
                 steps.push(AllocateStep {
-                    request_id: index as u64,
+                    request_id: base + index as u64,
                     num_computed_tokens: computed[index],
                     num_new_tokens: chunk.min(prompt.len() - computed[index]),
                 });
@@ -183,7 +210,7 @@ fn run(trace: &Trace, hash: HashAlgo) -> Phases {
         phases.prefill_calls += steps.len();
         phases.prefill_blocks += free_before - coordinator.pool().num_free_blocks();
         for step in &steps {
-            let index = step.request_id as usize;
+            let index = (step.request_id - base) as usize;
             computed[index] += step.num_new_tokens;
             if computed[index] == prompts[index].len() {
                 coordinator
@@ -198,7 +225,7 @@ fn run(trace: &Trace, hash: HashAlgo) -> Phases {
         steps.clear();
         steps.extend(ids.iter().map(|&request_id| AllocateStep {
             request_id,
-            num_computed_tokens: computed[request_id as usize],
+            num_computed_tokens: computed[(request_id - base) as usize],
             num_new_tokens: 1,
         }));
         for token in &mut sampled {
