@@ -18,7 +18,7 @@ runs in separate processes. Workloads, through the binding on Python lists as th
 - prefill: 64 requests of 8192 tokens allocated in 512-token chunks (`allocate_batch`), then freed
   (`free_request`), per round;
 - evict: as prefill, but with 64 new prompts every round on the same coordinator, so once the
-  pool has gone round (the second round on) every block allocated evicts a cached one: the
+  pool has gone round (the third round on) every block allocated evicts a cached one: the
   steady state of a server whose pool is full of cached blocks, per block allocated;
 - T1, T2, T3: the scheduler traces of `scripts/bench_vllm_replay.py` (our side only, a new
   coordinator every round), per phase as that script reports them.

@@ -592,7 +592,7 @@ impl BlockAllocator for BlockPool {
     }
 
     fn tidy(&mut self) {
-        if !self.cache.needs_rebuild() {
+        if !self.needs_tidy() {
             return;
         }
         let blocks = &self.blocks;
@@ -637,11 +637,11 @@ mod tests {
         }
     }
 
-    /// Every block cached, evicted and cached again in turn, 8 at a time, `tidy` before each allocation as
-    /// the coordinator calls it: the cache map is rebuilt whenever its TOMBSTONEs pass their
-    /// share, and after every round it holds exactly one entry per cached block (an entry left
-    /// behind by a rebuild that lost track of a moved one would stay), each found. The `tidy`
-    /// contract on both pools is in `tests/pool_contract.rs`.
+    /// Every block cached, evicted and cached again in turn, 8 at a time, `tidy` before each
+    /// allocation as the coordinator calls it: the cache map is rebuilt whenever its TOMBSTONEs
+    /// pass their share, and after every round it holds exactly one entry per cached block (an
+    /// entry left behind by a rebuild that lost track of a moved one would stay), each found.
+    /// The `tidy` contract on both pools is in `tests/pool_contract.rs`.
     #[test]
     fn tidy_rebuilds_the_map_and_keeps_one_entry_per_cached_block() {
         // Smaller under Miri, enough rounds for rebuilds either way.

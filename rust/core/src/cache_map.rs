@@ -38,8 +38,9 @@
 //!   blocks are all cached and evicted in turn piles them up until probes for absent keys scan
 //!   hundreds of slots (a table of 8192 slots, every block re-keyed 11 times: 483 slots per
 //!   probe, 66 EMPTY slots left). The map counts its TOMBSTONEs; once they take an eighth of
-//!   the slots (`needs_rebuild`), the pool's owner empties the table and inserts the live entries
-//!   again (`BlockAllocator::tidy`).
+//!   the slots (`needs_rebuild`), the pool's owner rebuilds the table in place, in one pass:
+//!   TOMBSTONEs turn EMPTY and each entry that must moves back along its probe
+//!   (`BlockAllocator::tidy`).
 //!
 //! # Under concurrency
 //!
