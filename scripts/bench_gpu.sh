@@ -11,7 +11,8 @@
 #   3. engine-timing: gemma-3-12b (bf16 dummy weights, 32 prompts x 4096 in / 128 out), hybrid,
 #      two runs: each run's warm-up (the Triton compiles) apart from its timed run, first run
 #      over second, and a pure-decode step against reading the weights and visible KV once at
-#      the copy bandwidth (scripts/gpu_engine_timing.py).
+#      the copy bandwidth, that step split into forward (and the host's time issuing it), LM head
+#      and engine time (scripts/gpu_engine_timing.py).
 # Not in the default stages (add them by name; each needs its own minutes):
 #   gemma-3-12b  hybrid vs uniform throughput, --repeat 2 (about 5 minutes);
 #   tiny         the CPU benchmark's tiny-preset workload on the GPU (about 3 minutes).

@@ -11,7 +11,11 @@ Prints per run its timed seconds and tokens/s, its warm-up and build seconds; th
 run's time over the second's (target: within 1.10) and, for the pure-decode steps at the
 largest batch, the median step time over the ideal (weights + visible KV) / bandwidth (target:
 within 1.3). The visible KV is estimated from the workload: every running request at
-input_len + output_len / 2 tokens, each layer reading min(that, its window or chunk).
+input_len + output_len / 2 tokens, each layer reading min(that, its window or chunk). Those
+steps are also split: the model forward (the device synchronised at both ends), the LM head,
+the engine's own time, and the forward's issue time (from its start until the host returns
+from it, before the device is waited for): an issue time close to the forward's means the host
+(Python, launches) sets the pace, a much shorter one that the device does.
 """
 
 from __future__ import annotations
@@ -57,19 +61,56 @@ def ideal_decode_bytes(llm, running: int, tokens_per_request: int) -> tuple[int,
     return weights, kv
 
 
-def decode_step_seconds(result) -> tuple[int, list[float]]:
-    """The largest pure-decode batch and its steps' seconds."""
-    decode = [
-        (running, seconds)
-        for running, tokens, seconds in zip(
-            result.running_per_step, result.tokens_per_step, result.step_time_s
+class IssueTimer:
+    """The host time of a module's forward calls up to their return, the device not waited
+    for: hooks that run after the benchmark's own pre-hook (which synchronises) and before its
+    post-hook (which synchronises again)."""
+
+    def __init__(self, module) -> None:
+        self._started = 0.0
+        self.total_s = 0.0
+        self._handles = [
+            module.register_forward_pre_hook(self._before),
+            module.register_forward_hook(self._after, prepend=True),
+        ]
+
+    def _before(self, module, inputs) -> None:
+        self._started = time.perf_counter()
+
+    def _after(self, module, inputs, output) -> None:
+        self.total_s += time.perf_counter() - self._started
+
+    def take(self) -> float:
+        total, self.total_s = self.total_s, 0.0
+        return total
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def decode_steps(result, issue_s: list[float]) -> tuple[int, dict[str, list[float]]]:
+    """The largest pure-decode batch and, for its steps, the seconds of each: whole step,
+    forward, LM head, engine (the rest) and the forward's issue time."""
+    rows = [
+        (running, step, forward, logits, issued)
+        for running, tokens, step, forward, logits, issued in zip(
+            result.running_per_step,
+            result.tokens_per_step,
+            result.step_time_s,
+            result.forward_time_s,
+            result.logits_time_s,
+            issue_s,
         )
         if running == tokens and running > 0
     ]
-    if not decode:
-        return 0, []
-    largest = max(running for running, _ in decode)
-    return largest, [seconds for running, seconds in decode if running == largest]
+    if not rows:
+        return 0, {}
+    largest = max(row[0] for row in rows)
+    at_largest = [row[1:] for row in rows if row[0] == largest]
+    step, forward, logits, issued = (list(column) for column in zip(*at_largest))
+    engine = [s - f - lm for s, f, lm in zip(step, forward, logits)]
+    return largest, dict(step=step, forward=forward, lm_head=logits, engine=engine, issue=issued)
 
 
 def one_run(settings, mode: str, bandwidth):
@@ -78,11 +119,14 @@ def one_run(settings, mode: str, bandwidth):
     built = time.perf_counter()
     run = ModeRun(settings, mode)
     setup_s = time.perf_counter() - built
+    issue_timer, issue_s = IssueTimer(run.llm.model), []
     started, started_cpu = time.perf_counter(), time.process_time()
     try:
         while not run.done:
             run.step()
+            issue_s.append(issue_timer.take())
     finally:
+        issue_timer.remove()
         run.close()
     result = run.finish(time.perf_counter() - started, time.process_time() - started_cpu)
     figures = {
@@ -92,14 +136,15 @@ def one_run(settings, mode: str, bandwidth):
         "build_s": setup_s - (result.warm_up_s or 0.0),
         "num_steps": result.num_steps,
     }
-    running, steps = decode_step_seconds(result)
-    if steps:
+    running, parts = decode_steps(result, issue_s)
+    if parts:
         tokens = settings.input_len + settings.output_len // 2
         weights, kv = ideal_decode_bytes(run.llm, running, tokens)
         figures.update(
             decode_running=running,
-            decode_steps=len(steps),
-            decode_step_median_s=statistics.median(steps),
+            decode_steps=len(parts["step"]),
+            decode_step_median_s=statistics.median(parts["step"]),
+            decode_split_median_s={name: statistics.median(v) for name, v in parts.items()},
             weight_bytes=weights,
             visible_kv_bytes=kv,
         )
@@ -178,6 +223,13 @@ def main() -> int:
                     f"{figures['decode_step_over_ideal']:.2f}x (target <= 1.3)"
                 )
             print(line)
+            split = figures["decode_split_median_s"]
+            print(
+                "  their medians (ms): forward {forward:.2f} (issued in {issue:.2f}), LM head "
+                "{lm_head:.2f}, engine {engine:.2f}".format(
+                    **{name: seconds * 1e3 for name, seconds in split.items()}
+                )
+            )
     summary = {"settings": vars(args), "copy_bandwidth_bytes_per_s": bandwidth, "runs": runs}
     if len(runs) > 1:
         ratio = runs[0]["elapsed_s"] / runs[1]["elapsed_s"]

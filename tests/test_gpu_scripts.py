@@ -54,3 +54,35 @@ def test_bench_gpu_dry_run_runs_the_build_kernel_and_timing_stages(tmp_path):
     figures = json.loads((tmp_path / "engine-timing.json").read_text())
     assert len(figures["runs"]) == 2 and figures["first_over_second"] > 0
     assert all(run["warm_up_s"] > 0 and run["decode_steps"] > 0 for run in figures["runs"])
+    for run in figures["runs"]:
+        split = run["decode_split_median_s"]
+        assert set(split) == {"step", "forward", "lm_head", "engine", "issue"}
+        assert 0 < split["issue"] <= split["forward"] < split["step"]
+    assert "their medians (ms): forward" in log
+
+
+def test_the_issue_timer_stops_before_the_benchmark_waits_for_the_device():
+    """The forward's issue time excludes the benchmark timer's synchronisations at both ends
+    (its hooks run inside the benchmark's), which here each sleep 20 ms."""
+    import importlib.util
+    import time
+
+    import torch
+    from hybrid_cache.bench.engine_run import ForwardTimer
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_engine_timing", ROOT / "scripts" / "gpu_engine_timing.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    module = torch.nn.Linear(4, 4)
+    forward = ForwardTimer(module, lambda: time.sleep(0.02))
+    issue = script.IssueTimer(module)
+    module(torch.ones(1, 4))
+    issued, waited = issue.take(), forward.take()
+    assert issued < 0.015, issued
+    assert waited >= 0.02 + issued, (waited, issued)
+    issue.remove()
+    forward.remove()
+    module(torch.ones(1, 4))
+    assert issue.take() == 0.0 and forward.take() == 0.0, "hooks removed"
