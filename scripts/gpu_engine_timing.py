@@ -92,6 +92,8 @@ class IssueTimer:
 def decode_steps(result, issue_s: list[float]) -> tuple[int, dict[str, list[float]]]:
     """The largest pure-decode batch and, for its steps, the seconds of each: whole step,
     forward, LM head, engine (the rest) and the forward's issue time."""
+    from hybrid_cache.bench.metrics import is_decode_step
+
     rows = [
         (running, step, forward, logits, issued)
         for running, tokens, step, forward, logits, issued in zip(
@@ -102,7 +104,7 @@ def decode_steps(result, issue_s: list[float]) -> tuple[int, dict[str, list[floa
             result.logits_time_s,
             issue_s,
         )
-        if running == tokens and running > 0
+        if is_decode_step(running, tokens)
     ]
     if not rows:
         return 0, {}

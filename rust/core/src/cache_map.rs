@@ -16,11 +16,12 @@
 //! The key itself is not stored: an entry names its block, whose key slots hold the key
 //! (`block_state`), and `tag` (the top 31 bits of the key's mixed hash) skips most other keys
 //! without reading a block. The home slot is the top bits of the same mixed hash, so an entry's
-//! tag also gives its home (tables of up to 2^31 slots), which `rebuild` uses. The pool writes a block's key slots before inserting its entry (Release CAS) and
-//! removes the entry before the key slots can change again, so a reader that finds an entry
-//! (Acquire) and then reads the block's key sees that key, unless the entry was removed and the
-//! block re-keyed in between: then it may see another key, or a mix of two keys' words, which
-//! is why every lookup is a hint the pool's `touch_cached`/`take_cached` validate.
+//! tag also gives its home (tables of up to 2^31 slots), which `rebuild` uses. The pool writes a
+//! block's key slots before inserting its entry (Release CAS) and removes the entry before the
+//! key slots can change again, so a reader that finds an entry (Acquire) and then reads the
+//! block's key sees that key, unless the entry was removed and the block re-keyed in between:
+//! then it may see another key, or a mix of two keys' words, which is why every lookup is a hint
+//! the pool's `touch_cached`/`take_cached` validate.
 //!
 //! # Operations
 //!
