@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ["gpu_check.py", "gpu_engine_check.py", "gpu_engine_timing.py"]
+SCRIPTS = ["gpu_check.py", "gpu_engine_check.py", "gpu_engine_timing.py", "gpu_decode_anatomy.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -86,3 +86,27 @@ def test_the_issue_timer_stops_before_the_benchmark_waits_for_the_device():
     forward.remove()
     module(torch.ones(1, 4))
     assert issue.take() == 0.0 and forward.take() == 0.0, "hooks removed"
+
+
+def test_the_decode_anatomy_dry_run_counts_a_decode_forwards_operators(tmp_path):
+    """On the CPU the script measures plain forwards and counts one forward's aten operators
+    (the device sleep needs CUDA); each layer dispatches some, and the CPU asks for no sync."""
+    out = tmp_path / "anatomy.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_decode_anatomy.py"), "--cpu-dry-run",
+         "--output-json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    assert figures["samples"]["plain"] >= 1 and figures["samples"]["ops"] >= 1
+    assert figures["samples"]["asleep"] == 0 and "after_sleep_s" not in figures
+    assert figures["num_layers"] > 0 and figures["aten_ops_per_layer"] >= 10
+    assert sum(figures["top_ops"].values()) <= figures["aten_ops"]
+    assert 0 < figures["plain_issue_s"] <= figures["plain_wall_s"]
+    assert 0 < figures["plain_first_layer_at_s"] < figures["plain_issue_s"]
+    assert 0 < figures["plain_layer_issue_s"] < figures["plain_issue_s"]
+    assert "aten ops" in done.stdout
