@@ -32,6 +32,9 @@ import time
 import warnings
 from pathlib import Path
 
+# The workload arguments the GPU timing scripts share (this folder is on the path when run).
+from gpu_engine_timing import add_workload_arguments, workload_settings
+
 
 class OpCounter:
     """A `TorchDispatchMode` counting the aten operators dispatched while it is active."""
@@ -216,37 +219,20 @@ def summarise(anatomy: Anatomy, sleep_s: float | None, num_layers: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gemma-3-12b")
-    parser.add_argument("--input-len", type=int, default=4096)
-    parser.add_argument("--output-len", type=int, default=96)
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--kv-cache-memory", default="24GiB")
-    parser.add_argument("--mode", choices=("hybrid", "uniform"), default="hybrid")
+    add_workload_arguments(parser, output_len=96)
     parser.add_argument("--skip", type=int, default=3, help="pure-decode forwards left alone")
     parser.add_argument("--sleep-ms", type=float, default=400.0, help="device spin before asleep")
-    parser.add_argument("--output-json", help="write the figures here")
-    parser.add_argument(
-        "--cpu-dry-run", action="store_true", help="tiny-gemma3 on the CPU, tiny workload"
-    )
     args = parser.parse_args()
     import torch
     from hybrid_cache.attention import attention_layers
     from hybrid_cache.bench.engine_run import ModeRun
-    from hybrid_cache.bench.settings import BenchSettings
 
     if args.cpu_dry_run:
-        args.model, args.input_len, args.output_len = "tiny-gemma3", 48, 12
-        args.num_prompts, args.kv_cache_memory, args.skip = 3, "2MiB", 1
+        args.skip = 1
     elif not torch.cuda.is_available():
         print("no CUDA device (use --cpu-dry-run to check the script on the CPU)")
         return 2
-    settings = BenchSettings(
-        model=args.model,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        num_prompts=args.num_prompts,
-        kv_cache_memory=args.kv_cache_memory,
-    )
+    settings = workload_settings(args, dry_output_len=12)
     sleep_s = cycles = None
     if not args.cpu_dry_run:
         probe = 10**8

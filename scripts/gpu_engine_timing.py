@@ -160,30 +160,50 @@ def one_run(settings, mode: str, bandwidth):
     return figures
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_arguments(parser: argparse.ArgumentParser, output_len: int) -> None:
+    """The workload arguments of the GPU timing scripts (gemma-3-12b, 32 x 4096 tokens in)."""
     parser.add_argument("--model", default="gemma-3-12b")
     parser.add_argument("--input-len", type=int, default=4096)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=output_len)
     parser.add_argument("--num-prompts", type=int, default=32)
     # Enough for all 32 requests at once (the decode target is a step of 32 running).
     parser.add_argument("--kv-cache-memory", default="24GiB")
     parser.add_argument("--mode", choices=("hybrid", "uniform"), default="hybrid")
-    parser.add_argument("--runs", type=int, default=2, help="timed runs, each with its warm-up")
-    parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--output-json", help="write the figures here")
     parser.add_argument(
         "--cpu-dry-run", action="store_true", help="tiny-gemma3 on the CPU, tiny workload"
     )
+
+
+def workload_settings(args: argparse.Namespace, dry_output_len: int, **flags):
+    """The `BenchSettings` of the parsed workload; with `--cpu-dry-run`, tiny-gemma3 on three
+    48-token prompts (written back to `args`)."""
+    from hybrid_cache.bench.settings import BenchSettings
+
+    if args.cpu_dry_run:
+        args.model, args.input_len, args.output_len = "tiny-gemma3", 48, dry_output_len
+        args.num_prompts, args.kv_cache_memory = 3, "2MiB"
+    return BenchSettings(
+        model=args.model,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        kv_cache_memory=args.kv_cache_memory,
+        **flags,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_arguments(parser, output_len=128)
+    parser.add_argument("--runs", type=int, default=2, help="timed runs, each with its warm-up")
+    parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     import torch
-    from hybrid_cache.bench.settings import BenchSettings
 
     if args.cpu_dry_run:
-        args.model, args.input_len, args.output_len = "tiny-gemma3", 48, 6
-        args.num_prompts, args.kv_cache_memory = 3, "2MiB"
         bandwidth = None
     elif not torch.cuda.is_available():
         print("no CUDA device (use --cpu-dry-run to check the script on the CPU)")
@@ -191,14 +211,7 @@ def main() -> int:
     else:
         bandwidth = copy_bandwidth(torch)
         print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    settings = BenchSettings(
-        model=args.model,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        num_prompts=args.num_prompts,
-        kv_cache_memory=args.kv_cache_memory,
-        enforce_eager=args.enforce_eager,
-    )
+    settings = workload_settings(args, dry_output_len=6, enforce_eager=args.enforce_eager)
     print(
         f"{args.model} {args.mode}: {args.num_prompts} prompts x {args.input_len} in / "
         f"{args.output_len} out, KV {args.kv_cache_memory}"
