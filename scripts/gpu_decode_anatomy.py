@@ -56,11 +56,11 @@ class OpCounter:
 
 
 class Anatomy:
-    """Forward hooks on the model that measure pure-decode forwards (`batch` or one fewer tokens): the
-    first `skip` are left alone (warm-up), then they take turns being measured plain, asleep
-    (`sleep` seconds of device spin first) and counted. Registered after the benchmark's own
-    timer, so its pre-hook runs after the benchmark's synchronisation and its post-hook before
-    the benchmark's."""
+    """Forward hooks on the model that measure pure-decode forwards (`batch` tokens, or one
+    fewer): the first `skip` are left alone (warm-up), then they take turns being measured
+    plain, asleep (`sleep_cycles` of device spin first) and counted. Registered after the
+    benchmark's own timer, so its pre-hook runs after the benchmark's synchronisation and its
+    post-hook before the benchmark's."""
 
     KINDS = ("plain", "asleep", "ops")
 
