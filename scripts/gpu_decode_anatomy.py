@@ -36,23 +36,22 @@ from pathlib import Path
 from gpu_engine_timing import add_workload_arguments, workload_settings
 
 
-class OpCounter:
-    """A `TorchDispatchMode` counting the aten operators dispatched while it is active."""
+def op_counter():
+    """A `TorchDispatchMode` counting the aten operators dispatched while it is active (in its
+    `counts`, by operator); torch is imported on the first call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
+    class OpCounter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: dict[str, int] = {}
 
-        class Counting(TorchDispatchMode):
-            def __init__(self) -> None:
-                super().__init__()
-                self.counts: dict[str, int] = {}
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            self.counts[name] = self.counts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
 
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = str(func.overloadpacket)
-                self.counts[name] = self.counts.get(name, 0) + 1
-                return func(*args, **(kwargs or {}))
-
-        return Counting()
+    return OpCounter()
 
 
 class Anatomy:
@@ -75,6 +74,7 @@ class Anatomy:
         self._started = 0.0
         self._counter = None
         self._caught = None
+        self._warnings: list = []
         self.samples: dict[str, list[dict]] = {kind: [] for kind in self.KINDS}
         self._marks: list[float] = []
         self._events: list = []
@@ -119,7 +119,7 @@ class Anatomy:
             warnings.simplefilter("always")
             if self._cuda:
                 self._torch.cuda.set_sync_debug_mode("warn")
-            self._counter = OpCounter()
+            self._counter = op_counter()
             self._counter.__enter__()
         self._marks, self._events = [], []
         self._started = time.perf_counter()
