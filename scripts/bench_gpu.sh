@@ -16,11 +16,13 @@
 # Not in the default stages (add them by name; each needs its own minutes):
 #   gemma-3-12b  hybrid vs uniform throughput, --repeat 2 (about 5 minutes);
 #   tiny         the CPU benchmark's tiny-preset workload on the GPU (about 3 minutes);
+#   bf16         our engine in bf16 against transformers in bf16, both from transformers' float32, on
+#                tiny seeded models of every architecture (scripts/gpu_bf16_check.py; about 1 minute);
 #   anatomy      where a gemma-3-12b pure-decode forward spends its time: launches or kernels
 #                (the device set spinning while the host issues it; aten ops counted; about 2
 #                minutes; scripts/gpu_decode_anatomy.py).
 # Usage: scripts/bench_gpu.sh [OUT_DIR [STAGES]]   (log: OUT_DIR/gpu.log, figures: OUT_DIR/*.json;
-# STAGES: any of "build kernels engine timing anatomy gemma-3-12b tiny", default
+# STAGES: any of "build kernels engine timing bf16 anatomy gemma-3-12b tiny", default
 # "build kernels engine timing"). PYTHON picks the interpreter (default python3).
 # `DRY_RUN=1 scripts/bench_gpu.sh OUT` runs every default stage's script on the CPU with tiny
 # shapes (their --cpu-dry-run), to check the script itself.
@@ -54,6 +56,8 @@ want kernels && stage kernels 130 "$py" scripts/gpu_check.py "${dry[@]}"
 want engine && stage engine-vs-cpu 100 "$py" scripts/gpu_engine_check.py "${dry[@]}"
 want timing && stage engine-timing 170 "$py" scripts/gpu_engine_timing.py "${dry[@]}" \
     --output-json "$out/engine-timing.json"
+want bf16 && stage bf16 150 "$py" scripts/gpu_bf16_check.py "${dry[@]}" \
+    --output-json "$out/bf16.json"
 want anatomy && stage anatomy 200 "$py" scripts/gpu_decode_anatomy.py "${dry[@]}" \
     --output-json "$out/anatomy.json"
 want gemma-3-12b && stage gemma-3-12b 330 "$py" -m hybrid_cache bench --model gemma-3-12b \

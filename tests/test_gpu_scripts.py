@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ["gpu_check.py", "gpu_engine_check.py", "gpu_engine_timing.py", "gpu_decode_anatomy.py"]
+SCRIPTS = [
+    "gpu_check.py",
+    "gpu_engine_check.py",
+    "gpu_engine_timing.py",
+    "gpu_decode_anatomy.py",
+    "gpu_bf16_check.py",
+]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -110,3 +116,25 @@ def test_the_decode_anatomy_dry_run_counts_a_decode_forwards_operators(tmp_path)
     assert 0 < figures["plain_first_layer_at_s"] < figures["plain_issue_s"]
     assert 0 < figures["plain_layer_issue_s"] < figures["plain_issue_s"]
     assert "aten ops" in done.stdout
+
+
+def test_the_bf16_stage_dry_run_compares_every_architecture(tmp_path):
+    """`bench_gpu.sh OUT bf16` on the CPU: the bf16 comparison for every architecture, within its
+    bounds, its figures written for BENCHMARKS.md."""
+    env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "bench_gpu.sh"), str(tmp_path), "bf16"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
+    log = (tmp_path / "gpu.log").read_text()
+    assert done.returncode == 0, log[-4000:]
+    assert "== bf16: exit 0" in log and "7/7 architectures within bounds" in log
+    figures = json.loads((tmp_path / "bf16.json").read_text())
+    assert figures["device"] == "cpu" and len(figures["results"]) == 7
+    for result in figures["results"]:
+        assert result["failures"] == []
+        assert 0 < result["our_median_error"] <= result["our_max_error"]
