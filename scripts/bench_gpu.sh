@@ -56,7 +56,7 @@ want kernels && stage kernels 130 "$py" scripts/gpu_check.py "${dry[@]}"
 want engine && stage engine-vs-cpu 100 "$py" scripts/gpu_engine_check.py "${dry[@]}"
 want timing && stage engine-timing 170 "$py" scripts/gpu_engine_timing.py "${dry[@]}" \
     --output-json "$out/engine-timing.json"
-want bf16 && stage bf16 150 "$py" scripts/gpu_bf16_check.py "${dry[@]}" \
+want bf16 && stage bf16 200 "$py" scripts/gpu_bf16_check.py "${dry[@]}" \
     --output-json "$out/bf16.json"
 want anatomy && stage anatomy 200 "$py" scripts/gpu_decode_anatomy.py "${dry[@]}" \
     --output-json "$out/anatomy.json"
