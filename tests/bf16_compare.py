@@ -117,6 +117,8 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], device: str):
     """transformers' greedy tokens and each step's log-probabilities (a row per step)."""
     generated = model.generate(
         torch.tensor([prompt], device=device),
+        # Given, so that transformers does not take prompt tokens equal to pad_token_id for padding.
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
         max_new_tokens=NEW_TOKENS,
         do_sample=False,
         eos_token_id=None,

@@ -80,6 +80,7 @@ def write_generation_config(folder: Path, **values) -> Path:
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     generated = model.generate(
         torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=None,

@@ -6,7 +6,7 @@ runs the same comparison on a GPU).
 
 What it can see: lost precision (activations rounded through float8 below), a kernel wrong in
 bf16, positions or windows off. What it cannot: a rounding-order choice (RMSNorm's rounding
-before or after the weight, say) on these two- and three-layer models stays inside bf16's noise.
+before or after the weight, say) stays inside bf16's noise, here and on 12-layer models alike.
 """
 
 from __future__ import annotations

@@ -97,6 +97,7 @@ def hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
     for prompt in prompts:
         generated = model.generate(
             torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=NUM_NEW_TOKENS,
             do_sample=False,
             eos_token_id=None,

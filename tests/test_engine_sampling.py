@@ -168,6 +168,7 @@ def test_repetition_penalty_matches_transformers_generate(tiny, llm):
     (output,) = generate(llm, params)
     expected = tiny.hf.generate(
         torch.tensor([PROMPT]),
+        attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
         max_new_tokens=12,
         do_sample=False,
         repetition_penalty=1.8,

@@ -130,6 +130,7 @@ def hf_greedy(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int
     for prompt in prompts:
         generated = model.generate(
             torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=MAX_NEW_TOKENS,
             do_sample=False,
             eos_token_id=None,
@@ -258,3 +259,20 @@ def test_gemma3_old_and_new_rope_configs_agree() -> None:
         assert rope_parameters(old, layer_type) == rope_parameters(new, layer_type)
     assert rope_parameters(new, "sliding_attention")["rope_theta"] == 10_000.0
     assert rope_parameters(new, "full_attention")["factor"] == 8.0
+
+
+def test_a_prompt_holding_the_pad_token_matches_transformers(tmp_path) -> None:
+    """transformers takes prompt tokens equal to `pad_token_id` for padding unless given an
+    attention mask (hf_greedy gives one): a prompt holding token 0 is compared whole."""
+    hf_model, folder = make_hf_model("gemma2", tmp_path)
+    prompt = make_prompts()[2]
+    prompt[6] = 0
+    result = greedy_generate(load_model(folder, dtype=torch.float32), [prompt], MAX_NEW_TOKENS)
+    assert result.tokens == hf_greedy(hf_model, [prompt])
+    with torch.no_grad():
+        whole = hf_model(torch.tensor([prompt])).logits[0, -1]
+        inferred = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=1, pad_token_id=0, eos_token_id=None,
+            do_sample=False, output_logits=True, return_dict_in_generate=True,
+        ).logits[0][0]  # fmt: skip
+    assert not torch.allclose(whole, inferred, atol=1e-3), "the mask made no difference here"
