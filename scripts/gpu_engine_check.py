@@ -4,7 +4,8 @@ For each tiny preset and both KV-cache modes: one engine on the CPU (float32, th
 and one on CUDA (float32, `attention_backend="auto"`: Triton without flash-attn), the CUDA model
 given the CPU model's weights. The embedding / LM head are scaled up in both so that greedy
 choices are decisive (random N(0, 0.02) weights give near-tied logits, where float32 rounding
-differences between two correct implementations could flip a token). Prompts of 5 to 300 tokens,
+differences between two correct implementations could flip a token); the CUDA engine's decode
+steps replay CUDA graphs where the model allows (all but gpt-oss). Prompts of 5 to 300 tokens,
 some sharing a 64-token prefix (prefix caching), 24 generated tokens each, with the tiny presets'
 16-token windows releasing blocks as they go. Then a tail replay on the device (tiny-gemma3,
 tiny-gpt-oss): a prompt whose windowed blocks were evicted keeps its full-attention hit and
@@ -86,9 +87,15 @@ def run_case(llm_class, sampling_params, preset: str, mode: str, device: str, ba
         else:
             first_divergence.append(next(i for i, (x, y) in enumerate(zip(a, b)) if x != y))
     backends = sorted(set(attention_backends_by_group(candidate.model).values()))
+    graphs = candidate.engine.model_runner.decode_graphs
+    replays = (
+        f"{graphs.num_replays} decode steps from graphs {sorted(graphs.graphs)}"
+        if graphs is not None
+        else "eager"
+    )
     print(
         f"{preset:13} {mode:8} backends {backends}: {matches}/{len(batch)} identical "
-        f"({seconds:.2f} s on {device})"
+        f"({seconds:.2f} s on {device}; {replays})"
         + (f", first divergence at tokens {first_divergence}" if first_divergence else "")
     )
     return matches == len(batch)

@@ -321,6 +321,29 @@ def test_timers_synchronise_the_device_before_reading_the_clock() -> None:
     assert engine_run.synchronizer(torch.device("cuda", 0)) is not engine_run._no_sync
 
 
+def test_the_forward_timer_times_replayed_decode_graphs() -> None:
+    """A decode step replayed from a graph calls no module forward: the timer wraps the graphs'
+    `run` (device synchronised at both ends; its host time apart) and unwraps it on removal."""
+    import time
+
+    import torch
+    from hybrid_cache.bench import engine_run
+
+    class Graphs:
+        def run(self, *args):
+            time.sleep(0.01)
+            return "hidden"
+
+    calls, graphs = [], Graphs()
+    timer = engine_run.ForwardTimer(torch.nn.Linear(2, 2), lambda: calls.append("sync"), graphs)
+    assert graphs.run(1, 2) == "hidden"
+    assert calls == ["sync", "sync"]
+    forward, issue = timer.take(), timer.take_issue()
+    assert forward >= issue >= 0.01 and timer.take() == timer.take_issue() == 0
+    timer.remove()
+    assert "run" not in vars(graphs) and graphs.run() == "hidden" and len(calls) == 2
+
+
 def test_the_group_layout_flag_reaches_the_engine() -> None:
     import argparse
 

@@ -1,7 +1,8 @@
 """`enforce_eager` (LLM) / `--enforce-eager` (generate, bench): checked, and carried to the engine.
 
-Every step runs eagerly today (CUDA graphs for pure-decode steps are not built), so the flag
-changes nothing yet; a token comparison of both settings belongs with the graphs.
+Without it, pure-decode steps on CUDA replay CUDA graphs (tests/test_decode_graphs.py compares
+their tokens with eager steps'; scripts/gpu_engine_check.py on a GPU); with it the model runner
+builds none.
 """
 
 import argparse
@@ -43,3 +44,27 @@ def test_the_generate_flag_parses():
     args = parser.parse_args(["generate", "--model", "tiny-llama", "--enforce-eager"])
     assert args.enforce_eager is True
     assert parser.parse_args(["generate", "--model", "tiny-llama"]).enforce_eager is False
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_the_flag_decides_whether_the_runner_builds_decode_graphs(enforce_eager, monkeypatch):
+    from hybrid_cache.engine import model_runner
+
+    built = []
+
+    class Recorder:
+        def __init__(self, model, kv_caches, block_sizes, max_model_len, max_batch, device):
+            built.append((max_model_len, max_batch))
+
+    monkeypatch.setattr(model_runner, "supports_decode_graphs", lambda model, device: True)
+    monkeypatch.setattr(model_runner, "DecodeGraphs", Recorder)
+    llm = LLM(
+        "tiny-llama",
+        enforce_eager=enforce_eager,
+        device="cpu",
+        kv_cache_memory="1MiB",
+        max_model_len=64,
+        max_num_seqs=5,
+    )
+    assert built == ([] if enforce_eager else [(64, 5)])
+    assert (llm.engine.model_runner.decode_graphs is None) is enforce_eager

@@ -66,15 +66,34 @@ class _Timer:
 
 
 class ForwardTimer(_Timer):
-    """Accumulates the wall time of a module's forward calls (hooks on the module)."""
+    """Accumulates the wall time of a module's forward calls (hooks on the module) and of the
+    decode steps `graphs` (the runner's `DecodeGraphs`, if any) replays instead of calling it
+    (an instance attribute wrapping its `run`); `issue_s` accumulates the host time of those
+    replays up to their return, the device not waited for."""
 
-    def __init__(self, module: Any, synchronize: Callable[[], None] = _no_sync) -> None:
+    def __init__(
+        self, module: Any, synchronize: Callable[[], None] = _no_sync, graphs: Any = None
+    ) -> None:
         super().__init__(synchronize)
         self._started: Optional[float] = None
+        self.issue_s = 0.0
         self._handles = [
             module.register_forward_pre_hook(self._before),
             module.register_forward_hook(self._after),
         ]
+        self._graphs = graphs
+        if graphs is not None:
+            run = graphs.run
+
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                started = self._now()
+                try:
+                    return run(*args, **kwargs)
+                finally:
+                    self.issue_s += time.perf_counter() - started
+                    self.total_s += self._now() - started
+
+            graphs.run = timed
 
     def _before(self, module: Any, inputs: Any) -> None:
         self._started = self._now()
@@ -84,9 +103,16 @@ class ForwardTimer(_Timer):
         self.total_s += self._now() - self._started
         self._started = None
 
+    def take_issue(self) -> float:
+        """The replays' host time accumulated since the last call."""
+        total, self.issue_s = self.issue_s, 0.0
+        return total
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        if self._graphs is not None:
+            del self._graphs.run  # the class's method again
 
 
 class BroadcastTimer(_Timer):
@@ -184,7 +210,8 @@ class ModeRun:
         self._requests: list[Any] = []
         self._add_prompts()
         sync = synchronizer(llm.device)
-        self._timer = ForwardTimer(llm.model, sync)
+        graphs = getattr(engine.model_runner, "decode_graphs", None)
+        self._timer = ForwardTimer(llm.model, sync, graphs)
         self._logits_timer = LogitsTimer(llm.model, sync)
         parallel = getattr(llm, "parallel", None)
         self._broadcast_timer = None if parallel is None else BroadcastTimer(parallel)
@@ -203,6 +230,11 @@ class ModeRun:
     def llm(self) -> Any:
         """The `LLM` this run steps."""
         return self._llm
+
+    @property
+    def forward_timer(self) -> ForwardTimer:
+        """The timer of the model's forwards and replayed decode graphs."""
+        return self._timer
 
     @property
     def done(self) -> bool:

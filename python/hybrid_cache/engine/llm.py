@@ -113,7 +113,7 @@ class LLM:
         if config.tensor_parallel_size > 1 and is_torchrun_worker():
             serve_torchrun_rank(config)  # returns when rank 0 shuts down
             raise SystemExit(0)
-        # Every step runs eagerly today (no CUDA graphs yet); kept so callers can pass it.
+        # On CUDA, pure-decode steps replay CUDA graphs unless this is set (`decode_graphs.py`).
         self.enforce_eager: bool = config.enforce_eager
         self.device: torch.device = resolve_device(config.device)
         self.spec: ModelSpec = config.model_spec()
@@ -184,6 +184,7 @@ class LLM:
             attention_backend=config.attention_backend,
             tokenizer=self.tokenizer,
             parallel=parallel,
+            cuda_graphs=not config.enforce_eager,
         )
         if parallel is not None:
             parallel.confirm(READY)

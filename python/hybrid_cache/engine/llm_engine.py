@@ -122,13 +122,24 @@ class LLMEngine:
         attention_backend: str = "auto",
         tokenizer: Optional[Any] = None,
         parallel: Optional[StepBroadcaster] = None,
+        cuda_graphs: bool = False,
     ) -> LLMEngine:
         """An engine whose steps run `model` (a `ModelRunner`, with its KV tensors; `parallel`:
-        rank 0's executor of a tensor-parallel engine, which sends each step to the others)."""
+        rank 0's executor of a tensor-parallel engine, which sends each step to the others;
+        `cuda_graphs`: pure-decode steps replay CUDA graphs where the model and device allow)."""
 
         def make_runner(kv_cache: KVCacheManager, sampler: Sampler) -> ModelRunner:
             return ModelRunner(
-                model, kv_cache, layout, dtype, device, sampler, attention_backend, parallel
+                model,
+                kv_cache,
+                layout,
+                dtype,
+                device,
+                sampler,
+                attention_backend,
+                parallel,
+                decode_graph_batch=limits.max_num_seqs if cuda_graphs else 0,
+                max_model_len=limits.max_model_len,
             )
 
         return cls(layout, limits, vocab_size, eos_token_ids, make_runner, seed, tokenizer)

@@ -44,6 +44,11 @@ from hybrid_cache.attention.selector import (
     select_attention_backends,
 )
 from hybrid_cache.engine import host_memory
+from hybrid_cache.engine.decode_graphs import (
+    DecodeGraphs,
+    GraphCaptureError,
+    supports_decode_graphs,
+)
 from hybrid_cache.engine.kv_cache import KVCacheManager
 from hybrid_cache.engine.logprobs import LogprobLog, greedy_token_logprobs, token_logprobs
 from hybrid_cache.engine.parallel.step_inputs import (
@@ -170,7 +175,12 @@ class ModelRunner:
         sampler: Sampler,
         attention_backend: str = "auto",
         parallel: Optional[StepBroadcaster] = None,
+        decode_graph_batch: int = 0,
+        max_model_len: int = 0,
     ) -> None:
+        """`decode_graph_batch` > 0: pure-decode steps of up to that many sequences replay CUDA
+        graphs (`decode_graphs.py`; `max_model_len` sizes their block tables) where the model
+        and device allow it; 0: every step runs eagerly."""
         self.model: nn.Module = model
         self.kv_cache: KVCacheManager = kv_cache
         self.device: torch.device = device
@@ -195,6 +205,11 @@ class ModelRunner:
             index for index, group in enumerate(kv_cache.groups) if group.kind == "full"
         )
         self.may_replay: bool = kv_cache.tail_replay_tokens is not None
+        self.decode_graphs: Optional[DecodeGraphs] = None
+        if decode_graph_batch > 0 and parallel is None and supports_decode_graphs(model, device):
+            self.decode_graphs = DecodeGraphs(
+                model, self.kv_caches, self.block_sizes, max_model_len, decode_graph_batch, device
+            )
         # The last step's sampling columns and what they were taken from (`_columns`).
         self._last_columns: Optional[tuple[list[Request], list[bool], SamplingColumns]] = None
         # The last step's sampled tokens (int64), when every request of its batch sampled on
@@ -236,12 +251,22 @@ class ModelRunner:
             query_lens,
             last[1] if last is not None and last[0] is columns else None,
         )
-        metadata = metadata_to(metadata, self.device)
         prompt_plan = None
         if columns is not self._no_prompt_logprobs:
             prompt_plan = _prompt_logprob_plan(requests, num_computed, query_lens)
             if prompt_plan is None:
                 self._no_prompt_logprobs = columns
+        graphs = self.decode_graphs
+        if graphs is not None and _graph_step(graphs, metadata, len(requests)):
+            try:
+                hidden = graphs.run(input_ids, positions, metadata)
+            except GraphCaptureError as error:
+                # This step and every later one run eagerly (its KV writes are idempotent).
+                logger.warning("%s; decode steps run eagerly from now on", error)
+                self.decode_graphs = None
+            else:
+                return self._sample(hidden, requests, query_lens, columns, prompt_plan)
+        metadata = metadata_to(metadata, self.device)
         if self.device.type != "cpu":
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)
         with set_forward_context(metadata, self.kv_caches):
@@ -552,6 +577,17 @@ def _inference_mode() -> Any:
     cold), else the public context manager. The same mode either way."""
     guard = _INFERENCE_GUARD
     return guard(True) if guard is not None else torch.inference_mode()
+
+
+def _graph_step(graphs: DecodeGraphs, metadata: AttentionMetadata, num_seqs: int) -> bool:
+    """Whether a step's forward can replay a decode graph: one new token per sequence (its
+    metadata from the decode buffers), every token's KV written, a bucket that holds it."""
+    return (
+        metadata.max_query_len == 1
+        and int(metadata.query_start_loc.shape[0]) == num_seqs + 1
+        and all(group.write_rows is None for group in metadata.groups)
+        and graphs.bucket_of(num_seqs) is not None
+    )
 
 
 def metadata_to(metadata: AttentionMetadata, device: torch.device) -> AttentionMetadata:

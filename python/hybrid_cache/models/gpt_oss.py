@@ -157,6 +157,9 @@ class GptOssForCausalLM(nn.Module):
     """`forward(input_ids [T], positions [T]) -> hidden [T, H]`; `compute_logits(hidden)` (None
     on tensor-parallel ranks other than 0 when the LM head is vocabulary-parallel)."""
 
+    # The experts' loop reads the chosen experts on the host: no CUDA graph can record it.
+    supports_cuda_graphs = False
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec

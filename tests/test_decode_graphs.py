@@ -1,0 +1,161 @@
+"""Decode steps replayed from per-bucket graphs (`engine/decode_graphs.py`), on the CPU.
+
+CUDA graphs need a GPU; here a stand-in `Graph` records the forward as a function and replays it
+by calling it again, so everything around the recording is exercised: the static buffers, the
+padding rows, the buckets, the runner's choice of steps. The Triton kernels run interpreted, as
+on CUDA. What the stand-in cannot show (launches recorded by CUDA, a pool shared by the graphs)
+is checked on a GPU by scripts/gpu_engine_check.py, whose CUDA engine replays graphs by default.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hybrid_cache import LLM
+from hybrid_cache.engine.decode_graphs import (
+    DecodeGraphs,
+    decode_buckets,
+    supports_decode_graphs,
+)
+from hybrid_cache.engine.sampling_params import SamplingParams
+from hybrid_cache.models.gpt_oss import GptOssForCausalLM
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_BATCH = 6
+
+
+class RecordedCall:
+    """`Graph` for the CPU: the recording is the function itself."""
+
+    def capture(self, fn):
+        self.fn = fn
+        self.output = fn()
+        return self.output
+
+    def replay(self):
+        self.output.copy_(self.fn())
+
+
+def tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_buckets_are_powers_of_two_then_the_largest_batch():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(6) == [1, 2, 4, 6]
+    assert decode_buckets(8) == [1, 2, 4, 8]
+    assert decode_buckets(33) == [1, 2, 4, 8, 16, 32, 33]
+
+
+def test_graphs_need_cuda_triton_layers_and_a_model_without_host_reads():
+    llm = build(enforce_eager=False)
+    assert not supports_decode_graphs(llm.model, torch.device("cpu"))
+    assert llm.engine.model_runner.decode_graphs is None  # the CPU runs eagerly
+    assert GptOssForCausalLM.supports_cuda_graphs is False
+
+
+def build(enforce_eager: bool, **options) -> LLM:
+    return LLM(
+        "tiny-gemma3",
+        device="cpu",
+        kv_cache_memory="2MiB",
+        max_model_len=256,
+        max_num_seqs=MAX_BATCH,
+        attention_backend="triton",
+        enforce_eager=enforce_eager,
+        **options,
+    )
+
+
+def with_recorded_graphs(llm: LLM) -> DecodeGraphs:
+    runner = llm.engine.model_runner
+    graphs = DecodeGraphs(
+        llm.model,
+        runner.kv_caches,
+        runner.block_sizes,
+        llm.max_model_len,
+        MAX_BATCH,
+        torch.device("cpu"),
+        make_graph=RecordedCall,
+    )
+    runner.decode_graphs = graphs
+    return graphs
+
+
+def prompts_and_params():
+    generator = torch.Generator().manual_seed(4)
+    prompts = [
+        {"prompt_token_ids": torch.randint(3, 200, (length,), generator=generator).tolist()}
+        for length in (5, 40, 17, 70, 3)
+    ]
+    # Different lengths: the batch shrinks as requests finish, through several buckets.
+    params = [
+        SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        for tokens in (24, 6, 13, 20, 2)
+    ]
+    return prompts, params
+
+
+def test_replayed_decode_steps_give_the_eager_tokens_and_write_only_their_slots():
+    eager = build(enforce_eager=True)
+    prompts, params = prompts_and_params()
+    expected = tokens(eager, prompts, params)
+
+    llm = build(enforce_eager=True)  # the same weights (preset, seed)
+    graphs = with_recorded_graphs(llm)
+    runner = llm.engine.model_runner
+    run = graphs.run
+    steps = []
+
+    def checked_run(input_ids, positions, metadata):
+        before = [slot.clone() for slot in runner.slot_tensors]
+        out = run(input_ids, positions, metadata)
+        written = {
+            (group.block_size, int(slot))
+            for group in metadata.groups
+            for slot in group.slot_mapping.tolist()
+        }
+        for old, new in zip(before, runner.slot_tensors):
+            changed = (old != new).any(dim=1).nonzero().flatten().tolist()
+            pages = {slot // size for size, slot in written}
+            assert set(changed) <= pages, (changed, pages)
+        steps.append(len(positions))
+        return out
+
+    graphs.run = checked_run
+    assert tokens(llm, prompts, params) == expected
+    assert graphs.num_replays == len(steps) > 0
+    assert set(graphs.graphs) == {graphs.bucket_of(n) for n in steps}
+    assert len(graphs.graphs) >= 3, "the batch shrank through several buckets"
+    assert any(n not in graphs.buckets for n in steps), "no step ran with padding rows"
+    kv_cache = llm.engine.kv_cache
+    assert kv_cache.num_free_blocks == kv_cache.num_blocks - 1
+
+
+def test_prefill_and_oversized_batches_run_eagerly():
+    llm = build(enforce_eager=True, max_num_batched_tokens=32)
+    graphs = with_recorded_graphs(llm)
+    graphs.buckets, graphs.max_batch = [1, 2], 2  # batches of 3+ are too large
+    prompts, params = prompts_and_params()
+    eager = build(enforce_eager=True, max_num_batched_tokens=32)
+    expected = tokens(eager, prompts, params)
+    assert tokens(llm, prompts, params) == expected
+    assert set(graphs.graphs) <= {1, 2}  # only the last requests' decode steps replayed
+    assert 0 < graphs.num_replays < sum(p.max_tokens for p in params)
+
+
+def test_a_failed_recording_falls_back_to_eager_steps(caplog):
+    class Refused(RecordedCall):
+        def capture(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    prompts, params = prompts_and_params()
+    expected = tokens(build(enforce_eager=True), prompts[:2], params[:2])
+    llm = build(enforce_eager=True)
+    graphs = with_recorded_graphs(llm)
+    graphs.make_graph = Refused
+    with caplog.at_level("WARNING", logger="hybrid_cache.engine.model_runner"):
+        assert tokens(llm, prompts[:2], params[:2]) == expected
+    assert llm.engine.model_runner.decode_graphs is None and not graphs.graphs
+    assert "recording the decode forward of a batch of 2 failed" in caplog.text
