@@ -18,7 +18,7 @@ from hybrid_cache.engine.decode_graphs import (
     supports_decode_graphs,
 )
 from hybrid_cache.engine.sampling_params import SamplingParams
-from hybrid_cache.models.gpt_oss import GptOssForCausalLM
+from hybrid_cache.models import gpt_oss
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,21 +48,25 @@ def test_buckets_are_powers_of_two_then_the_largest_batch():
     assert decode_buckets(33) == [1, 2, 4, 8, 16, 32, 33]
 
 
-def test_graphs_need_cuda_triton_layers_and_a_model_without_host_reads():
+def test_graphs_need_cuda_and_triton_layers():
     llm = build(enforce_eager=False)
     assert not supports_decode_graphs(llm.model, torch.device("cpu"))
     assert llm.engine.model_runner.decode_graphs is None  # the CPU runs eagerly
-    assert GptOssForCausalLM.supports_cuda_graphs is False
+    # Asked of a CUDA device (no GPU needed to ask): Triton layers yes, torch layers no.
+    assert supports_decode_graphs(llm.model, torch.device("cuda"))
+    assert not supports_decode_graphs(
+        build(enforce_eager=True, attention_backend="torch").model, torch.device("cuda")
+    )
 
 
-def build(enforce_eager: bool, **options) -> LLM:
+def build(enforce_eager: bool, preset: str = "tiny-gemma3", **options) -> LLM:
+    options.setdefault("attention_backend", "triton")
     return LLM(
-        "tiny-gemma3",
+        preset,
         device="cpu",
         kv_cache_memory="2MiB",
         max_model_len=256,
         max_num_seqs=MAX_BATCH,
-        attention_backend="triton",
         enforce_eager=enforce_eager,
         **options,
     )
@@ -159,3 +163,46 @@ def test_a_failed_recording_falls_back_to_eager_steps(caplog):
         assert tokens(llm, prompts[:2], params[:2]) == expected
     assert llm.engine.model_runner.decode_graphs is None and not graphs.graphs
     assert "recording the decode forward of a batch of 2 failed" in caplog.text
+
+
+def test_recorded_gpt_oss_steps_run_every_expert_densely(monkeypatch):
+    """While recording, gpt-oss's experts run densely (nothing read on the host): the same
+    tokens as the eager per-expert loop, here with the recording stand-in and the dense path
+    forced on (the CPU never records)."""
+    prompts, params = prompts_and_params()
+    expected = tokens(build(enforce_eager=True, preset="tiny-gpt-oss"), prompts, params)
+    llm = build(enforce_eager=True, preset="tiny-gpt-oss")
+    graphs = with_recorded_graphs(llm)
+    dense = []
+    forward_dense = gpt_oss.GptOssExperts.forward_dense
+
+    def counted(self, *args):
+        dense.append(args[0].shape[0])
+        return forward_dense(self, *args)
+
+    monkeypatch.setattr(gpt_oss, "recording", lambda hidden: True)
+    monkeypatch.setattr(gpt_oss.GptOssExperts, "forward_dense", counted)
+    assert tokens(llm, prompts, params) == expected
+    assert graphs.num_replays > 0 and dense
+
+
+def test_dense_experts_equal_the_per_expert_loop():
+    llm = build(enforce_eager=True, preset="tiny-gpt-oss")
+    mlp = next(module for module in llm.model.modules() if isinstance(module, gpt_oss.GptOssMLP))
+    hidden = torch.randn(9, llm.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    top_experts, top_weights = mlp.router(hidden)
+    assert len(set(top_experts.flatten().tolist())) > 1
+    sparse = mlp.experts(hidden, top_experts, top_weights)
+    dense = mlp.experts.forward_dense(hidden, top_experts, top_weights)
+    torch.testing.assert_close(dense, sparse, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_caps_its_recorded_batches(monkeypatch):
+    from hybrid_cache.engine import model_runner
+
+    built = []
+    monkeypatch.setattr(model_runner, "supports_decode_graphs", lambda model, device: True)
+    monkeypatch.setattr(model_runner, "DecodeGraphs", lambda *args: built.append(args[4]))
+    LLM("tiny-gpt-oss", device="cpu", kv_cache_memory="2MiB", max_model_len=64, max_num_seqs=256)
+    LLM("tiny-gemma3", device="cpu", kv_cache_memory="2MiB", max_model_len=64, max_num_seqs=256)
+    assert built == [gpt_oss.GptOssForCausalLM.max_cuda_graph_batch, 256]

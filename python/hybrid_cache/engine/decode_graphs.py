@@ -20,8 +20,8 @@ tokens agree wherever the logits are not near-tied (scripts/gpu_engine_check.py)
 
 Steps with prefill chunks, tail replays or sequences beyond the largest bucket run eagerly, as
 does every step after a recording failed (`GraphCaptureError`, logged) and everything with
-`enforce_eager`, on the CPU, under tensor parallelism, and for models whose
-forward needs the host mid-way (`supports_cuda_graphs = False`: gpt-oss's expert loop).
+`enforce_eager`, on the CPU and under tensor parallelism. A model may cap the recorded batch
+size (`max_cuda_graph_batch`: gpt-oss, whose recorded experts run densely).
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 def supports_decode_graphs(model: nn.Module, device: torch.device) -> bool:
     """Whether `model`'s decode forward can be recorded: on CUDA, every attention layer on the
-    Triton backend, no host synchronisation inside (the model class says)."""
-    if device.type != "cuda" or not getattr(model, "supports_cuda_graphs", True):
+    Triton backend."""
+    if device.type != "cuda":
         return False
     return all(layer.backend == "triton" for layer in attention_layers(model))
 

@@ -206,6 +206,10 @@ class ModelRunner:
         )
         self.may_replay: bool = kv_cache.tail_replay_tokens is not None
         self.decode_graphs: Optional[DecodeGraphs] = None
+        # A model may cap the batches its decode forward is recorded for.
+        decode_graph_batch = min(
+            decode_graph_batch, getattr(model, "max_cuda_graph_batch", decode_graph_batch)
+        )
         if decode_graph_batch > 0 and parallel is None and supports_decode_graphs(model, device):
             self.decode_graphs = DecodeGraphs(
                 model, self.kv_caches, self.block_sizes, max_model_len, decode_graph_batch, device

@@ -13,6 +13,11 @@
   [i0, i1) of the intermediate dimension (gate/up columns 2*i0..2*i1, interleaved pairs kept
   together; down rows i0..i1), rank 0 adds the down bias, and the MoE output is summed over the
   ranks by one all-reduce. The router is replicated.
+- Eagerly, each expert runs on the tokens that chose it (the chosen experts are read on the
+  host). While a CUDA graph records a decode step, every expert runs on every token instead,
+  weighted by its routing weight (0 where not chosen): nothing is read on the host, and a
+  decode batch reads every expert's weights anyway (32 x 4 choices over 32 experts), so the
+  extra products cost little at small batches; decode graphs stop at `max_cuda_graph_batch`.
 """
 
 from __future__ import annotations
@@ -56,6 +61,11 @@ class GptOssRouter(nn.Module):
         return top_experts, torch.softmax(top_logits, dim=-1)
 
 
+def recording(hidden: torch.Tensor) -> bool:
+    """Whether a CUDA graph is recording the forward `hidden` flows through."""
+    return hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class GptOssExperts(nn.Module):
     # Stored [E, in, out]; checkpoints' MXFP4 experts are [E, out, in] (the loader transposes).
     INPUT_MAJOR_PARAMETERS = ("gate_up_proj", "down_proj")
@@ -83,24 +93,47 @@ class GptOssExperts(nn.Module):
             declare_sharded(self, "gate_up_proj_bias", 1, gate_up, 2 * intermediate)
             declare_sharded(self, "down_proj", 1, (start, stop), intermediate)
 
-    def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = x @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The clamped SwiGLU of interleaved gate/up columns (module docs)."""
         gate = gate_up[..., 0::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
-        glu = gate * torch.sigmoid(gate * self.alpha)
-        out = ((up + 1) * glu) @ self.down_proj[expert]
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = x @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+        out = self.glu(gate_up) @ self.down_proj[expert]
         return out + self.down_proj_bias[expert] if self.add_down_bias else out
 
     def forward(
         self, hidden: torch.Tensor, top_experts: torch.Tensor, top_weights: torch.Tensor
     ) -> torch.Tensor:
-        """Sum over each token's chosen experts; one batched matmul per expert that is used."""
-        output = torch.zeros_like(hidden)
-        for expert in torch.unique(top_experts).tolist():
-            token_index, slot = torch.nonzero(top_experts == expert, as_tuple=True)
-            out = self.expert_forward(expert, hidden[token_index])
-            output.index_add_(0, token_index, out * top_weights[token_index, slot, None])
+        """Sum over each token's chosen experts; one batched matmul per expert that is used
+        (every expert over every token while a CUDA graph records: `forward_dense`)."""
+        if recording(hidden):
+            output = self.forward_dense(hidden, top_experts, top_weights)
+        else:
+            output = torch.zeros_like(hidden)
+            for expert in torch.unique(top_experts).tolist():
+                token_index, slot = torch.nonzero(top_experts == expert, as_tuple=True)
+                out = self.expert_forward(expert, hidden[token_index])
+                output.index_add_(0, token_index, out * top_weights[token_index, slot, None])
         return all_reduce(output) if self.reduce else output
+
+    def forward_dense(
+        self, hidden: torch.Tensor, top_experts: torch.Tensor, top_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """`forward` without reading anything on the host: every expert over every token
+        ([E, T, ...] batched matmuls), each token's outputs weighted by its routing weights,
+        0 for the experts it did not choose."""
+        num_experts = self.gate_up_proj.shape[0]
+        weights = torch.zeros(
+            hidden.shape[0], num_experts, dtype=top_weights.dtype, device=hidden.device
+        ).scatter_(1, top_experts, top_weights)
+        gate_up = torch.matmul(hidden, self.gate_up_proj) + self.gate_up_proj_bias[:, None]
+        out = torch.matmul(self.glu(gate_up), self.down_proj)
+        if self.add_down_bias:
+            out = out + self.down_proj_bias[:, None]
+        return (out * weights.T[..., None]).sum(0)
 
 
 class GptOssMLP(nn.Module):
@@ -157,8 +190,9 @@ class GptOssForCausalLM(nn.Module):
     """`forward(input_ids [T], positions [T]) -> hidden [T, H]`; `compute_logits(hidden)` (None
     on tensor-parallel ranks other than 0 when the LM head is vocabulary-parallel)."""
 
-    # The experts' loop reads the chosen experts on the host: no CUDA graph can record it.
-    supports_cuda_graphs = False
+    # Decode graphs record the dense experts (`GptOssExperts.forward_dense`), whose products
+    # grow with experts x tokens: batches past this run eagerly.
+    max_cuda_graph_batch = 64
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
