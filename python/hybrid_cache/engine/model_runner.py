@@ -211,6 +211,7 @@ class ModelRunner:
             decode_graph_batch, getattr(model, "max_cuda_graph_batch", decode_graph_batch)
         )
         if decode_graph_batch > 0 and parallel is None and supports_decode_graphs(model, device):
+            assert max_model_len > 0, "decode graphs size their block tables by max_model_len"
             self.decode_graphs = DecodeGraphs(
                 model, self.kv_caches, self.block_sizes, max_model_len, decode_graph_batch, device
             )
