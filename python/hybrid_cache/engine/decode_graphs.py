@@ -180,7 +180,8 @@ class DecodeGraphs:
             host64[2 + group, :num_seqs] = meta.slot_mapping
             width = meta.block_table.shape[1]
             table[:num_seqs, :width] = meta.block_table
-        self.ids64[:, :bucket].copy_(host64[:, :bucket], non_blocking=True)
+        # Whole (a contiguous pinned copy stays asynchronous; rows past the bucket are unread).
+        self.ids64.copy_(host64, non_blocking=True)
         self.seq_lens[:bucket].copy_(lens[:bucket], non_blocking=True)
         for device_table, table in zip(self.tables, self.host_tables):
             device_table[:bucket].copy_(table[:bucket], non_blocking=True)
