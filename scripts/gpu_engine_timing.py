@@ -61,34 +61,6 @@ def ideal_decode_bytes(llm, running: int, tokens_per_request: int) -> tuple[int,
     return weights, kv
 
 
-class IssueTimer:
-    """The host time of a module's forward calls up to their return, the device not waited
-    for: hooks that run after the benchmark's own pre-hook (which synchronises) and before its
-    post-hook (which synchronises again)."""
-
-    def __init__(self, module) -> None:
-        self._started = 0.0
-        self.total_s = 0.0
-        self._handles = [
-            module.register_forward_pre_hook(self._before),
-            module.register_forward_hook(self._after, prepend=True),
-        ]
-
-    def _before(self, module, inputs) -> None:
-        self._started = time.perf_counter()
-
-    def _after(self, module, inputs, output) -> None:
-        self.total_s += time.perf_counter() - self._started
-
-    def take(self) -> float:
-        total, self.total_s = self.total_s, 0.0
-        return total
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
 def decode_steps(result, issue_s: list[float]) -> tuple[int, dict[str, list[float]]]:
     """The largest pure-decode batch and, for its steps, the seconds of each: whole step,
     forward, LM head, engine (the rest) and the forward's issue time."""
@@ -121,15 +93,13 @@ def one_run(settings, mode: str, bandwidth):
     built = time.perf_counter()
     run = ModeRun(settings, mode)
     setup_s = time.perf_counter() - built
-    issue_timer, issue_s = IssueTimer(run.llm.model), []
+    issue_s: list[float] = []
     started, started_cpu = time.perf_counter(), time.process_time()
     try:
         while not run.done:
             run.step()
-            # Hooks see eager forwards; replayed decode graphs are timed by the run's own timer.
-            issue_s.append(issue_timer.take() + run.forward_timer.take_issue())
+            issue_s.append(run.forward_timer.take_issue())
     finally:
-        issue_timer.remove()
         run.close()
     result = run.finish(time.perf_counter() - started, time.process_time() - started_cpu)
     figures = {

@@ -68,8 +68,9 @@ class _Timer:
 class ForwardTimer(_Timer):
     """Accumulates the wall time of a module's forward calls (hooks on the module) and of the
     decode steps `graphs` (the runner's `DecodeGraphs`, if any) replays instead of calling it
-    (an instance attribute wrapping its `run`); `issue_s` accumulates the host time of those
-    replays up to their return, the device not waited for."""
+    (an instance attribute wrapping its `run`); `issue_s` accumulates the host time of both up
+    to their return, the device not waited for (close to the wall time: the host is the
+    bottleneck)."""
 
     def __init__(
         self, module: Any, synchronize: Callable[[], None] = _no_sync, graphs: Any = None
@@ -86,12 +87,11 @@ class ForwardTimer(_Timer):
             run = graphs.run
 
             def timed(*args: Any, **kwargs: Any) -> Any:
-                started = self._now()
+                self._before(None, args)
                 try:
                     return run(*args, **kwargs)
                 finally:
-                    self.issue_s += time.perf_counter() - started
-                    self.total_s += self._now() - started
+                    self._after(None, args, None)
 
             graphs.run = timed
 
@@ -100,11 +100,12 @@ class ForwardTimer(_Timer):
 
     def _after(self, module: Any, inputs: Any, output: Any) -> None:
         assert self._started is not None, "forward hook without its pre-hook"
+        self.issue_s += time.perf_counter() - self._started
         self.total_s += self._now() - self._started
         self._started = None
 
     def take_issue(self) -> float:
-        """The replays' host time accumulated since the last call."""
+        """The host time (`issue_s`) accumulated since the last call."""
         total, self.issue_s = self.issue_s, 0.0
         return total
 
