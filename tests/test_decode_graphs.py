@@ -140,7 +140,7 @@ def test_replayed_decode_steps_give_the_eager_tokens_and_write_only_their_slots(
 def test_prefill_and_oversized_batches_run_eagerly():
     llm = build(enforce_eager=True, max_num_batched_tokens=32)
     graphs = with_recorded_graphs(llm)
-    graphs.buckets, graphs.max_batch = [1, 2], 2  # batches of 3+ are too large
+    graphs.buckets = [1, 2]  # batches of 3+ are too large
     prompts, params = prompts_and_params()
     eager = build(enforce_eager=True, max_num_batched_tokens=32)
     expected = tokens(eager, prompts, params)

@@ -97,7 +97,6 @@ class DecodeGraphs:
         self.block_sizes = [int(size) for size in block_sizes]
         self.max_model_len = int(max_model_len)
         self.buckets = decode_buckets(max_batch)
-        self.max_batch = max_batch
         self.device = device
         if make_graph is None:
             pool = torch.cuda.graph_pool_handle()
@@ -127,9 +126,9 @@ class DecodeGraphs:
 
     def bucket_of(self, num_seqs: int) -> Optional[int]:
         """The bucket a batch of `num_seqs` runs in, None past the largest."""
-        if not 0 < num_seqs <= self.max_batch:
+        if num_seqs <= 0:
             return None
-        return next(bucket for bucket in self.buckets if bucket >= num_seqs)
+        return next((bucket for bucket in self.buckets if bucket >= num_seqs), None)
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

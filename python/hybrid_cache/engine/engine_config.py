@@ -113,7 +113,8 @@ class EngineConfig:
     default sampling values), "vllm" (the engine's sampling defaults) or a folder to read it
     from (`generation_config.py`); `tokenizer`: a tokenizer folder instead of the model
     folder's (a preset then takes text prompts); `enforce_eager`: run every step eagerly
-    (by default pure-decode steps on CUDA replay CUDA graphs, `engine/decode_graphs.py`); `tensor_parallel_size`: ranks the model is sharded over (worker
+    (by default pure-decode steps on CUDA replay CUDA graphs, `engine/decode_graphs.py`);
+    `tensor_parallel_size`: ranks the model is sharded over (worker
     processes joined by torch.distributed, `engine/parallel/`), `distributed_timeout`: seconds
     a collective waits for a rank before the engine fails naming it, `vocab_parallel`: the
     embedding and the LM head split by vocabulary over the ranks (False: replicated on each)."""
